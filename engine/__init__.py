@@ -1,0 +1,38 @@
+"""attention-engine: attention from first principles, readable references and fast exact kernels.
+
+Glossary (every shape comment in the package uses it):
+    B   batch                     T   queries (new tokens)
+    Hq  query heads               S   keys (cached + new tokens)
+    Hkv key/value heads           D   head dim of q and k;  Dv  head dim of v
+    G = Hq // Hkv: query head h reads KV head h // G.
+
+Visibility, stated once: key j is visible to query i iff key_positions[j] <= query_positions[i]
+(and allowed[i, j]); rows that see nothing output 0.
+"""
+
+from engine.attention import causal_attention, merge_heads, split_heads, window_mask
+from engine.masks import (
+    causal_mask,
+    document_mask,
+    document_positions,
+    key_padding_mask,
+    padding_mask,
+    padding_positions,
+)
+from engine.softmax import naive_softmax, online_softmax, stable_softmax
+
+__all__ = [
+    "causal_attention",
+    "split_heads",
+    "merge_heads",
+    "causal_mask",
+    "window_mask",
+    "padding_mask",
+    "key_padding_mask",
+    "padding_positions",
+    "document_mask",
+    "document_positions",
+    "stable_softmax",
+    "naive_softmax",
+    "online_softmax",
+]

@@ -1,0 +1,52 @@
+"""``python run.py <command> ...``: the engine's subcommands.
+
+Each command lives in its own module, which defines ``add_arguments(parser)`` and ``main(args) -> int``.
+Modules are imported only when their command runs, so ``run.py --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (command words, module, one-line help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("attention",), "engine.demo", "run the seeds' worked examples and check every stated number"),
+    (("generate",), "engine.generate", "run a small model end to end with the engine's layer and KV cache"),
+    (("memory",), "engine.lab.memory", "score-matrix and KV-cache memory calculator with model presets"),
+    (("bench", "kernels"), "engine.lab.bench_kernels", "engine kernels vs PyTorch SDPA and FlexAttention"),
+    (("bench", "scaling"), "engine.lab.scaling", "time and peak memory vs sequence length, fitted exponents"),
+    (("bench", "roofline"), "engine.lab.roofline", "prefill vs decode on this machine's roofline"),
+    (("bench", "gqa"), "engine.lab.gqa", "decode bytes and FLOPs for several KV-head counts"),
+    (("explain", "scaling"), "engine.lab.explain_scaling", "why scores are divided by sqrt(d_k)"),
+    (("show", "weights"), "engine.lab.show_weights", "heatmaps of attention weights for each mask family"),
+]
+
+
+def _usage() -> str:
+    width = max(len(" ".join(words)) for words, _, _ in COMMANDS)
+    rows = "\n".join(f"  {' '.join(words):<{width}}  {text}" for words, _, text in COMMANDS)
+    return f"usage: run.py <command> [options]\n\ncommands:\n{rows}\n\n`run.py <command> --help` for options."
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    matches = [(words, module, text) for words, module, text in COMMANDS if tuple(argv[:len(words)]) == words]
+    if not matches:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"unknown command: {' '.join(argv[:2])!r}\n", file=sys.stderr)
+            print(_usage(), file=sys.stderr)
+            return 2
+        print(_usage())
+        return 0
+    words, module_name, text = max(matches, key=lambda m: len(m[0]))
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog="run.py " + " ".join(words), description=text)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[len(words):])
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""The dense reference kernel: seed 000's listing, made safe for empty rows and non-finite masked keys.
+
+It materialises the ``[B, Hq, T, S]`` score matrix, so it is the oracle, not the fast path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.dispatch import AttentionInputs
+
+
+def visibility(inputs: AttentionInputs) -> torch.Tensor:
+    """Bool ``[B, 1 or Hq, T, S]``: the position rule (when causal) combined with ``allowed``."""
+    qp, kp = inputs.query_positions, inputs.key_positions  # [B, T], [B, S]
+    batch, t, s = qp.shape[0], qp.shape[1], kp.shape[1]
+    if inputs.causal:
+        mask = kp[:, None, None, :] <= qp[:, None, :, None]  # [B, 1, T, S]
+    else:
+        mask = torch.ones(batch, 1, t, s, dtype=torch.bool, device=qp.device)  # [B, 1, T, S]
+    if inputs.allowed is not None:
+        mask = mask & inputs.allowed  # [B, 1 or Hq, T, S]
+    return mask
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and softmax run in fp32, or fp64 when the inputs are fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
+    """Materialise scores, mask before the softmax, return ``(out [B, Hq, T, Dv], lse [B, Hq, T])``."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    ct = compute_dtype(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    mask = visibility(inputs)  # [B, 1 or Hq, T, S]
+    kf, vf = k.to(ct), v.to(ct)
+    key_bad = val_bad = None
+    if not bool(torch.isfinite(kf).all()):
+        key_bad = ~torch.isfinite(kf).all(-1)  # [B, Hkv, S] keys whose vector holds NaN/inf
+        kf = torch.where(key_bad[..., None], 0.0, kf)
+    if not bool(torch.isfinite(vf).all()):
+        val_bad = ~torch.isfinite(vf)  # [B, Hkv, S, Dv]
+        vf = torch.where(val_bad, 0.0, vf)
+    if group > 1:  # query head h reads KV head h // G: [K0, K0, K1, K1] for G = 2
+        kf = kf.repeat_interleave(group, dim=1)  # [B, Hq, S, D]
+        vf = vf.repeat_interleave(group, dim=1)  # [B, Hq, S, Dv]
+    scores = (q.to(ct) @ kf.transpose(-2, -1)) * inputs.scale  # [B, Hq, T, S]
+    if inputs.softcap is not None:
+        scores = inputs.softcap * torch.tanh(scores / inputs.softcap)
+    if key_bad is not None:  # a *visible* non-finite key poisons its row, as it would without masking
+        bad = key_bad.repeat_interleave(group, dim=1)[:, :, None, :] & mask  # [B, Hq, T, S]
+        scores = torch.where(bad, float("nan"), scores)
+    scores = scores.masked_fill(~mask, float("-inf"))  # [B, Hq, T, S]
+    row_max = scores.amax(dim=-1, keepdim=True)  # [B, Hq, T, 1]
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0).detach()
+    exp = torch.exp(scores - row_max)  # [B, Hq, T, S]; masked entries are exactly 0
+    denom = exp.sum(dim=-1, keepdim=True)  # [B, Hq, T, 1]
+    weights = exp / torch.where(denom > 0, denom, 1.0)  # empty rows stay 0, never 0/0
+    out = weights @ vf  # [B, Hq, T, Dv]
+    if val_bad is not None:  # visible non-finite values give non-finite outputs; masked ones do not leak
+        bad_v = val_bad.repeat_interleave(group, dim=1).to(ct)  # [B, Hq, S, Dv]
+        reached = (mask.to(ct) @ bad_v) > 0  # [B, Hq, T, Dv]
+        out = torch.where(reached, float("nan"), out)
+    lse = None
+    if return_lse:
+        lse = torch.where(denom[..., 0] > 0, row_max[..., 0] + torch.log(denom[..., 0]),
+                          float("-inf")).float()  # [B, Hq, T]
+    return out.to(q.dtype), lse

@@ -1,0 +1,19 @@
+"""Causal: key j visible to query i iff ``key_positions[j] <= query_positions[i]``."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.masks._shape import pairwise
+
+
+def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """Bool ``[T, S]`` (or ``[B, 1, T, S]`` for per-row positions): the position rule, spelled out.
+
+    Example: query positions ``[2, 3]`` against keys ``[0, 1, 2, 3]``::
+
+        [[T, T, T, F],
+         [T, T, T, T]]
+    """
+    qp, kp = pairwise(query_positions, key_positions, "causal_mask")
+    return kp <= qp

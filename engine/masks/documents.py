@@ -1,0 +1,41 @@
+"""Packed documents: a query sees only keys of its own document.
+
+Several documents packed into one training row, described by per-token document ids::
+
+    document_ids = [0, 0, 1, 1, 1, 2]       # offsets [0, 2, 5, 6]
+    document_mask(ids) & causal  ->  block-diagonal lower triangles
+
+Compose with the causal rule of causal_attention (global positions) or pass
+``document_positions(ids)`` as positions so that each document restarts at position 0 (for RoPE).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.masks._shape import pairwise
+
+
+def document_mask(query_document_ids: torch.Tensor, key_document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool ``[T, S]`` (``[B, 1, T, S]`` for ``[B, L]`` ids): True where the two tokens share a document."""
+    if key_document_ids is None:
+        key_document_ids = query_document_ids
+    qd, kd = pairwise(query_document_ids, key_document_ids, "document_mask")
+    return qd == kd
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 at each document start: ids ``[0, 0, 1, 1, 1]`` -> ``[0, 1, 0, 1, 2]``.
+
+    Ids must be non-decreasing along the last axis (documents are contiguous).
+    """
+    if document_ids.dim() not in (1, 2):
+        raise ValueError(f"document_ids must be [L] or [B, L], got shape {tuple(document_ids.shape)}")
+    if bool((document_ids.diff(dim=-1) < 0).any()):
+        raise ValueError("document_ids must be non-decreasing along the sequence (contiguous documents)")
+    length = document_ids.shape[-1]
+    index = torch.arange(length, device=document_ids.device).expand_as(document_ids)  # [..., L]
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]  # first token of each document
+    start_index = torch.where(starts, index, 0).cummax(dim=-1).values  # index of the document's first token
+    return index - start_index

@@ -1,0 +1,49 @@
+"""Padding: rows of a batch have real lengths ``lengths[b]``; the rest of the row is padding.
+
+    lengths = [3, 5], total = 5
+    side="right":  row 0 = x x x . .   positions 0 1 2 3 4   (pads after the text)
+    side="left":   row 0 = . . x x x   positions 0 0 0 1 2   (pads before the text; real tokens 0..L-1)
+
+Left padding keeps the last real token at the end of every row (what generation wants); its real tokens
+still need positions 0..L-1, which ``padding_positions`` gives. Pad tokens are masked, so their
+positions never matter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SIDES = ("left", "right")
+
+
+def _valid(lengths: torch.Tensor, total: int, side: str) -> torch.Tensor:
+    if side not in _SIDES:
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1 or lengths.is_floating_point():
+        raise ValueError(f"lengths must be an integer tensor of shape [B], got {lengths!r}")
+    if bool(((lengths < 0) | (lengths > total)).any()):
+        raise ValueError(f"lengths must lie in [0, {total}], got {lengths.tolist()}")
+    index = torch.arange(total, device=lengths.device)  # [L]
+    if side == "right":
+        return index[None, :] < lengths[:, None]  # [B, L]
+    return index[None, :] >= (total - lengths)[:, None]  # [B, L]
+
+
+def key_padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> torch.Tensor:
+    """Bool ``[B, 1, 1, S]``: True at real keys. Queries are not masked (decode, cross-attention)."""
+    return _valid(lengths, total, side)[:, None, None, :]
+
+
+def padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> torch.Tensor:
+    """Bool ``[B, 1, T, T]`` for self-attention: real queries see real keys; pad queries see nothing.
+
+    A pad query row is all False, so causal_attention returns zeros there (never NaN).
+    """
+    valid = _valid(lengths, total, side)  # [B, L]
+    return valid[:, None, :, None] & valid[:, None, None, :]  # [B, 1, T, T]
+
+
+def padding_positions(lengths: torch.Tensor, total: int, side: str = "right") -> torch.Tensor:
+    """Int64 ``[B, L]`` positions: real tokens count 0..len-1; pads get 0 (they are masked anyway)."""
+    valid = _valid(lengths, total, side)  # [B, L]
+    return torch.where(valid, valid.long().cumsum(dim=-1) - 1, 0)  # [B, L]

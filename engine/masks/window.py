@@ -1,0 +1,27 @@
+"""Sliding window: each query sees only the last ``window`` keys, its own position included.
+
+Convention (stated once): with window w, query at position p sees key positions ``p-w+1 .. p``, that is
+exactly w keys when they all exist. ``window=1`` sees only itself; ``window >= p+1`` is plain causal.
+
+    window = 3, positions 0..5 (rows = queries):
+        1 . . . . .
+        1 1 . . . .
+        1 1 1 . . .
+        . 1 1 1 . .
+        . . 1 1 1 .
+        . . . 1 1 1
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.masks._shape import pairwise
+
+
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """Bool ``[T, S]`` (``[B, 1, T, S]`` for per-row positions): ``p - window < key_pos <= p``."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (number of keys seen, own included), got {window!r}")
+    qp, kp = pairwise(query_positions, key_positions, "window_mask")
+    return (kp <= qp) & (qp - kp < window)

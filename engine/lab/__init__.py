@@ -1,0 +1,1 @@
+"""The cost lab: measurements, the memory calculator and plots (run.py bench / memory / explain / show)."""

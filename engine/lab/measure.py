@@ -1,0 +1,146 @@
+"""What every benchmark shares: median timings, peak memory, a progress bar, a table, JSON/CSV files.
+
+Benchmarks are not tests: they print a table with the peer measured in the same run and save their
+results under a folder the user picks.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def median_ms(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1, max_seconds: float | None = None) -> float:
+    """Median wall time of ``fn()`` in milliseconds over ``repeats`` runs after ``warmup`` runs.
+
+    ``max_seconds`` stops repeating early once that much time has been spent (at least one timed run).
+    """
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    spent = 0.0
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        times.append(elapsed * 1e3)
+        spent += elapsed
+        if max_seconds is not None and spent >= max_seconds:
+            break
+    return statistics.median(times)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, from /proc (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except OSError:
+        return 0
+
+
+class PeakMemory:
+    """Context manager: peak resident memory above the level at entry, sampled every ``interval`` s.
+
+    torch's CPU allocator keeps no statistics, so this samples the process's RSS from a thread (torch
+    releases the GIL inside its kernels). Freed memory that the C allocator keeps can hide part of a
+    peak; compare implementations measured the same way, in the same run.
+
+        with PeakMemory() as peak:
+            run()
+        peak.extra_bytes
+    """
+
+    def __init__(self, interval: float = 0.0005) -> None:
+        self.interval = interval
+        self.baseline = 0
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            time.sleep(self.interval)
+
+    def __enter__(self) -> PeakMemory:
+        self.baseline = self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peak = max(self.peak, rss_bytes())
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    @property
+    def extra_bytes(self) -> int:
+        return max(0, self.peak - self.baseline)
+
+
+def progress(items: Iterable, desc: str, total: int | None = None, quiet: bool = False) -> Iterable:
+    """A progress bar on stderr (hidden when ``quiet``), so long runs show where they are."""
+    return tqdm(items, desc=desc, total=total, disable=quiet, leave=False, dynamic_ncols=True)
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """Plain-text table: one row per dict, numbers right-aligned with sensible precision."""
+    if not rows:
+        return "(no rows)"
+    columns = list(columns or rows[0].keys())
+
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            if value != value:
+                return "-"
+            if abs(value) >= 100:
+                return f"{value:,.0f}"
+            return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+        return "-" if value is None else str(value)
+
+    cells = [[cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def save_results(out_dir: str | Path, name: str, rows: Sequence[dict[str, Any]],
+                 meta: dict[str, Any] | None = None) -> list[Path]:
+    """Write ``name.json`` (rows plus meta) and ``name.csv`` under out_dir; return the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, csv_path = out / f"{name}.json", out / f"{name}.csv"
+    json_path.write_text(json.dumps({"meta": meta or {}, "rows": list(rows)}, indent=2, default=str))
+    columns: list[str] = []
+    for r in rows:
+        columns += [c for c in r if c not in columns]
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return [json_path, csv_path]
+
+
+def machine_info() -> dict[str, Any]:
+    """Facts a reader needs to interpret timings: torch version, threads, CPU count."""
+    import platform
+
+    import torch
+
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "machine": platform.machine(), "python": platform.python_version()}

@@ -7,6 +7,7 @@ results under a folder the user picks.
 from __future__ import annotations
 
 import csv
+import ctypes
 import json
 import os
 import statistics
@@ -50,19 +51,49 @@ def rss_bytes() -> int:
         return 0
 
 
-class PeakMemory:
-    """Context manager: peak resident memory above the level at entry, sampled every ``interval`` s.
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
 
-    torch's CPU allocator keeps no statistics, so this samples the process's RSS from a thread (torch
-    releases the GIL inside its kernels). Freed memory that the C allocator keeps can hide part of a
-    peak; compare implementations measured the same way, in the same run.
+
+def _load_mallinfo2():
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+_MALLINFO2 = _load_mallinfo2()
+
+
+def heap_bytes() -> int:
+    """Bytes the C allocator has handed out and not taken back (glibc ``mallinfo2``); RSS where unavailable.
+
+    torch's CPU tensors are allocated with malloc, so this follows tensor memory exactly, without being
+    fooled by freed memory that the allocator keeps for reuse (which RSS still counts).
+    """
+    if _MALLINFO2 is None:
+        return rss_bytes()
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
+class PeakMemory:
+    """Context manager: peak allocated memory above the level at entry, sampled every ``interval`` s.
+
+    torch's CPU allocator keeps no statistics, so this samples the C heap's in-use bytes (``heap_bytes``)
+    from a thread (torch releases the GIL inside its kernels). An allocation that lives shorter than the
+    interval can be missed; attention's large buffers live for milliseconds.
 
         with PeakMemory() as peak:
             run()
         peak.extra_bytes
     """
 
-    def __init__(self, interval: float = 0.0005) -> None:
+    def __init__(self, interval: float = 0.0002) -> None:
         self.interval = interval
         self.baseline = 0
         self.peak = 0
@@ -71,17 +102,17 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
+            self.peak = max(self.peak, heap_bytes())
             time.sleep(self.interval)
 
     def __enter__(self) -> PeakMemory:
-        self.baseline = self.peak = rss_bytes()
+        self.baseline = self.peak = heap_bytes()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.peak = max(self.peak, rss_bytes())
+        self.peak = max(self.peak, heap_bytes())
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -1,0 +1,18 @@
+"""Shared test settings: deterministic seeds, hypothesis without deadlines (CPU timings are noisy)."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+settings.register_profile("engine", deadline=None, max_examples=40, derandomize=True)
+settings.load_profile("engine")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,54 @@
+"""`run.py attention`: every implementation reproduces the seeds' numbers; a wrong one is caught."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import demo
+from engine.cli import main as cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("impl", sorted(demo.implementations()))
+def test_every_implementation_reproduces_the_seeds(impl, capsys):
+    assert cli_main(["attention", "--impl", impl]) == 0
+    out = capsys.readouterr().out
+    assert "FAIL" not in out
+    assert "25/25 results match the seeds' stated values" in out
+
+
+def test_an_off_by_one_mask_fails_the_demo(capsys):
+    good = demo.implementations()["loops"]
+
+    def off_by_one(q, k, v, causal, scale, valid):  # query i also sees key i+1
+        if not causal:
+            return good(q, k, v, causal, scale, valid)
+        from engine.attention import causal_attention
+
+        qpos = torch.arange(k.shape[0] - q.shape[0], k.shape[0]) + 1
+        return causal_attention(q[None, None], k[None, None], v[None, None], qpos, scale=scale)[0, 0].double()
+
+    report = demo.run_examples(off_by_one)
+    assert report.failures >= 6
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_run_py_exits_nonzero_on_unknown_command_and_lists_commands():
+    proc = subprocess.run([sys.executable, "run.py", "nonsense"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "attention" in proc.stderr and "bench kernels" in proc.stderr
+    proc = subprocess.run([sys.executable, "run.py", "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and "memory" in proc.stdout
+
+
+def test_main_demo_runs_as_a_script():
+    proc = subprocess.run([sys.executable, "run.py", "attention", "--impl", "engine"], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "25/25 results match" in proc.stdout

@@ -1,0 +1,183 @@
+"""A preallocated per-layer KV cache that stores every key with its position.
+
+Positions drive the cache (seed 000): each slot holds a key, a value, the key's position and whether the
+slot holds a real token (pad slots are kept but never attended to). Prefill, chunked prefill and one-token
+decode are one call, ``update``: it writes T new slots for every row and returns all slots so far.
+
+    capacity 8, two rows, left-padded prompt of 4 then one decode step ("." = pad slot):
+
+        slot        0  1  2  3  4 | 5  6  7
+        row 0       .  .  a  b  c |            positions 0 0 0 1 2   valid F F T T T
+        row 1       d  e  f  g  h |            positions 0 1 2 3 4   valid T T T T T
+                    (prefill: T = 5)  decode writes slot 5 at positions [3, 5]
+
+Rows advance together in slots (one write offset for the batch) but keep their own positions, so ragged
+batches, left or right padding and per-row decode positions need no special path.
+
+Memory (seed 003): ``2 * layers * B * Hkv * S * D * bytes``; Llama-3-8B (32 layers, Hkv = 8, D = 128)
+at 128k tokens in fp16 holds 2 * 32 * 8 * 131072 * 128 * 2 = 17.2 GB per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVCache", "kv_cache_bytes"]
+
+
+def kv_cache_bytes(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of keys and values for a whole model: ``2 * layers * B * Hkv * S * D * bytes``.
+
+    Example (seed 003): ``kv_cache_bytes(32, 1, 8, 131072, 128, 2) == 17_179_869_184`` (17.2 GB).
+    """
+    for name, n in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads), ("tokens", tokens),
+                    ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {n!r}")
+    return 2 * layers * batch * kv_heads * tokens * head_dim * dtype_bytes
+
+
+class KVCache:
+    """Keys, values, key positions and slot validity for one attention layer, preallocated.
+
+    Storage:
+        keys ``[B, Hkv, capacity, D]``, values ``[B, Hkv, capacity, Dv]`` in ``dtype``;
+        positions int64 ``[B, capacity]``; valid bool ``[B, capacity]`` (False for pad slots).
+    ``length`` slots (shared by the batch) are filled; ``next_positions`` ``[B]`` is each row's next position.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        value_dim: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        value_dim = head_dim if value_dim is None else value_dim
+        for name, n in (("batch_size", batch_size), ("kv_heads", kv_heads), ("capacity", capacity),
+                        ("head_dim", head_dim), ("value_dim", value_dim)):
+            if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+                raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+        self.capacity = capacity
+        storage = dict(dtype=dtype, device=device)
+        self.keys = torch.zeros(batch_size, kv_heads, capacity, head_dim, **storage)  # [B, Hkv, capacity, D]
+        self.values = torch.zeros(batch_size, kv_heads, capacity, value_dim, **storage)  # [B, Hkv, capacity, Dv]
+        self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, capacity]
+        self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # [B, capacity]
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value storage (the seed's formula at ``S = capacity``, one layer)."""
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def bookkeeping_nbytes(self) -> int:
+        """Bytes of the per-slot positions and validity (not part of the seed's formula)."""
+        return self.positions.nbytes + self.valid.nbytes
+
+    @property
+    def next_positions(self) -> torch.Tensor:
+        """int64 ``[B]``: one past the largest position of each row's real tokens (0 for an empty row)."""
+        filled = torch.where(self.valid[:, : self.length], self.positions[:, : self.length] + 1, 0)  # [B, L]
+        return filled.amax(dim=1) if self.length else torch.zeros_like(self.positions[:, 0])  # [B]
+
+    def update(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Append T slots to every row and return everything cached so far.
+
+        Args:
+            keys: ``[B, Hkv, T, D]`` new keys (RoPE already applied).
+            values: ``[B, Hkv, T, Dv]`` new values.
+            positions: integer ``[T]`` or ``[B, T]`` positions of the new tokens; default
+                ``next_positions[:, None] + arange(T)`` (each row continues where it stopped).
+            valid: bool ``[B, T]``, False at pad tokens; default all True.
+
+        Returns:
+            ``(keys [B, Hkv, L, D], values [B, Hkv, L, Dv], key_positions [B, L], key_valid [B, L])``,
+            views of the cache with ``L = length`` after the write.
+
+        Raises ValueError, leaving the cache unchanged, on bad shapes or when ``length + T > capacity``.
+        """
+        t = self._check_new(keys, values)
+        batch = self.batch_size
+        if self.length + t > self.capacity:
+            raise ValueError(f"KV cache overflow: it holds {self.length} of {self.capacity} slots and cannot take "
+                             f"{t} more (needs capacity >= {self.length + t}); nothing was written")
+        if positions is None:
+            positions = self.next_positions[:, None] + torch.arange(t, device=self.keys.device)  # [B, T]
+        positions = self._check_rows(positions, t, "positions", integer=True)  # [B, T]
+        valid = torch.ones(batch, t, dtype=torch.bool, device=self.keys.device) if valid is None else \
+            self._check_rows(valid, t, "valid", integer=False)  # [B, T]
+        end = self.length + t
+        self.keys[:, :, self.length:end] = keys  # [B, Hkv, T, D]
+        self.values[:, :, self.length:end] = values  # [B, Hkv, T, Dv]
+        self.positions[:, self.length:end] = positions  # [B, T]
+        self.valid[:, self.length:end] = valid  # [B, T]
+        self.length = end
+        return self.view()
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The filled slots: ``(keys [B, Hkv, L, D], values [B, Hkv, L, Dv], positions [B, L], valid [B, L])``."""
+        end = self.length
+        return self.keys[:, :, :end], self.values[:, :, :end], self.positions[:, :end], self.valid[:, :end]
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first ``length`` slots (speculative decoding, retries); later writes overwrite the rest.
+
+        Without padding, slot ``i`` holds position ``i``, so this is "truncate to position ``length``".
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= self.length:
+            raise ValueError(f"truncate length must be an int in [0, {self.length}] (the filled slots), got {length!r}")
+        self.length = length
+
+    def reset(self) -> None:
+        """Empty the cache (storage is kept; nothing is reallocated)."""
+        self.length = 0
+
+    def _check_new(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        batch, heads, _, d = self.keys.shape
+        dv = self.values.shape[-1]
+        for name, x, width in (("keys", keys, d), ("values", values, dv)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4:
+                raise ValueError(f"{name} must be a tensor [B, Hkv, T, D], got {getattr(x, 'shape', type(x).__name__)}")
+            if x.shape[0] != batch or x.shape[1] != heads or x.shape[3] != width:
+                raise ValueError(f"{name} must have shape [{batch}, {heads}, T, {width}] to fit this cache, "
+                                 f"got {list(x.shape)}")
+            if x.dtype != self.keys.dtype:
+                raise ValueError(f"{name} must have the cache's dtype {self.keys.dtype}, got {x.dtype}")
+        if keys.shape[2] != values.shape[2]:
+            raise ValueError(f"keys and values must have the same T, got {keys.shape[2]} and {values.shape[2]}")
+        return keys.shape[2]
+
+    def _check_rows(self, x: torch.Tensor, t: int, name: str, integer: bool) -> torch.Tensor:
+        batch = self.batch_size
+        kind = "an integer" if integer else "a bool"
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be {kind} tensor [{t}] or [{batch}, {t}], got {type(x).__name__}")
+        ok_dtype = (not x.is_floating_point() and x.dtype != torch.bool) if integer else x.dtype == torch.bool
+        if not ok_dtype:
+            raise ValueError(f"{name} must be {kind} tensor, got dtype {x.dtype}")
+        if x.dim() == 1 and x.shape[0] == t:
+            x = x[None, :]  # [1, T]
+        if x.dim() != 2 or x.shape[1] != t or x.shape[0] not in (1, batch):
+            raise ValueError(f"{name} must have shape [{t}] or [{batch}, {t}], got {list(x.shape)}")
+        return x.to(self.keys.device).expand(batch, t)  # [B, T]

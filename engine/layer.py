@@ -1,0 +1,160 @@
+"""Multi-head attention as a layer: seed 003's nine steps around ``causal_attention``.
+
+    x [B, T, E]
+    1. q = x Wq^T                      [B, T, Hq*D]
+    2. k = x Wk^T,  v = x Wv^T         [B, T, Hkv*D]
+    3. split heads                     q [B, Hq, T, D],  k, v [B, Hkv, T, D]
+    4. RoPE on q and k (never v)       at the tokens' positions
+    5. cache k, v with positions       k, v [B, Hkv, S, D]  (S = cached + new)
+    6. GQA: query head h reads KV head h // G   (inside causal_attention, no copy of k, v here)
+    7. mask: key_pos <= query_pos, & window, & padding, & any extra ``allowed``
+    8. softmax(q k^T * scale) v        [B, Hq, T, D]
+    9. merge heads, output projection  [B, T, E]
+
+MHA (Hkv = Hq), GQA (Hkv divides Hq) and MQA (Hkv = 1) are one code path. With a ``KVCache``, prefill,
+chunked prefill and one-token decode are the same call: only the positions differ.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import causal_attention, merge_heads, split_heads
+from engine.kv_cache import KVCache
+from engine.masks.window import window_mask
+from engine.rope import PAIRINGS, apply_rope
+
+__all__ = ["MultiHeadAttention"]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head / grouped-query / multi-query self-attention with RoPE and an optional KV cache.
+
+    Args:
+        hidden_size: model width E.
+        num_heads: query heads Hq.
+        num_kv_heads: key/value heads Hkv (default Hq); must divide Hq. 1 gives MQA.
+        head_dim: D (default E // Hq); must be even when RoPE is on.
+        bias: whether the q/k/v/o projections have a bias.
+        rope_base: RoPE base; ``None`` turns RoPE off (absolute or no position encoding).
+        rope_pairing: ``"half"`` (feature i with i + D/2) or ``"interleaved"`` (2i with 2i+1); see engine.rope.
+        window: sliding window, the number of keys a query sees counting itself; ``None`` for no window.
+        causal: False for bidirectional attention (encoders); only padding and ``allowed`` then restrict.
+        scale: score multiplier (default 1 / sqrt(D)).
+        softcap: if set, scores become ``softcap * tanh(scores / softcap)`` (Gemma-2).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = False,
+        rope_base: float | None = 10000.0,
+        rope_pairing: str = "half",
+        window: int | None = None,
+        causal: bool = True,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim is None:
+            if hidden_size % num_heads:
+                raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}) "
+                                 "unless head_dim is given")
+            head_dim = hidden_size // num_heads
+        if rope_base is not None and head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+        if rope_pairing not in PAIRINGS:
+            raise ValueError(f"rope_pairing must be one of {PAIRINGS}, got {rope_pairing!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+        if window is not None and not causal:
+            raise ValueError("window needs causal=True (the window counts keys at or before the query)")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_base, self.rope_pairing = rope_base, rope_pairing
+        self.window, self.causal, self.scale, self.softcap = window, causal, scale, softcap
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+
+    def new_cache(self, batch_size: int, capacity: int, dtype: torch.dtype | None = None,
+                  device: torch.device | str | None = None) -> KVCache:
+        """An empty ``KVCache`` shaped for this layer (dtype and device default to the weights')."""
+        weight = self.k_proj.weight
+        return KVCache(batch_size, self.num_kv_heads, capacity, self.head_dim,
+                       dtype=weight.dtype if dtype is None else dtype,
+                       device=weight.device if device is None else device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        valid: torch.Tensor | None = None,
+        allowed: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attend the T new tokens ``x`` ``[B, T, E]`` to themselves and to the cache; returns ``[B, T, E]``.
+
+        Args:
+            x: ``[B, T, E]`` hidden states of the new tokens.
+            positions: integer ``[T]`` or ``[B, T]``; default continues each row of the cache
+                (``cache.next_positions + arange(T)``), or ``0..T-1`` without a cache.
+            cache: a ``KVCache`` that receives the new keys and values (after RoPE) and supplies the old ones.
+            valid: bool ``[B, T]``, False at pad tokens: pad keys are never seen and pad queries see
+                nothing (their output is 0).
+            allowed: extra bool mask broadcastable to ``[B, Hq, T, S]`` (e.g. ``document_mask``), S = keys
+                after the write.
+        """
+        if x.dim() != 3:
+            raise ValueError(f"x must be [B, T, E], got shape {tuple(x.shape)}")
+        batch, t, _ = x.shape
+        if valid is not None and (not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool
+                                  or tuple(valid.shape) != (batch, t)):
+            raise ValueError(f"valid must be a bool tensor [{batch}, {t}], got {getattr(valid, 'shape', valid)!r}")
+        positions = self._resolve_positions(positions, cache, batch, t, x.device)  # [B, T]
+        q = split_heads(self.q_proj(x), self.num_heads)  # [B, Hq, T, D]
+        k = split_heads(self.k_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
+        v = split_heads(self.v_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
+        if self.rope_base is not None:
+            q = apply_rope(q, positions, self.rope_base, self.rope_pairing)  # [B, Hq, T, D]
+            k = apply_rope(k, positions, self.rope_base, self.rope_pairing)  # [B, Hkv, T, D]
+        if cache is not None:
+            k, v, key_positions, key_valid = cache.update(k, v, positions, valid)  # [B, Hkv, S, D], [B, S]
+        else:
+            key_positions, key_valid = positions, valid  # [B, T], [B, T] or None
+        mask = self._mask(positions, key_positions, valid, key_valid, allowed)  # [B, 1, T, S] or None
+        out = causal_attention(q, k, v, positions, key_positions, mask, self.scale,
+                               causal=self.causal, softcap=self.softcap)  # [B, Hq, T, D]
+        return self.o_proj(merge_heads(out))  # [B, T, E]
+
+    def _resolve_positions(self, positions, cache, batch, t, device) -> torch.Tensor:
+        if positions is None:
+            start = cache.next_positions[:, None] if cache is not None else 0  # [B, 1] or 0
+            return (start + torch.arange(t, device=device)).expand(batch, t)  # [B, T]
+        if positions.dim() == 1 and positions.shape[0] == t:
+            return positions.to(device).expand(batch, t)  # [B, T]
+        if positions.dim() == 2 and tuple(positions.shape) == (batch, t):
+            return positions.to(device)  # [B, T]
+        raise ValueError(f"positions must have shape [{t}] or [{batch}, {t}], got {tuple(positions.shape)}")
+
+    def _mask(self, positions, key_positions, valid, key_valid, allowed) -> torch.Tensor | None:
+        """Bool ``[B, 1 or Hq, T, S]`` (or None): window & key padding & query padding & extra ``allowed``."""
+        mask = None
+        if self.window is not None:
+            mask = window_mask(positions, key_positions, self.window)  # [B, 1, T, S]
+        if key_valid is not None and not bool(key_valid.all()):
+            keys_ok = key_valid[:, None, None, :]  # [B, 1, 1, S]
+            mask = keys_ok if mask is None else mask & keys_ok
+        if valid is not None and not bool(valid.all()):
+            queries_ok = valid[:, None, :, None]  # [B, 1, T, 1]: pad queries see nothing
+            mask = queries_ok if mask is None else mask & queries_ok
+        if allowed is not None:
+            mask = allowed if mask is None else mask & allowed
+        return mask

@@ -1,0 +1,78 @@
+"""Plotting for the lab: matplotlib with the Agg backend (no display), small readable PNGs.
+
+Every plot has a title, axis labels with units and a legend; log axes where the seeds reason in powers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def figure(ncols: int = 1, nrows: int = 1, width: float = 5.6, height: float = 4.2):
+    """``(fig, axes)`` with ``axes`` always a flat list, sized ``width x height`` inches per panel."""
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    return fig, list(axes.ravel())
+
+
+def save(fig, path: str | Path, dpi: int = 100) -> Path:
+    """Lay out, write the PNG and close the figure (PNGs stay well under 200 KB at this dpi)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
+def loglog(ax, title: str, xlabel: str, ylabel: str, base: int = 2) -> None:
+    """Log axes (x in powers of ``base``, y in powers of 10), a grid, a title and labels."""
+    ax.set_xscale("log", base=base)
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+
+
+def series(ax, xs: Sequence[float], ys: Sequence[float], label: str, index: int = 0, **style) -> None:
+    """One measured line with markers; points that are missing (None or NaN) are left out."""
+    pairs = [(x, y) for x, y in zip(xs, ys) if y is not None and y == y and y > 0]
+    if not pairs:
+        return
+    x, y = zip(*pairs)
+    ax.plot(x, y, marker=MARKERS[index % len(MARKERS)], label=label, **style)
+
+
+def power_guide(ax, xs: Sequence[float], anchor: tuple[float, float], exponent: float, label: str) -> None:
+    """A dashed reference line ``y = anchor_y * (x / anchor_x) ** exponent`` (e.g. slope 2 for T^2)."""
+    x = np.array([min(xs), max(xs)], dtype=float)
+    ax.plot(x, anchor[1] * (x / anchor[0]) ** exponent, "--", color="grey", alpha=0.7, label=label)
+
+
+def heatmap(ax, matrix, row_labels: Sequence[str], col_labels: Sequence[str], title: str,
+            annotate: bool = True, xlabel: str = "key", ylabel: str = "query"):
+    """Weights as an image, 0 white to 1 dark, with the value printed in each cell when ``annotate``."""
+    values = np.asarray(matrix, dtype=float)
+    image = ax.imshow(values, cmap="Blues", vmin=0.0, vmax=max(1e-9, float(values.max())))
+    ax.set_xticks(range(len(col_labels)), labels=col_labels, rotation=60 if len(col_labels) > 8 else 0,
+                  fontsize=8 if len(col_labels) > 8 else 9)
+    ax.set_yticks(range(len(row_labels)), labels=row_labels, fontsize=8 if len(row_labels) > 8 else 9)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if annotate:
+        for i in range(values.shape[0]):
+            for j in range(values.shape[1]):
+                dark = values[i, j] > 0.55 * values.max()
+                ax.text(j, i, f"{values[i, j]:.3f}".lstrip("0") if values[i, j] else "0", ha="center",
+                        va="center", fontsize=7, color="white" if dark else "black")
+    return image

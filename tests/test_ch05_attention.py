@@ -203,6 +203,11 @@ def test_a_visible_nan_key_still_shows_up_as_nan():
     q, k, v = rand_qkv(t=3, s=3)
     k[:, :, 0] = float("nan")
     assert bool(torch.isnan(causal_attention(q, k, v)).all())
+    q, k, v = rand_qkv(t=3, s=3)
+    v[:, :, 1, 0] = float("nan")  # key 1 is visible to queries 1 and 2, in feature 0 only
+    out = causal_attention(q, k, v)
+    assert bool(torch.isnan(out[:, :, 1:, 0]).all())
+    assert bool(torch.isfinite(out[:, :, 0]).all()) and bool(torch.isfinite(out[..., 1:]).all())
 
 
 # --- bad input ------------------------------------------------------------------------------------

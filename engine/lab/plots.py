@@ -13,6 +13,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
+from matplotlib import ticker  # noqa: E402
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
@@ -27,10 +28,28 @@ def save(fig, path: str | Path, dpi: int = 100) -> Path:
     """Lay out, write the PNG and close the figure (PNGs stay well under 200 KB at this dpi)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for ax in fig.axes:
+        for axis, scale, limits in ((ax.xaxis, ax.get_xscale(), ax.get_xlim()),
+                                    (ax.yaxis, ax.get_yscale(), ax.get_ylim())):
+            if scale == "log" and getattr(axis.get_major_locator(), "_base", 10) == 10:
+                plain_log_labels(axis, limits)
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def plain_log_labels(axis, limits: tuple[float, float]) -> None:
+    """Label a base-10 log axis with plain numbers (0.5, 20, 1000) instead of 5x10^-1; on a short axis
+    (under two decades) label the 2 and 5 minor ticks too, so a reader always has a number nearby."""
+    plain = ticker.FuncFormatter(lambda value, _: f"{value:g}")
+    axis.set_major_formatter(plain)
+    low, high = (max(min(limits), 1e-300), max(limits))
+    if np.log10(high / low) < 2:
+        axis.set_minor_formatter(ticker.FuncFormatter(
+            lambda value, _: f"{value:g}" if round(value / 10 ** np.floor(np.log10(value) + 1e-9)) in (2, 5) else ""))
+    else:
+        axis.set_minor_formatter(ticker.NullFormatter())
 
 
 def loglog(ax, title: str, xlabel: str, ylabel: str, base: int = 2) -> None:
@@ -52,10 +71,11 @@ def series(ax, xs: Sequence[float], ys: Sequence[float], label: str, index: int 
     ax.plot(x, y, marker=MARKERS[index % len(MARKERS)], label=label, **style)
 
 
-def power_guide(ax, xs: Sequence[float], anchor: tuple[float, float], exponent: float, label: str) -> None:
-    """A dashed reference line ``y = anchor_y * (x / anchor_x) ** exponent`` (e.g. slope 2 for T^2)."""
+def power_guide(ax, xs: Sequence[float], anchor: tuple[float, float], exponent: float, label: str,
+                linestyle: str = "--") -> None:
+    """A grey reference line ``y = anchor_y * (x / anchor_x) ** exponent`` (e.g. slope 2 for T^2)."""
     x = np.array([min(xs), max(xs)], dtype=float)
-    ax.plot(x, anchor[1] * (x / anchor[0]) ** exponent, "--", color="grey", alpha=0.7, label=label)
+    ax.plot(x, anchor[1] * (x / anchor[0]) ** exponent, linestyle, color="grey", alpha=0.8, label=label)
 
 
 def heatmap(ax, matrix, row_labels: Sequence[str], col_labels: Sequence[str], title: str,

@@ -1,0 +1,54 @@
+"""The implementations a bench compares: every engine kernel, found at run time, and torch's SDPA as the peer.
+
+Each is a function ``(q [B, Hq, T, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv]) -> out [B, Hq, T, Dv]`` with
+the engine's causal rule (queries at the last T of the S positions). Kernels are read from
+``engine.kernels.dispatch.KERNELS`` when the bench runs, so a kernel added there is measured with no change here.
+
+torch's SDPA aligns ``is_causal`` to the top-left corner, so it matches the engine only for prefill (T = S,
+causal) and one-token decode (T = 1: the last query sees every key, no mask needed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import causal_attention
+
+Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PEER = "torch-sdpa"
+
+
+def torch_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """torch's fused attention under the engine's rule; GQA without copies (``enable_gqa``)."""
+    t, s = q.shape[2], k.shape[2]
+    if t not in (1, s):
+        raise ValueError(f"torch-sdpa is compared only for prefill (T = S) or decode (T = 1), got T={t}, S={s}")
+    return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def available() -> dict[str, Attention]:
+    """``{name: fn}``: ``engine:<kernel>`` for each registered kernel, then the peer."""
+    from engine.kernels.dispatch import KERNELS
+
+    impls: dict[str, Attention] = {f"engine:{name}": partial(causal_attention, kernel=name) for name in KERNELS}
+    impls[PEER] = torch_sdpa
+    return impls
+
+
+def select(names: str | None, extra: dict[str, Attention] | None = None) -> dict[str, Attention]:
+    """The implementations named in a comma list (``None`` or ``"all"``: every one), checked against the registry.
+
+    ``extra`` adds bench-specific implementations (the decode probe of ``bench gqa``).
+    """
+    impls = {**available(), **(extra or {})}
+    if names in (None, "", "all"):
+        return impls
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in impls]
+    if unknown:
+        raise ValueError(f"unknown implementation(s) {', '.join(unknown)}; available: {', '.join(impls)}")
+    return {n: impls[n] for n in wanted}

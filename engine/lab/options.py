@@ -1,0 +1,62 @@
+"""Flags every bench shares: ``--quick``, ``--out``, ``--impl``, ``--repeats``, ``--seed``, ``--threads``, ``--quiet``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.lab.units import parse_bytes
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1, with a message that says what was given."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a size such as ``80GiB`` or ``16GB`` (see ``engine.lab.units.parse_bytes``)."""
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_common(parser: argparse.ArgumentParser, name: str, impl_help: str | None = None) -> None:
+    """Add the shared bench flags; results go to ``results/<name>`` unless ``--out`` says otherwise."""
+    parser.add_argument("--quick", action="store_true", help="tiny sizes that finish in seconds (a smoke test)")
+    parser.add_argument("--out", default=f"results/{name}",
+                        help=f"folder for the JSON/CSV results and PNG plots (default results/{name})")
+    parser.add_argument("--impl", default="all",
+                        help=impl_help or "comma-separated implementations to run, or 'all' (default): every "
+                        "engine kernel registered in engine.kernels.dispatch.KERNELS, and torch-sdpa")
+    parser.add_argument("--repeats", type=positive_int, default=3,
+                        help="timed runs per point; the median is reported (default 3; 1 with --quick)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for the inputs (default 0)")
+    parser.add_argument("--threads", type=positive_int, default=1,
+                        help="torch intra-op threads (default 1: on a shared machine a multi-threaded op waits "
+                        "milliseconds for a descheduled worker, which swamps small timings)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's intra-op thread count from ``--threads`` (every timing in a run uses the same count)."""
+    import torch
+
+    torch.set_num_threads(args.threads)

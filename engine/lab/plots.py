@@ -79,20 +79,25 @@ def power_guide(ax, xs: Sequence[float], anchor: tuple[float, float], exponent: 
 
 
 def heatmap(ax, matrix, row_labels: Sequence[str], col_labels: Sequence[str], title: str,
-            annotate: bool = True, xlabel: str = "key", ylabel: str = "query"):
-    """Weights as an image, 0 white to 1 dark, with the value printed in each cell when ``annotate``."""
+            annotate: bool = True, xlabel: str = "key", ylabel: str = "query", vmax: float | None = None):
+    """Weights as an image; cells that are exactly 0 (masked keys) are grey, visible ones coloured by weight
+    from 0 to ``vmax`` (default the largest weight), with the value printed in each cell when ``annotate``."""
     values = np.asarray(matrix, dtype=float)
-    image = ax.imshow(values, cmap="Blues", vmin=0.0, vmax=max(1e-9, float(values.max())))
-    ax.set_xticks(range(len(col_labels)), labels=col_labels, rotation=60 if len(col_labels) > 8 else 0,
-                  fontsize=8 if len(col_labels) > 8 else 9)
-    ax.set_yticks(range(len(row_labels)), labels=row_labels, fontsize=8 if len(row_labels) > 8 else 9)
+    top = vmax if vmax is not None else max(1e-9, float(values.max()))
+    cmap = matplotlib.colormaps["viridis"].copy()
+    cmap.set_bad("#d9d9d9")
+    image = ax.imshow(np.ma.masked_equal(values, 0.0), cmap=cmap, vmin=0.0, vmax=top)
+    small = len(col_labels) > 8
+    ax.set_xticks(range(len(col_labels)), labels=col_labels, rotation=60 if small else 0, fontsize=8 if small else 9)
+    ax.set_yticks(range(len(row_labels)), labels=row_labels, fontsize=8 if small else 9)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     if annotate:
         for i in range(values.shape[0]):
             for j in range(values.shape[1]):
-                dark = values[i, j] > 0.55 * values.max()
-                ax.text(j, i, f"{values[i, j]:.3f}".lstrip("0") if values[i, j] else "0", ha="center",
-                        va="center", fontsize=7, color="white" if dark else "black")
+                value = values[i, j]
+                text = "1" if value == 1 else f"{value:.3f}".lstrip("0") if value else ""
+                ax.text(j, i, text, ha="center", va="center", fontsize=7,
+                        color="black" if value > 0.6 * top else "white")
     return image

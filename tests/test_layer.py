@@ -13,6 +13,7 @@ from engine.layer import MultiHeadAttention
 from engine.masks.documents import document_mask, document_positions
 from engine.masks.padding import key_padding_mask, padding_positions
 from engine.rope import apply_rope
+from tests.precision import assert_within_precision  # tests/precision.py: the 2 x plain-error rule
 
 E = 32  # model width for every test layer
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}  # (Hq, Hkv)
@@ -51,19 +52,6 @@ def seed_listing(layer, x, positions, window=None, valid=None, causal=True):
     weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)  # empty rows -> 0
     out = (weights @ v).transpose(1, 2).reshape(b, t, hq * d)  # [B, T, Hq*D]
     return out @ layer.o_proj.weight.T  # [B, T, E]
-
-
-def assert_within_precision(actual, plain, reference, mask=None):
-    """The flash-attention test rule: ``actual``'s error against the fp64 ``reference`` is at most twice the
-    error of a ``plain`` run in the same dtype, plus one unit of roundoff of the output's magnitude."""
-    if mask is not None:
-        actual, plain, reference = actual[mask], plain[mask], reference[mask]
-    reference = reference.double()
-    eps = torch.finfo(actual.dtype).eps
-    plain_err = (plain.double() - reference).abs().max().item()
-    err = (actual.double() - reference).abs().max().item()
-    bound = 2 * plain_err + eps * reference.abs().max().item()
-    assert err <= bound, f"error {err:.3g} exceeds 2 x plain error {plain_err:.3g} + eps-scale"
 
 
 def run_cached(layer, x, prompt_len, chunk, positions=None, valid=None):
@@ -127,7 +115,7 @@ def test_cached_decoding_equals_full_forward(batch, prompt, chunk, kind, window,
         full = layer(x.to(dtype))
         cached = run_cached(layer, x.to(dtype), prompt, chunk)
         reference = make_layer(kind, torch.float64, window=window)(x.double())
-    assert_within_precision(cached, full, reference)
+    assert_within_precision(cached, reference.double(), full, dtype)
 
 
 def test_future_tokens_do_not_change_past_outputs():

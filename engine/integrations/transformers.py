@@ -1,0 +1,255 @@
+"""Hugging Face transformers backend: ``attn_implementation="engine"`` runs every attention layer through
+``engine.causal_attention``.
+
+    import engine.integrations.transformers            # registers "engine" (pip install 'attention-engine[hf]')
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="engine")
+    model.set_attn_implementation("engine")            # or switch a loaded model
+
+Registration uses the library's own extension points, nothing is patched:
+    - ``AttentionInterface.register("engine", engine_attention_forward)``: the attention function;
+    - ``AttentionMaskInterface.register("engine", engine_mask)``: the mask builder.
+
+How the library's arguments become the engine's (one convention: cache index = position within a row):
+
+    library gives (per forward)               engine receives
+    q_offset, q_length                        query_positions = q_offset + arange(T)      [T]
+    kv_offset, kv_length                      key_positions   = kv_offset + arange(S)     [S]
+    causal / bidirectional mask function      causal=True / causal=False
+    sliding-window mask function (window w)   allowed = window_mask(...) (w keys, own included)
+    2-D padding mask [B, N]                   allowed &= key_valid[:, None, None, :]      [B, 1, 1, S]
+    scaling, softcap                          scale=scaling, softcap=softcap
+
+No ``[B, 1, T, S]`` mask is built for these cases. Any other mask function (packed sequences, block
+overlays, chunked attention, custom ``or``/``and`` functions) is evaluated by the library's ``sdpa_mask``
+into a dense bool mask and passed as ``allowed`` with ``causal=False``: slower, never wrong.
+
+A query row that sees no key (a left-pad token) returns 0, where eager returns an average of masked values;
+real tokens are unaffected because pad keys are masked for them. Dropout is not supported: a non-zero
+``dropout`` (a module in training mode with attention dropout) raises.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import (
+        AttentionMaskInterface,
+        bidirectional_mask_function,
+        causal_mask_function,
+        sdpa_mask,
+    )
+except ImportError as error:  # pragma: no cover - exercised only without the extra
+    raise ImportError("engine.integrations.transformers needs the optional extra: "
+                      "pip install 'attention-engine[hf]'") from error
+
+from engine.attention import causal_attention
+from engine.masks.window import window_mask
+
+__all__ = ["NAME", "EngineMask", "engine_attention_forward", "engine_mask", "register"]
+
+NAME = "engine"
+
+
+@dataclass(frozen=True)
+class EngineMask:
+    """What the mask builder hands to the attention function instead of a dense mask.
+
+    query_positions: int64 ``[T]``; key_positions: int64 ``[S]`` (cache indices, the same for every row).
+    causal: the position rule ``key_pos <= query_pos`` applies.
+    window: keys seen per query counting itself, or None.
+    key_valid: bool ``[B, S]`` (False at padding) or None when every key is real.
+    dense: bool ``[B, 1, T, S]`` from the library's ``sdpa_mask`` for mask functions the engine does not
+        recognise (then ``causal`` is False and ``dense`` is the whole rule), else None.
+    """
+
+    query_positions: torch.Tensor
+    key_positions: torch.Tensor
+    causal: bool
+    window: int | None = None
+    key_valid: torch.Tensor | None = None
+    dense: torch.Tensor | None = None
+
+    ndim = 4  # with ``shape``, the library treats an EngineMask passed back into a model as a prepared 4-D mask
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, 1, T, S)``, the shape of the dense mask this object stands for (B = 1 without padding)."""
+        batch = 1 if self.key_valid is None else self.key_valid.shape[0]
+        return (batch, 1, self.query_positions.shape[0], self.key_positions.shape[0])
+
+    def allowed(self) -> torch.Tensor | None:
+        """Bool mask broadcastable to ``[B, Hq, T, S]`` for causal_attention, or None (position rule only)."""
+        if self.dense is not None:
+            return self.dense  # [B, 1, T, S]
+        allowed = None
+        if self.window is not None:
+            allowed = window_mask(self.query_positions, self.key_positions, self.window)  # [T, S]
+        if self.key_valid is not None:
+            keys_ok = self.key_valid[:, None, None, :]  # [B, 1, 1, S]
+            allowed = keys_ok if allowed is None else allowed & keys_ok  # [B, 1, T, S]
+        return allowed
+
+
+def _closure(fn) -> dict:
+    try:
+        return inspect.getclosurevars(fn).nonlocals
+    except TypeError:
+        return {}
+
+
+def _sliding_window_of(mask_function) -> int | None:
+    """The window w if ``mask_function`` is the library's ``and_masks(sliding_window_overlay(w), causal)``."""
+    if getattr(mask_function, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = tuple(_closure(mask_function).get("mask_functions", ()))
+    if len(parts) != 2 or causal_mask_function not in parts:
+        return None
+    overlay = parts[0] if parts[1] is causal_mask_function else parts[1]
+    if getattr(overlay, "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
+        return None
+    window = _closure(overlay).get("sliding_window")
+    return window if isinstance(window, int) and window > 0 else None
+
+
+def _recognise(mask_function, local_size: int | None) -> tuple[bool, int | None] | None:
+    """``(causal, window)`` for the mask functions the engine expresses without a dense mask, else None."""
+    if mask_function is causal_mask_function:
+        return True, None
+    if mask_function is bidirectional_mask_function:
+        return False, None
+    window = _sliding_window_of(mask_function)
+    if window is not None and window == local_size:
+        return True, window
+    return None
+
+
+def _key_valid(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int) -> torch.Tensor | None:
+    """Bool ``[B, S]`` slice of the 2-D padding mask for the keys ``kv_offset .. kv_offset+S-1``; None if all real."""
+    if attention_mask is None:
+        return None
+    padding = attention_mask.to(torch.bool)  # [B, N]
+    missing = kv_offset + kv_length - padding.shape[-1]
+    if missing > 0:  # static caches have slots past the mask: they are empty, so not real keys
+        padding = torch.nn.functional.pad(padding, (0, missing), value=False)  # [B, kv_offset + S]
+    key_valid = padding[:, kv_offset:kv_offset + kv_length]  # [B, S]
+    return None if bool(key_valid.all()) else key_valid
+
+
+def engine_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    device: torch.device | str = "cpu",
+    **kwargs,
+) -> EngineMask:
+    """The library's mask-interface signature (see ``transformers.masking_utils.sdpa_mask``); returns an
+    ``EngineMask`` of positions, window and key padding instead of a ``[B, 1, T, S]`` tensor when it can.
+
+    attention_mask: the 2-D padding mask ``[B, N]`` (True/1 at real tokens), indexed by cache slot; or an
+        EngineMask made earlier for the same step (``generate`` with a static cache builds masks ahead of the
+        forward pass and hands them back to the model), which is returned unchanged.
+    """
+    if isinstance(attention_mask, EngineMask):
+        return attention_mask
+    query_positions = q_offset + torch.arange(q_length, device=device)  # [T]
+    key_positions = kv_offset + torch.arange(kv_length, device=device)  # [S]
+    recognised = _recognise(mask_function, local_size)
+    if recognised is None:
+        dense = sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                          allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                          use_vmap=kwargs.get("use_vmap", False), device=device)  # [B, 1, T, S]
+        return EngineMask(query_positions, key_positions, causal=False, dense=dense)
+    causal, window = recognised
+    return EngineMask(query_positions, key_positions, causal=causal, window=window,
+                      key_valid=_key_valid(attention_mask, kv_length, kv_offset))
+
+
+def _dense_to_allowed(mask: torch.Tensor, s: int) -> torch.Tensor:
+    """A 4-D mask from the caller: bool as is; an additive float mask of 0 / very negative becomes bool."""
+    if mask.dim() != 4:
+        raise ValueError(f"a tensor attention_mask must be 4-D [B, 1, T, S], got shape {tuple(mask.shape)}")
+    mask = mask[..., :s]  # [B, 1 or H, T, S]
+    if mask.dtype == torch.bool:
+        return mask
+    blocked = mask <= torch.finfo(mask.dtype).min / 2  # [B, 1 or H, T, S]
+    if not bool(((mask == 0) | blocked).all()):
+        raise ValueError("the engine takes boolean masks (or additive masks of 0 and -inf); this additive mask "
+                         "carries a bias, which causal_attention does not support")
+    return ~blocked
+
+
+def engine_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: EngineMask | torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The library's attention-function signature, computed by ``causal_attention``.
+
+    Args:
+        query: ``[B, Hq, T, D]``; key: ``[B, Hkv, S, D]``; value: ``[B, Hkv, S, Dv]`` (cache included).
+        attention_mask: an ``EngineMask`` (from ``engine_mask``), a 4-D bool/additive mask, or None
+            (then ``is_causal`` / ``module.is_causal`` and ``sliding_window`` decide, with the queries at
+            the last T key positions).
+        dropout: must be 0.
+        scaling: score multiplier; softcap: Gemma-2 score cap.
+
+    Returns:
+        ``(out [B, T, Hq, Dv], None)``: attention weights are never materialised for the caller.
+    """
+    if dropout:
+        raise ValueError(f"the engine attention has no dropout; got dropout={dropout} "
+                         "(call model.eval() or set the attention dropout to 0)")
+    for name in ("position_bias", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the engine attention does not support {name!r} (an additive score bias or sinks); "
+                             "use attn_implementation='eager' for this model")
+    t, s = query.shape[2], key.shape[2]
+    query_positions = key_positions = allowed = None
+    if isinstance(attention_mask, EngineMask):
+        if attention_mask.key_positions.shape[0] != s or attention_mask.query_positions.shape[0] != t:
+            raise ValueError(f"mask built for T={attention_mask.query_positions.shape[0]}, "
+                             f"S={attention_mask.key_positions.shape[0]} but got T={t}, S={s}")
+        query_positions, key_positions = attention_mask.query_positions, attention_mask.key_positions
+        causal, allowed = attention_mask.causal, attention_mask.allowed()
+    elif attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        if sliding_window is not None and causal:
+            allowed = window_mask(torch.arange(s - t, s, device=query.device),
+                                  torch.arange(s, device=query.device), sliding_window)  # [T, S]
+    elif isinstance(attention_mask, torch.Tensor):
+        causal, allowed = False, _dense_to_allowed(attention_mask, s)  # the mask holds the whole rule
+    else:
+        raise ValueError(f"attention_mask must be an EngineMask, a 4-D tensor or None, "
+                         f"got {type(attention_mask).__name__}")
+    out = causal_attention(query, key, value, query_positions, key_positions, allowed, scaling,
+                           causal=causal, softcap=softcap)  # [B, Hq, T, Dv]
+    return out.transpose(1, 2).contiguous(), None  # [B, T, Hq, Dv]
+
+
+def register(name: str = NAME) -> str:
+    """Register the engine under ``name`` in the library's attention and mask registries; returns the name."""
+    AttentionInterface.register(name, engine_attention_forward)
+    AttentionMaskInterface.register(name, engine_mask)
+    return name
+
+
+register()

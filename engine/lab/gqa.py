@@ -44,7 +44,8 @@ def grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
     group = q_heads // kv_heads
     qg = q.reshape(batch, kv_heads, group, d)  # [B, Hkv, G, D]
     scores = (qg @ k.transpose(-2, -1)) * d**-0.5  # [B, Hkv, G, S]
-    weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # [B, Hkv, G, S], softmax in fp32
+    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(v.dtype)  # [B, Hkv, G, S], fp32 softmax
     return (weights @ v).reshape(batch, q_heads, 1, v.shape[-1])  # [B, Hq, 1, Dv]
 
 
@@ -93,6 +94,10 @@ def run_rows(args: argparse.Namespace, impls: dict) -> list[dict]:
         q = torch.randn(args.batch, args.q_heads, 1, args.head_dim, generator=generator).to(dtype)  # [B, Hq, 1, D]
         k = torch.randn(shape_kv, generator=generator).to(dtype)  # [B, Hkv, S, D]
         v = torch.randn(shape_kv, generator=generator).to(dtype)  # [B, Hkv, S, D]
+        why_not = implementations.why_not_fast(name, q, k, v)
+        if why_not is not None:
+            print(f"{name}: Hkv={kv_heads} not measured, its fast path does not apply ({why_not})")
+            continue
         rows.append(decode_row(name, impls[name], q, k, v, args))
     return rows
 

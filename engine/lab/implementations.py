@@ -10,6 +10,7 @@ causal) and one-token decode (T = 1: the last query sees every key, no mask need
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from functools import partial
 
@@ -30,13 +31,35 @@ def torch_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
     return F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _forced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: str) -> torch.Tensor:
+    with warnings.catch_warnings():  # forcing the materialising reference at a large size is the point here
+        warnings.filterwarnings("ignore", message=".*materialising reference.*")
+        return causal_attention(q, k, v, kernel=kernel)
+
+
 def available() -> dict[str, Attention]:
-    """``{name: fn}``: ``engine:<kernel>`` for each registered kernel, then the peer."""
+    """``{name: fn}``: ``engine:auto`` (what a caller gets), ``engine:<kernel>`` for each registered kernel,
+    then the peer."""
     from engine.kernels.dispatch import KERNELS
 
-    impls: dict[str, Attention] = {f"engine:{name}": partial(causal_attention, kernel=name) for name in KERNELS}
+    impls: dict[str, Attention] = {"engine:auto": causal_attention}
+    impls.update({f"engine:{name}": partial(_forced, kernel=name) for name in KERNELS})
     impls[PEER] = torch_sdpa
     return impls
+
+
+def why_not_fast(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why a forced engine kernel's fast path does not apply to these inputs (then forcing it would time its
+    fallback, not the kernel), or None when it applies or the dispatcher states no condition for it."""
+    if not name.startswith("engine:") or name == "engine:auto":
+        return None
+    from engine.attention import prepare_inputs
+    from engine.kernels import dispatch
+
+    fits = getattr(dispatch, "FITS", {}).get(name.split(":", 1)[1])
+    if fits is None:
+        return None
+    return fits(prepare_inputs(q, k, v, None, None, None, None))
 
 
 def select(names: str | None, extra: dict[str, Attention] | None = None) -> dict[str, Attention]:

@@ -84,8 +84,7 @@ def heatmap(ax, matrix, row_labels: Sequence[str], col_labels: Sequence[str], ti
     from 0 to ``vmax`` (default the largest weight), with the value printed in each cell when ``annotate``."""
     values = np.asarray(matrix, dtype=float)
     top = vmax if vmax is not None else max(1e-9, float(values.max()))
-    cmap = matplotlib.colormaps["viridis"].copy()
-    cmap.set_bad("#d9d9d9")
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="#d9d9d9")
     image = ax.imshow(np.ma.masked_equal(values, 0.0), cmap=cmap, vmin=0.0, vmax=top)
     small = len(col_labels) > 8
     ax.set_xticks(range(len(col_labels)), labels=col_labels, rotation=60 if small else 0, fontsize=8 if small else 9)

@@ -87,6 +87,10 @@ def attention_rows(args: argparse.Namespace, impls: dict, ridge: float) -> list[
         q = torch.randn(args.batch, args.heads, t, args.head_dim, generator=generator).to(dtype)  # [B, H, T, D]
         k = torch.randn(args.batch, args.heads, s, args.head_dim, generator=generator).to(dtype)  # [B, H, S, D]
         v = torch.randn(args.batch, args.heads, s, args.head_dim, generator=generator).to(dtype)  # [B, H, S, D]
+        why_not = implementations.why_not_fast(name, q, k, v)
+        if why_not is not None:
+            print(f"{name}: {phase} not measured, its fast path does not apply ({why_not})")
+            continue
         fn = impls[name]
         ms = median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), repeats=args.repeats, warmup=1)
         flops, moved = attention_cost(args.batch, args.heads, t, s, args.head_dim, element)

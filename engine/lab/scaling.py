@@ -80,6 +80,7 @@ def run_points(args: argparse.Namespace, impls: dict, lengths: list[int], ram_bu
     generator = torch.Generator().manual_seed(args.seed)
     done: dict[str, list[dict]] = {name: [] for name in impls}
     stopped: dict[str, str] = {}
+    skipped: dict[str, str] = {}  # kernels whose fast path does not apply to a shape (forcing would time a fallback)
     rows = []
     for t, name in progress([(t, n) for t in lengths for n in impls], "bench scaling", quiet=args.quiet):
         if name in stopped:
@@ -92,6 +93,10 @@ def run_points(args: argparse.Namespace, impls: dict, lengths: list[int], ram_bu
             continue
         shape = (args.batch, args.heads, t, args.head_dim)
         q, k, v = (torch.randn(shape, generator=generator).to(dtype) for _ in range(3))  # [B, H, T, D]
+        why_not = implementations.why_not_fast(name, q, k, v)
+        if why_not is not None:
+            skipped.setdefault(name, f"T={t}: {why_not}")
+            continue
         fn = impls[name]
         ms = median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), repeats=args.repeats, warmup=1)
         peak = peak_allocated_bytes(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
@@ -100,6 +105,8 @@ def run_points(args: argparse.Namespace, impls: dict, lengths: list[int], ram_bu
         rows.append(point)
     for name, why in stopped.items():
         print(f"{name}: stopped before {why}")
+    for name, why in skipped.items():
+        print(f"{name}: not measured where its fast path does not apply, from {why}")
     peer = {r["T"]: r["ms"] for r in rows if r["impl"] == implementations.PEER}
     for r in rows:
         r["x_peer_time"] = r["ms"] / peer[r["T"]] if r["T"] in peer else float("nan")

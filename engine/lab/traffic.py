@@ -44,19 +44,29 @@ def distinct_bytes(t: torch.Tensor) -> int:
     return elements * t.element_size()
 
 
-def matmul_flops(func, args: tuple, out) -> int:
-    """FLOPs of the matmul-like aten ops (2 per multiply-add); 0 for everything else."""
-    if func in (aten.mm.default, aten.bmm.default):
-        a, b = args[0], args[1]  # [..., m, k] @ [..., k, n]
-        return 2 * a.numel() * b.shape[-1]
-    if func in (aten.addmm.default, aten.baddbmm.default):
-        a, b = args[1], args[2]
-        return 2 * a.numel() * b.shape[-1]
-    if func is aten._scaled_dot_product_flash_attention_for_cpu.default:
+# Matmul-like ops by overload packet: which two arguments are multiplied (in-place and out variants too).
+_OPERANDS = {"mm": (0, 1), "bmm": (0, 1), "addmm": (1, 2), "addmm_": (1, 2), "baddbmm": (1, 2), "baddbmm_": (1, 2),
+             "addbmm": (1, 2), "addbmm_": (1, 2), "mv": (0, 1), "addmv": (1, 2), "addmv_": (1, 2), "dot": (0, 1),
+             "vdot": (0, 1)}
+_FUSED_ATTENTION = {"_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_efficient_attention"}
+
+
+def matmul_flops(func, args: tuple) -> int:
+    """FLOPs of the matmul-like aten ops (2 per multiply-add); 0 for everything else.
+
+    ``[..., m, k] @ [..., k, n]`` costs ``2 * (batch * m * k) * n``; a fused attention op costs
+    ``2 * B * Hq * T * S * (D + Dv)`` (q.k and the weighted sum of v over the full T x S, masks ignored).
+    """
+    name = func.overloadpacket.__name__
+    if name in _OPERANDS:
+        first, second = (args[i] for i in _OPERANDS[name])
+        columns = second.shape[-1] if second.dim() >= 2 else 1  # mv and dot: the vector has one column
+        return 2 * first.numel() * columns
+    if name in _FUSED_ATTENTION:
         q, k, v = args[0], args[1], args[2]  # [B, Hq, T, D], [B, Hkv, S, D], [B, Hkv, S, Dv]
         batch, q_heads, t, d = q.shape
-        s = k.shape[2]
-        return 2 * batch * q_heads * t * s * (d + v.shape[-1])  # Q K^T and P V over the full T x S
+        return 2 * batch * q_heads * t * k.shape[2] * (d + v.shape[-1])
     return 0
 
 
@@ -100,5 +110,5 @@ class TrafficCounter(TorchDispatchMode):
                 else:
                     self.other_bytes_read += distinct_bytes(t)
         self.bytes_written += sum(distinct_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        self.flops += matmul_flops(func, args, out)
+        self.flops += matmul_flops(func, args)
         return out

@@ -26,6 +26,7 @@ import math
 import torch
 
 from engine.kernels.dispatch import AttentionInputs, run_attention
+from engine.masks.structured import StructuredMask
 from engine.masks.window import window_mask
 
 __all__ = ["causal_attention", "split_heads", "merge_heads", "window_mask", "resolve_positions"]
@@ -152,8 +153,8 @@ def resolve_positions(
     raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got {tuple(positions.shape)}")
 
 
-def _check_allowed(allowed: torch.Tensor, full: tuple[int, int, int, int]) -> None:
-    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool:
+def _check_allowed(allowed: torch.Tensor | StructuredMask, full: tuple[int, int, int, int]) -> None:
+    if not isinstance(allowed, (torch.Tensor, StructuredMask)) or allowed.dtype != torch.bool:
         kind = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
         raise ValueError(f"allowed must be a bool tensor broadcastable to [B, Hq, T, S] = {list(full)}, "
                          f"got {kind}")

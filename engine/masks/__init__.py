@@ -1,8 +1,11 @@
 """Mask families as boolean predicates, one module each; compose them with ``&`` and ``|``.
 
-Every helper returns a bool tensor broadcastable to ``[B, Hq, T, S]`` (True = may attend), ready for
-``causal_attention(..., allowed=...)``. The causal rule itself lives in causal_attention (positions);
-``causal_mask`` spells it out for inspection and plots.
+Every helper returns a bool mask broadcastable to ``[B, Hq, T, S]`` (True = may attend), ready for
+``causal_attention(..., allowed=...)``. It is a ``StructuredMask``: a predicate over positions, document
+ids or lengths that kernels summarise per tile (to skip tiles without reading a dense ``[T, S]`` tensor)
+and that behaves as the dense bool tensor wherever one is expected (``torch.equal``, indexing, ``&``).
+The causal rule itself lives in causal_attention (positions); ``causal_mask`` spells it out for
+inspection and plots.
 
 | family     | helper                                   | hides                                    |
 |------------|------------------------------------------|------------------------------------------|
@@ -16,6 +19,7 @@ Every helper returns a bool tensor broadcastable to ``[B, Hq, T, S]`` (True = ma
 from engine.masks.causal import causal_mask
 from engine.masks.documents import document_mask, document_positions
 from engine.masks.padding import key_padding_mask, padding_mask, padding_positions
+from engine.masks.structured import StructuredMask, as_structured
 from engine.masks.window import window_mask
 
 __all__ = [
@@ -26,4 +30,6 @@ __all__ = [
     "padding_positions",
     "document_mask",
     "document_positions",
+    "StructuredMask",
+    "as_structured",
 ]

@@ -14,14 +14,18 @@ from __future__ import annotations
 import torch
 
 from engine.masks._shape import pairwise
+from engine.masks.structured import PairwiseMask
 
 
-def document_mask(query_document_ids: torch.Tensor, key_document_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Bool ``[T, S]`` (``[B, 1, T, S]`` for ``[B, L]`` ids): True where the two tokens share a document."""
+def document_mask(query_document_ids: torch.Tensor, key_document_ids: torch.Tensor | None = None) -> PairwiseMask:
+    """Bool ``[T, S]`` (``[B, 1, T, S]`` for ``[B, L]`` ids): True where the two tokens share a document.
+
+    A StructuredMask: with contiguous documents, kernels skip every tile that spans two different ones.
+    """
     if key_document_ids is None:
         key_document_ids = query_document_ids
-    qd, kd = pairwise(query_document_ids, key_document_ids, "document_mask")
-    return qd == kd
+    pairwise(query_document_ids, key_document_ids, "document_mask")  # validates shapes
+    return PairwiseMask("document", query_document_ids, key_document_ids)
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:

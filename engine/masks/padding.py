@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.masks.structured import PairwiseMask
+
 _SIDES = ("left", "right")
 
 
@@ -29,18 +31,22 @@ def _valid(lengths: torch.Tensor, total: int, side: str) -> torch.Tensor:
     return index[None, :] >= (total - lengths)[:, None]  # [B, L]
 
 
-def key_padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> torch.Tensor:
-    """Bool ``[B, 1, 1, S]``: True at real keys. Queries are not masked (decode, cross-attention)."""
-    return _valid(lengths, total, side)[:, None, None, :]
+def key_padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> PairwiseMask:
+    """Bool ``[B, 1, 1, S]``: True at real keys. Queries are not masked (decode, cross-attention).
+
+    A StructuredMask: kernels skip key tiles made only of padding.
+    """
+    return PairwiseMask("padding", None, _valid(lengths, total, side))  # [B, 1, 1, S]
 
 
-def padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> torch.Tensor:
+def padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> PairwiseMask:
     """Bool ``[B, 1, T, T]`` for self-attention: real queries see real keys; pad queries see nothing.
 
-    A pad query row is all False, so causal_attention returns zeros there (never NaN).
+    A pad query row is all False, so causal_attention returns zeros there (never NaN). A StructuredMask:
+    kernels skip tiles of padding.
     """
     valid = _valid(lengths, total, side)  # [B, L]
-    return valid[:, None, :, None] & valid[:, None, None, :]  # [B, 1, T, T]
+    return PairwiseMask("padding", valid, valid)  # [B, 1, T, T]
 
 
 def padding_positions(lengths: torch.Tensor, total: int, side: str = "right") -> torch.Tensor:

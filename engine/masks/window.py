@@ -17,11 +17,15 @@ from __future__ import annotations
 import torch
 
 from engine.masks._shape import pairwise
+from engine.masks.structured import PairwiseMask
 
 
-def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
-    """Bool ``[T, S]`` (``[B, 1, T, S]`` for per-row positions): ``p - window < key_pos <= p``."""
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> PairwiseMask:
+    """Bool ``[T, S]`` (``[B, 1, T, S]`` for per-row positions): ``p - window < key_pos <= p``.
+
+    A StructuredMask: kernels skip the key tiles outside the band, so a window costs O(T * window).
+    """
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be a positive int (number of keys seen, own included), got {window!r}")
-    qp, kp = pairwise(query_positions, key_positions, "window_mask")
-    return (kp <= qp) & (qp - kp < window)
+    pairwise(query_positions, key_positions, "window_mask")  # validates shapes
+    return PairwiseMask("window", query_positions, key_positions, window=window)

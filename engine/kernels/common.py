@@ -1,0 +1,32 @@
+"""Helpers the kernels share: compute dtype and the GQA row layout.
+
+GQA layout, stated once: query head ``h = kv_head * G + g`` reads KV head ``kv_head``, so the queries
+of one KV head's group are stacked as rows of one matrix and share a single read of that head's K/V::
+
+    q[b]  [Hq, tq, D]  ->  view [Hkv, G, tq, D]  ->  [Hkv, G * tq, D]     (rows g * tq + i)
+    Hq = 4, Hkv = 2:  rows of KV head 0 = q heads 0, 1;  rows of KV head 1 = q heads 2, 3
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores, softmax and accumulators run in fp32, or fp64 when the inputs are fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[Hq, tq, E] -> [Hkv, G * tq, E]``: stack each KV head's query heads as rows (needs contiguous x)."""
+    hq, tq, e = x.shape
+    return x.view(kv_heads, (hq // kv_heads) * tq, e)  # [Hkv, G*tq, E]
+
+
+def head_mask(mask: torch.Tensor, kv_heads: int, q_heads: int) -> torch.Tensor:
+    """A tile mask ``[tq, tk]`` / ``[1|Hq, tq|1, tk|1]`` made broadcastable to ``[Hkv, G, tq, tk]``."""
+    if mask.dim() == 3 and mask.shape[0] == q_heads and q_heads > 1:
+        return mask.reshape(kv_heads, q_heads // kv_heads, *mask.shape[1:])  # [Hkv, G, tq, tk]
+    return mask  # [tq, tk] or [1, tq, tk]: broadcasts over heads

@@ -1,0 +1,148 @@
+"""Kernel ``decode``: a few queries against a long KV cache, reading each K/V byte once.
+
+Decode is a matrix-vector product against the whole cache, so its cost is the bytes of K and V. Two
+layout choices keep those bytes read once:
+
+1. The G query heads of a KV head are stacked as G * T query *rows* of that one head (GQA without
+   copies), so the fused kernel reads each KV head once for its whole group, not G times::
+
+       q [B, Hq, T, D] -> view [B, Hkv, G*T, D]      rows g*T + i = query i of head kv_head*G + g
+
+2. Split-KV: when B * Hkv is too small to keep every core busy, the keys are cut into ``n`` equal
+   chunks that become extra "heads" of one call (a free view of the cache, no copy), and the ``n``
+   partial results are merged by log-sum-exp::
+
+       k [B, Hkv, S, D] -> view [B, Hkv*n, S/n, D];   q rows repeated per chunk;   merge over n
+
+Masks (positions, windows, padding) enter as an additive mask over the rows; key chunks that no row
+sees are cut off. Inputs the fused kernel cannot take exactly (softcap, Dv != D, gradients)
+run the ``tiled`` kernel with one query tile and long key tiles, which shares K/V across the group too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.common import NEG_INF, compute_dtype
+from engine.kernels.dispatch import AttentionInputs
+from engine.kernels.merge import merge_attention_states
+from engine.kernels.nonfinite import run_guarded
+from engine.kernels.sdpa_tiles import _FLASH, flash_fits
+from engine.kernels.tiles import visibility_mask
+
+MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row
+MIN_KEYS = 512  # ... against at least this many cached keys
+BUSY_ITEMS = 16  # split keys until B * Hkv * n reaches this many independent work items
+MIN_SPLIT_KEYS = 2048  # never split the keys into chunks shorter than this
+FALLBACK_BLOCK_K = 2048
+
+
+def decode_fits(inputs: AttentionInputs) -> str | None:
+    t, s = inputs.q.shape[2], inputs.k.shape[2]
+    if t > MAX_QUERIES:
+        return f"T = {t} queries: decode serves T <= {MAX_QUERIES}"
+    if s < MIN_KEYS:
+        return f"S = {s} keys: decode pays off from S >= {MIN_KEYS}"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (inputs.q, inputs.k, inputs.v)):
+        return "gradients are needed: training runs the tiled kernels"
+    return None
+
+
+def decode_attention(inputs: AttentionInputs, return_lse: bool = False):
+    """Kernel ``"decode"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)``."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    if needs_grad or flash_fits(inputs) is not None:
+        from engine.kernels.tiled import tiled_attention
+
+        return tiled_attention(inputs, return_lse, block_q=max(q.shape[2], 1), block_k=FALLBACK_BLOCK_K)
+    return run_guarded(inputs, return_lse, _grouped_flash)
+
+
+def _visible_span(mask, batch: int, t: int, s: int) -> tuple[int, int]:
+    """The smallest key range ``[j0, j1)`` holding every key some row sees (whole cache if unsure)."""
+    if mask is None:
+        return 0, s
+    block = 256
+    seen = torch.zeros(-(-s // block), dtype=torch.bool)
+    for b in range(batch if mask.batched() else 1):
+        some, _ = mask.tile_bounds(b, max(t, 1), block, t, s)  # [1, nk]
+        seen |= some.any(dim=0)
+    hits = seen.nonzero()
+    if hits.numel() == 0:
+        return 0, 0
+    return int(hits[0]) * block, min(int(hits[-1] + 1) * block, s)
+
+
+def _row_mask(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: int, dtype: torch.dtype):
+    """Additive mask ``[B|1, Hkv|1, G*T, j1-j0]``: 0 where the row sees the key, -inf where it does not."""
+    blocks = []
+    for b in range(batch if mask.batched() else 1):
+        visible = mask.block(b, 0, t, j0, j1)  # [T, n] or [Hq|1, T|1, n|1]
+        visible = visible.expand(*visible.shape[:-2], t, j1 - j0)
+        if visible.dim() == 3 and visible.shape[0] > 1:  # per head: [Hq, T, n] -> [Hkv, G*T, n]
+            visible = visible.reshape(kv_heads, group * t, j1 - j0)
+        else:  # shared by every head: [T, n] -> [1, G*T, n]
+            visible = visible.reshape(t, j1 - j0).repeat(group, 1)[None]
+        blocks.append(visible)
+    visible = torch.stack(blocks)  # [B|1, Hkv|1, G*T, n]
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, NEG_INF)
+
+
+def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
+    q, k, v = inputs.q, inputs.k, inputs.v
+    batch, q_heads, t, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    group = q_heads // kv_heads
+    ct = compute_dtype(q.dtype)
+    mask = visibility_mask(inputs)
+    j0, j1 = _visible_span(mask, batch, t, s)
+    out = torch.zeros(batch, kv_heads, group * t, d, dtype=ct)  # [B, Hkv, G*T, Dv]
+    lse = torch.full((batch, kv_heads, group * t), NEG_INF, dtype=ct)  # [B, Hkv, G*T]
+    if j1 > j0:
+        q_rows = q.to(ct).reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D]; a view when contiguous
+        kc, vc = k[:, :, j0:j1].to(ct), v[:, :, j0:j1].to(ct)  # views when fp32
+        additive = None
+        if mask is not None:
+            from engine.kernels.sdpa import causal_pattern
+
+            if inputs.allowed is not None or causal_pattern(inputs) != "none":
+                additive = _row_mask(mask, batch, kv_heads, group, t, j0, j1, ct)
+        out, lse = _split_kv(q_rows, kc, vc, additive, inputs.scale)
+    out = out.reshape(batch, q_heads, t, d).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
+    return out, lse.reshape(batch, q_heads, t).float()
+
+
+def _fused(q, k, v, additive, scale):
+    """One fused call; rows the mask hides entirely get out 0 and lse -inf (the fused kernel says lse 0)."""
+    o, part_lse = _FLASH(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
+    part_lse = part_lse.to(o.dtype)
+    if additive is not None:
+        seen = (additive == 0).any(dim=-1)  # [B|1, H|1, R]
+        part_lse = part_lse.masked_fill(~seen, NEG_INF)
+        o = o.masked_fill(~seen[..., None], 0.0)
+    return o, part_lse
+
+
+def _split_kv(q_rows, k, v, additive, scale):
+    """One fused call over ``n`` key chunks seen as extra heads, merged by lse: ``[B, Hkv, R, Dv]``, ``[B, Hkv, R]``."""
+    batch, kv_heads, rows, d = q_rows.shape
+    s = k.shape[2]
+    n = 1
+    while batch * kv_heads * n < BUSY_ITEMS and s % (2 * n) == 0 and s // (2 * n) >= MIN_SPLIT_KEYS:
+        n *= 2
+    if n == 1 or not k.is_contiguous() or not v.is_contiguous():
+        return _fused(q_rows, k, v, additive, scale)
+    chunk = s // n
+    k_split = k.view(batch, kv_heads * n, chunk, d)  # [B, Hkv*n, S/n, D]: chunk c of head h is head h*n + c
+    v_split = v.view(batch, kv_heads * n, chunk, v.shape[-1])
+    q_split = q_rows[:, :, None].expand(batch, kv_heads, n, rows, d).reshape(batch, kv_heads * n, rows, d)
+    mask_split = None
+    if additive is not None:  # [B|1, Hkv|1, R, S] -> [B|1, Hkv*n, R, S/n]
+        mb = additive.shape[0]
+        full = additive.expand(mb, kv_heads, rows, s).reshape(mb, kv_heads, rows, n, chunk)
+        mask_split = full.permute(0, 1, 3, 2, 4).reshape(mb, kv_heads * n, rows, chunk)
+    o, part_lse = _fused(q_split, k_split, v_split, mask_split, scale)
+    o = o.view(batch, kv_heads, n, rows, -1)  # [B, Hkv, n, R, Dv]
+    part_lse = part_lse.expand(batch, kv_heads * n, rows).reshape(batch, kv_heads, n, rows)  # [B, Hkv, n, R]
+    return merge_attention_states(list(o.unbind(2)), list(part_lse.unbind(2)))

@@ -1,0 +1,114 @@
+"""NaN/inf in K or V: masked ones never leak, visible ones poison exactly what the reference poisons.
+
+Semantics (the reference kernel's, stated once):
+    a *visible* non-finite key makes its query row NaN (and that row's lse -inf, as the reference's);
+    a *visible* non-finite value makes the output NaN in that value's channels;
+    masked ones change nothing: ``p = 0`` must never meet ``v = NaN`` (``0 * NaN = NaN``).
+
+The fused kernels get K/V with the bad entries zeroed (so every masked product is ``0 * 0``, and rows
+that see no bad entry come out bit-for-bit as with clean inputs), then ``poison`` marks the rows and
+channels that do see one, tile by tile from the same visibility mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from engine.kernels.common import NEG_INF, compute_dtype, head_mask
+from engine.kernels.dispatch import AttentionInputs
+from engine.kernels.tiles import plan_tiles, visibility_mask
+
+POISON_BLOCK_Q, POISON_BLOCK_K = 256, 256
+
+
+@dataclass
+class NonFinite:
+    """Where K and V hold NaN/inf, and K/V with those entries zeroed."""
+
+    key_bad: torch.Tensor | None  # [B, Hkv, S] keys whose vector holds NaN/inf
+    value_bad: torch.Tensor | None  # [B, Hkv, S, Dv] non-finite value entries
+    k: torch.Tensor  # [B, Hkv, S, D] with bad keys zeroed
+    v: torch.Tensor  # [B, Hkv, S, Dv] with bad entries zeroed
+
+
+def guard_non_finite(k: torch.Tensor, v: torch.Tensor) -> NonFinite | None:
+    """None when K and V are all finite (the fast path); otherwise zeroed copies and where they were bad."""
+    k_ok, v_ok = bool(torch.isfinite(k).all()), bool(torch.isfinite(v).all())
+    if k_ok and v_ok:
+        return None
+    key_bad = None if k_ok else ~torch.isfinite(k).all(dim=-1)  # [B, Hkv, S]
+    value_bad = None if v_ok else ~torch.isfinite(v)  # [B, Hkv, S, Dv]
+    k = k if key_bad is None else torch.where(key_bad[..., None], 0.0, k)
+    v = v if value_bad is None else torch.where(value_bad, 0.0, v)
+    return NonFinite(key_bad, value_bad, k, v)
+
+
+def sanitized(inputs: AttentionInputs) -> tuple[AttentionInputs, NonFinite | None]:
+    """Inputs with bad K/V entries zeroed, and the guard to ``poison`` the outputs afterwards."""
+    guard = guard_non_finite(inputs.k, inputs.v)
+    if guard is None:
+        return inputs, None
+    return dataclasses.replace(inputs, k=guard.k, v=guard.v), guard
+
+
+def poison(inputs: AttentionInputs, guard: NonFinite, out: torch.Tensor, lse: torch.Tensor | None):
+    """Mark the outputs that see a bad key (row NaN, lse -inf) or a bad value (channel NaN)."""
+    batch, q_heads, t, _ = inputs.q.shape
+    kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
+    ct = compute_dtype(out.dtype)
+    bad_columns = torch.zeros(batch, s, dtype=torch.bool)  # [B, S] keys holding any bad entry
+    if guard.key_bad is not None:
+        bad_columns |= guard.key_bad.any(dim=1)
+    if guard.value_bad is not None:
+        bad_columns |= guard.value_bad.any(dim=-1).any(dim=1)
+    mask = visibility_mask(inputs)
+    out, lse = out.clone(), None if lse is None else lse.clone()
+    for b in range(batch):
+        if not bool(bad_columns[b].any()):
+            continue
+        plan = plan_tiles(mask, b, t, s, POISON_BLOCK_Q, POISON_BLOCK_K)
+        for i0, i1, tiles in plan.query_tiles():
+            rows = (q_heads // kv_heads) * (i1 - i0)
+            hit_key = torch.zeros(kv_heads, rows, 1, dtype=ct)  # [Hkv, G*tq, 1]
+            hit_value = torch.zeros(kv_heads, rows, out.shape[-1], dtype=ct)  # [Hkv, G*tq, Dv]
+            for j0, j1, full in tiles:
+                if not bool(bad_columns[b, j0:j1].any()):
+                    continue
+                visible = torch.ones(i1 - i0, j1 - j0, dtype=torch.bool)
+                if not full:
+                    visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
+                visible = visible.expand(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0)
+                visible = visible.reshape(kv_heads, rows, j1 - j0).to(ct)  # [Hkv, G*tq, tk]
+                if guard.key_bad is not None:
+                    hit_key += torch.bmm(visible, guard.key_bad[b, :, j0:j1, None].to(ct))
+                if guard.value_bad is not None:
+                    hit_value += torch.bmm(visible, guard.value_bad[b, :, j0:j1].to(ct))
+            row_hit = (hit_key > 0).reshape(q_heads, i1 - i0)  # [Hq, tq]
+            channel_hit = (hit_value > 0).reshape(q_heads, i1 - i0, -1) | row_hit[..., None]  # [Hq, tq, Dv]
+            out[b, :, i0:i1] = out[b, :, i0:i1].masked_fill(channel_hit, float("nan"))
+            if lse is not None:
+                lse[b, :, i0:i1] = lse[b, :, i0:i1].masked_fill(row_hit, NEG_INF)
+    return out, lse
+
+
+def run_guarded(inputs: AttentionInputs, return_lse: bool, fast):
+    """Run ``fast(inputs, return_lse) -> (out, lse)`` with the NaN/inf semantics above.
+
+    Finite inputs go straight through. NaN/inf in K or V: zero them, run, then poison. NaN/inf in q, or
+    NaN/inf in K/V when gradients are needed, go to the ``tiled`` kernel, which handles both inline.
+    """
+    q, k, v = inputs.q, inputs.k, inputs.v
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    clean, guard = sanitized(inputs)
+    if not bool(torch.isfinite(q).all()) or (guard is not None and needs_grad):
+        from engine.kernels.tiled import tiled_attention
+
+        return tiled_attention(inputs, return_lse)
+    if guard is None:
+        return fast(inputs, return_lse)
+    out, lse = fast(clean, True)
+    out, lse = poison(inputs, guard, out, lse)
+    return out, (lse if return_lse else None)

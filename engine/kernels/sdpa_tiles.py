@@ -1,0 +1,189 @@
+"""Kernel ``sdpa_tiles``: PyTorch's fused CPU flash kernel on the tiles the mask leaves, merged by lse.
+
+The tile plan (engine.kernels.tiles) sorts query tile x key tile pairs into empty / full / partial. For
+each query tile, consecutive non-empty key tiles of one kind form a *span*, and each span is one call of
+the fused kernel (which returns its log-sum-exp)::
+
+    query tile 3 of a sliding window:   keys  [ empty | partial | full full | partial | empty ]
+                                                         call 1     call 2      call 3
+    call 1 and 3 carry an additive mask of their span only (0 where visible, -inf elsewhere);
+    call 2 carries none. merge_attention_states combines the three (out, lse) pairs exactly.
+
+Empty tiles are never read, so windows and documents cost O(visible tiles). Gradients: the fused
+kernel's backward applied per span, fed the *merged* output and lse, gives each span's exact share of
+dq, dk, dv (the flash backward only needs the softmax weights ``exp(s - lse)`` and
+``delta = rowsum(dout * out)``, both global). The fast path needs no softcap and Dv == D on CPU;
+otherwise the call goes to the ``tiled`` kernel, which is exact everywhere. NaN/inf: engine.kernels.nonfinite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.kernels.common import NEG_INF, compute_dtype
+from engine.kernels.dispatch import AttentionInputs
+from engine.kernels.merge import merge_attention_states
+from engine.kernels.tiles import plan_tiles, visibility_mask
+
+BLOCK_Q = 256  # queries per tile
+BLOCK_K = 128  # keys per tile; spans merge consecutive tiles, so calls stay few
+
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+# A call of the fused kernel: (batch rows, query range, key range, kind); kind is "full" (no mask),
+# "causal" (square, top-left: query i sees keys j <= i) or "masked" (additive mask from the plan).
+Call = tuple[slice, int, int, int, int, str]
+
+
+def flash_fits(inputs: AttentionInputs) -> str | None:
+    """Why the fused CPU kernel cannot run these inputs (None: it can, given finite values)."""
+    if _FLASH is None or _FLASH_BACKWARD is None:
+        return "this torch build has no fused CPU flash kernel"
+    if inputs.q.device.type != "cpu":
+        return f"the fused flash kernel used here is the CPU one; inputs are on {inputs.q.device}"
+    if inputs.softcap is not None:
+        return "softcap: the fused kernel has no score cap"
+    if inputs.v.shape[3] != inputs.q.shape[3]:
+        return f"Dv = {inputs.v.shape[3]} != D = {inputs.q.shape[3]}: the fused kernel needs equal head dims"
+    if inputs.q.shape[2] == 0 or inputs.k.shape[2] == 0:
+        return "no queries or no keys"
+    return None
+
+
+def sdpa_tiles_fits(inputs: AttentionInputs) -> str | None:
+    return flash_fits(inputs)
+
+
+def sdpa_tiles_attention(inputs: AttentionInputs, return_lse: bool = False, block_q: int = BLOCK_Q,
+                         block_k: int = BLOCK_K):
+    """Kernel ``"sdpa_tiles"``: ``(out [B, Hq, T, Dv], lse [B, Hq, T] fp32 or None)``."""
+    if flash_fits(inputs) is not None:
+        from engine.kernels.tiled import tiled_attention
+
+        return tiled_attention(inputs, return_lse)
+    from engine.kernels.nonfinite import run_guarded
+
+    return run_guarded(inputs, return_lse, lambda x, lse: run_calls(x, plan_calls(x, block_q, block_k), lse))
+
+
+def plan_calls(inputs: AttentionInputs, block_q: int, block_k: int) -> list[list[Call]]:
+    """Calls grouped by query tile (each group is merged); batch rows share calls unless the mask differs."""
+    mask = visibility_mask(inputs)
+    batch, _, t, _ = inputs.q.shape
+    s = inputs.k.shape[2]
+    shared = mask is None or not mask.batched()
+    groups: list[list[Call]] = []
+    for b in range(1 if shared else batch):
+        rows = slice(0, batch) if shared else slice(b, b + 1)
+        plan = plan_tiles(mask, b, t, s, block_q, block_k)
+        for i0, i1, tiles in plan.query_tiles():
+            spans = plan.runs(tiles)
+            if spans:
+                groups.append([(rows, i0, i1, j0, j1, "full" if full else "masked") for j0, j1, full in spans])
+    return groups
+
+
+def run_calls(inputs: AttentionInputs, groups: list[list[Call]], return_lse: bool):
+    """Run planned calls, with autograd when q, k or v need gradients."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _FlashTiles.apply(q, k, v, inputs, groups)
+    else:
+        out, lse, _ = flash_forward(inputs, groups)
+    return out, (lse.float() if return_lse else None)
+
+
+class _FlashTiles(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, inputs, groups):
+        inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
+        out, lse, out_ct = flash_forward(inputs, groups)
+        ctx.save_for_backward(q, k, v, out_ct, lse)
+        ctx.inputs, ctx.groups = inputs, groups
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out_ct, lse = ctx.saved_tensors
+        inputs = dataclasses.replace(ctx.inputs, q=q, k=k, v=v)
+        if grad_out is None and grad_lse is None:
+            return None, None, None, None, None
+        if grad_lse is not None and bool((grad_lse != 0).any()):  # the fused backward has no lse input
+            from engine.kernels.tiled import BLOCK_K as TILED_K
+            from engine.kernels.tiled import BLOCK_Q as TILED_Q
+            from engine.kernels.tiled_backward import tiled_backward
+
+            dq, dk, dv = tiled_backward(inputs, out_ct, lse, grad_out, grad_lse, TILED_Q, TILED_K)
+        else:
+            dq, dk, dv = flash_backward(inputs, ctx.groups, out_ct, lse, grad_out)
+        return dq, dk, dv, None, None
+
+
+def _span_mask(mask, call: Call, q_heads: int, dtype: torch.dtype):
+    """``(additive mask [1, Hq|1, tq, tk], visible rows [1, Hq|1, tq])`` of a masked span of batch row b."""
+    rows, i0, i1, j0, j1, _ = call
+    visible = mask.block(rows.start, i0, i1, j0, j1)  # [tq, tk] or [Hq|1, tq|1, tk|1]
+    visible = visible.expand(*visible.shape[:-2], i1 - i0, j1 - j0)
+    if visible.dim() == 2:
+        visible = visible[None]  # [1, tq, tk]
+    additive = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, NEG_INF)
+    return additive[None], visible.any(dim=-1)[None]  # [1, H|1, tq, tk], [1, H|1, tq]
+
+
+def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
+    """``(out in q's dtype, lse, out in the compute dtype)``; rows no call covers stay 0 / -inf."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    batch, q_heads, t, _ = q.shape
+    ct = compute_dtype(q.dtype)
+    qc, kc, vc = q.detach().to(ct), k.detach().to(ct), v.detach().to(ct)  # no copy when already ct
+    mask = visibility_mask(inputs)
+    out = torch.zeros(batch, q_heads, t, v.shape[3], dtype=ct, device=q.device)  # [B, Hq, T, Dv]
+    lse = torch.full((batch, q_heads, t), NEG_INF, dtype=ct, device=q.device)  # [B, Hq, T]
+    for group in groups:
+        parts_out, parts_lse = [], []
+        for call in group:
+            rows, i0, i1, j0, j1, kind = call
+            additive = None
+            if kind == "masked":
+                additive, row_seen = _span_mask(mask, call, q_heads, ct)
+            o, part_lse = _FLASH(qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1], 0.0, kind == "causal",
+                          attn_mask=additive, scale=inputs.scale)  # [b, Hq, tq, Dv], [b, Hq, tq]
+            if kind == "masked":  # rows of the span that see nothing: the fused kernel says lse 0, we say -inf
+                part_lse = part_lse.masked_fill(~row_seen, NEG_INF)
+                o = o.masked_fill(~row_seen[..., None], 0.0)
+            parts_out.append(o)
+            parts_lse.append(part_lse.to(ct))
+        o, part_lse = (parts_out[0], parts_lse[0]) if len(group) == 1 else merge_attention_states(parts_out, parts_lse)
+        rows, i0, i1 = group[0][0], group[0][1], group[0][2]
+        out[rows, :, i0:i1] = o
+        lse[rows, :, i0:i1] = part_lse
+    return out.to(q.dtype), lse, out
+
+
+def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: torch.Tensor, lse: torch.Tensor,
+                   grad_out: torch.Tensor | None):
+    """Each call's share of ``(dq, dk, dv)`` from the fused backward, fed the merged out and lse."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    ct = out_ct.dtype
+    qc, kc, vc = q.detach().to(ct), k.detach().to(ct), v.detach().to(ct)
+    grad = torch.zeros_like(out_ct) if grad_out is None else grad_out.to(ct)  # [B, Hq, T, Dv]
+    lse_use = lse.to(ct).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: weights exp(s - inf) = 0
+    mask = visibility_mask(inputs)
+    dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+    for group in groups:
+        for call in group:
+            rows, i0, i1, j0, j1, kind = call
+            additive = None if kind != "masked" else _span_mask(mask, call, q.shape[1], ct)[0]
+            g_q, g_k, g_v = _FLASH_BACKWARD(
+                grad[rows, :, i0:i1].contiguous(), qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1],
+                out_ct[rows, :, i0:i1], lse_use[rows, :, i0:i1].contiguous(), 0.0, kind == "causal",
+                attn_mask=additive, scale=inputs.scale)
+            dq[rows, :, i0:i1] += g_q
+            dk[rows, :, j0:j1] += g_k
+            dv[rows, :, j0:j1] += g_v
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+

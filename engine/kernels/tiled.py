@@ -1,0 +1,146 @@
+"""The tiled online-softmax kernel: query tiles x key tiles, never the ``[T, S]`` score matrix.
+
+For one query tile (``block_q`` queries of every head) the kernel walks the key tiles its plan keeps and
+updates, per query row (the loop of FlashAttention)::
+
+    s     = q_tile @ k_tile^T * scale             scores of this tile      [Hkv, G*tq, tk]
+    m_new = max(m_i, rowmax(s))                    running max
+    p     = exp(s - m_new)                         this tile's weights, not yet normalised
+    alpha = exp(m_i - m_new)                       rescales what was summed under the old max
+    l_i   = l_i * alpha + rowsum(p)                running sum of weights
+    acc   = acc * alpha + p @ v_tile               running weighted sum of values
+    ...
+    out = acc / l_i,   lse = m_i + log(l_i)        (rows that saw nothing: out 0, lse -inf)
+
+Everything above runs in fp32 (fp64 for fp64 inputs); memory is ``O(tile)`` beyond q, k, v and out.
+Empty tiles (from positions, windows, documents, padding) are skipped without reading their K/V;
+full tiles need no mask; partial tiles are masked exactly. Gradients come from ``tiled_backward``,
+which recomputes each tile's weights from the saved log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
+from engine.kernels.dispatch import AttentionInputs
+from engine.kernels.nonfinite import guard_non_finite
+from engine.kernels.tiles import plan_tiles, visibility_mask
+
+BLOCK_Q = 128  # queries per tile (times every head of the KV group)
+BLOCK_K = 256  # keys per tile
+
+
+def tiled_attention(inputs: AttentionInputs, return_lse: bool = False, block_q: int = BLOCK_Q,
+                    block_k: int = BLOCK_K) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kernel ``"tiled"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)``."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _TiledAttention.apply(q, k, v, inputs, block_q, block_k)
+    else:
+        out, lse = tiled_forward(inputs, block_q, block_k)
+    return out, (lse.float() if return_lse else None)
+
+
+class _TiledAttention(torch.autograd.Function):
+    """Forward by tiles; backward by tiles again, recomputing the weights from the saved lse."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, inputs, block_q, block_k):
+        inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
+        out, lse = tiled_forward(inputs, block_q, block_k)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.inputs, ctx.blocks = inputs, (block_q, block_k)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        from engine.kernels.tiled_backward import tiled_backward
+
+        q, k, v, out, lse = ctx.saved_tensors
+        inputs = dataclasses.replace(ctx.inputs, q=q, k=k, v=v)
+        if grad_out is None and grad_lse is None:
+            return None, None, None, None, None, None
+        dq, dk, dv = tiled_backward(inputs, out, lse, grad_out, grad_lse, *ctx.blocks)
+        return dq, dk, dv, None, None, None
+
+
+def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
+    """``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] in the compute dtype)`` by tiles."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    batch, q_heads, t, _ = q.shape
+    kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[3]
+    ct = compute_dtype(q.dtype)
+    kc, vc = k.to(ct), v.to(ct)  # [B, Hkv, S, D], [B, Hkv, S, Dv]; no copy when already ct
+    guard = guard_non_finite(kc, vc)
+    if guard is not None:
+        kc, vc = guard.k, guard.v
+    mask = visibility_mask(inputs)
+    out = torch.zeros(batch, q_heads, t, dv, dtype=q.dtype, device=q.device)  # rows left alone stay 0
+    lse = torch.full((batch, q_heads, t), NEG_INF, dtype=ct, device=q.device)
+    plan = None
+    for b in range(batch):
+        if plan is None or (mask is not None and mask.batched()):
+            plan = plan_tiles(mask, b, t, s, block_q, block_k)
+        for i0, i1, tiles in plan.query_tiles():
+            if not tiles:
+                continue  # no visible key: out 0, lse -inf
+            q_rows = group_rows(q[b, :, i0:i1].to(ct) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+            o, part_lse = _query_tile(q_rows, kc[b], vc[b], tiles, mask, b, i0, i1, inputs.softcap, guard)
+            out[b, :, i0:i1] = o.view(q_heads, i1 - i0, dv).to(q.dtype)
+            lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)
+    return out, lse
+
+
+def tile_scores(q_rows: torch.Tensor, k_tile: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Scaled (and soft-capped) scores ``[Hkv, G*tq, tk]`` of one tile; q_rows is already scaled."""
+    scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # [Hkv, G*tq, tk]
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)  # softcap * tanh(s / softcap)
+    return scores
+
+
+def _query_tile(q_rows, k_b, v_b, tiles, mask, b, i0, i1, softcap, guard):
+    """Online softmax over the key tiles of one query tile: ``(out [Hkv, G*tq, Dv], lse [Hkv, G*tq, 1])``."""
+    kv_heads, rows, _ = q_rows.shape
+    q_heads, tq = rows // (i1 - i0) * kv_heads, i1 - i0
+    m_i = q_rows.new_full((kv_heads, rows, 1), NEG_INF)  # running max
+    l_i = q_rows.new_zeros((kv_heads, rows, 1))  # running sum of exp(s - m_i)
+    acc = q_rows.new_zeros((kv_heads, rows, v_b.shape[-1]))  # running sum of exp(s - m_i) * v
+    reached = None  # visible non-finite values per (row, channel), only when V has some
+    for j0, j1, full in tiles:
+        s = tile_scores(q_rows, k_b[:, j0:j1], softcap)  # [Hkv, G*tq, tk]
+        if guard is not None and guard.key_bad is not None:
+            s.masked_fill_(guard.key_bad[b][:, None, j0:j1], float("nan"))  # visible bad keys poison the row
+        visible = None
+        if not full:
+            visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)  # [.., tq, tk]
+            s.view(kv_heads, q_heads // kv_heads, tq, j1 - j0).masked_fill_(~visible, NEG_INF)
+        m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))  # [Hkv, G*tq, 1]
+        m_use = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows that saw nothing yet: exp(-inf - 0) = 0
+        p = s.sub_(m_use).exp_()  # [Hkv, G*tq, tk], masked entries exactly 0
+        alpha = torch.exp(m_i - m_use)  # [Hkv, G*tq, 1]
+        l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+        acc.mul_(alpha).baddbmm_(p, v_b[:, j0:j1])  # [Hkv, G*tq, Dv]
+        m_i = m_new
+        if guard is not None and guard.value_bad is not None:
+            hit = _bad_values_reached(guard.value_bad[b, :, j0:j1], visible, kv_heads, rows, tq, p.dtype)
+            reached = hit if reached is None else reached + hit
+    seen = l_i > 0
+    out = acc / torch.where(seen, l_i, 1.0)  # [Hkv, G*tq, Dv]
+    lse = torch.where(seen, m_i + torch.log(l_i), NEG_INF)  # [Hkv, G*tq, 1]
+    if reached is not None:
+        out = out.masked_fill(reached > 0, float("nan"))
+    return out, lse
+
+
+def _bad_values_reached(value_bad, visible, kv_heads, rows, tq, dtype):
+    """How many visible non-finite values reach each (row, channel): ``[Hkv, G*tq|1, Dv]``."""
+    bad = value_bad.to(dtype)  # [Hkv, tk, Dv]
+    if visible is None:
+        return bad.sum(dim=1, keepdim=True)  # [Hkv, 1, Dv]: every row sees every key of a full tile
+    vis = visible.expand(kv_heads, rows // tq, tq, bad.shape[1]).reshape(kv_heads, rows, -1).to(dtype)
+    return torch.bmm(vis, bad)  # [Hkv, G*tq, Dv]

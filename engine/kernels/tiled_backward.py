@@ -1,0 +1,80 @@
+"""Backward of the tiled kernel: recompute each tile's weights from the saved log-sum-exp.
+
+With ``p = exp(s - lse)`` (exact softmax weights, no second normalisation pass) and
+``delta_i = sum_c dout_ic * out_ic - dlse_i`` per query row, one tile contributes::
+
+    dv_tile += p^T @ dout                    [Hkv, tk, Dv]   (sums the G query heads of a KV head)
+    dp       = dout @ v_tile^T               [Hkv, G*tq, tk]
+    ds       = p * (dp - delta)              gradient of the (capped) scores
+    ds      *= 1 - tanh(raw / cap)^2         only with softcap
+    dq_tile += ds @ k_tile * scale
+    dk_tile += ds^T @ (q * scale)
+
+Memory stays linear in T: only one tile of scores lives at a time. Rows that saw nothing have lse
+``-inf``; using ``+inf`` there makes every p exactly 0, so their gradients are 0, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
+from engine.kernels.dispatch import AttentionInputs
+from engine.kernels.nonfinite import guard_non_finite
+from engine.kernels.tiles import plan_tiles, visibility_mask
+
+
+def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor | None,
+                   grad_lse: torch.Tensor | None, block_q: int, block_k: int):
+    """Gradients ``(dq, dk, dv)`` in the dtypes of q, k, v from ``out [B, Hq, T, Dv]`` and fp32 ``lse [B, Hq, T]``."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    batch, q_heads, t, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    ct = compute_dtype(q.dtype)
+    kc, vc = k.to(ct), v.to(ct)
+    guard = guard_non_finite(kc, vc)
+    if guard is not None:
+        kc, vc = guard.k, guard.v
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    delta = (grad_out.to(ct) * out.to(ct)).sum(dim=-1)  # [B, Hq, T]
+    if grad_lse is not None:
+        delta = delta - grad_lse.to(ct)  # d lse / d s = p folds into the same formula
+    lse_use = lse.to(ct).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: p = exp(s - inf) = 0
+    dq = torch.zeros(q.shape, dtype=ct, device=q.device)  # [B, Hq, T, D]
+    dk = torch.zeros(kc.shape, dtype=ct, device=q.device)  # [B, Hkv, S, D]
+    dv = torch.zeros(vc.shape, dtype=ct, device=q.device)  # [B, Hkv, S, Dv]
+    mask = visibility_mask(inputs)
+    plan = None
+    for b in range(batch):
+        if plan is None or (mask is not None and mask.batched()):
+            plan = plan_tiles(mask, b, t, s, block_q, block_k)
+        for i0, i1, tiles in plan.query_tiles():
+            if not tiles:
+                continue
+            rows = (q_heads // kv_heads) * (i1 - i0)
+            q_rows = group_rows(q[b, :, i0:i1].to(ct) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+            do_rows = group_rows(grad_out[b, :, i0:i1].to(ct).contiguous(), kv_heads)  # [Hkv, G*tq, Dv]
+            lse_rows = lse_use[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
+            delta_rows = delta[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
+            dq_rows = torch.zeros_like(q_rows)  # [Hkv, G*tq, D]
+            for j0, j1, full in tiles:
+                k_tile, v_tile = kc[b, :, j0:j1], vc[b, :, j0:j1]  # [Hkv, tk, D], [Hkv, tk, Dv]
+                scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # [Hkv, G*tq, tk]
+                capped = None
+                if inputs.softcap is not None:
+                    capped = torch.tanh(scores / inputs.softcap)  # [Hkv, G*tq, tk]
+                    scores = capped * inputs.softcap
+                if guard is not None and guard.key_bad is not None:
+                    scores.masked_fill_(guard.key_bad[b][:, None, j0:j1], float("nan"))
+                if not full:
+                    visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
+                    scores.view(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0).masked_fill_(~visible, NEG_INF)
+                p = scores.sub_(lse_rows).exp_()  # [Hkv, G*tq, tk], the softmax weights
+                dv[b, :, j0:j1] += torch.bmm(p.transpose(1, 2), do_rows)  # [Hkv, tk, Dv]
+                ds = torch.bmm(do_rows, v_tile.transpose(1, 2)).sub_(delta_rows).mul_(p)  # [Hkv, G*tq, tk]
+                if capped is not None:
+                    ds.mul_(1.0 - capped * capped)
+                dq_rows.baddbmm_(ds, k_tile)  # [Hkv, G*tq, D]
+                dk[b, :, j0:j1] += torch.bmm(ds.transpose(1, 2), q_rows)  # [Hkv, tk, D]
+            dq[b, :, i0:i1] = (dq_rows * inputs.scale).view(q_heads, i1 - i0, d)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

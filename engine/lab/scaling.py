@@ -6,7 +6,8 @@ implementation this bench
 
 1. runs T = min-t, 2 min-t, ... max-t (doubling) while the next point is predicted to stay within
    ``--max-seconds`` per call and ``--ram-budget`` of memory (this machine is shared);
-2. times each point (median of ``--repeats``) and measures its peak tensor memory (torch's allocator, exact);
+2. times each point (median of ``--repeats``) and measures its peak tensor memory: the inputs q, k, v plus the
+   peak of what the call allocates (torch's allocator, exact; the output included);
 3. fits ``time ~ T^p`` and ``memory ~ T^p`` on log-log axes over the points with T >= ``--fit-from``;
 4. solves the memory fit for the T at which one call would no longer fit in ``--memory`` (default: this
    machine's RAM) at the benched B and heads.
@@ -47,8 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", type=byte_size, default=None,
                         help="memory size for the 'stops fitting at T' column, e.g. 80GiB or 16GB "
                         "(default: this machine's RAM)")
-    parser.add_argument("--fit-from", type=positive_int, default=512,
-                        help="fit exponents over points with T >= this (default 512; small T is overhead-bound)")
+    parser.add_argument("--fit-from", type=positive_int, default=1024,
+                        help="fit exponents over points with T >= this (default 1024; small T is overhead-bound)")
 
 
 def sequence_lengths(min_t: int, max_t: int) -> list[int]:
@@ -99,8 +100,10 @@ def run_points(args: argparse.Namespace, impls: dict, lengths: list[int], ram_bu
             continue
         fn = impls[name]
         ms = median_ms(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v), repeats=args.repeats, warmup=1)
-        peak = peak_allocated_bytes(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
-        point = {"impl": name, "T": t, "ms": ms, "peak_bytes": peak, "peak_MiB": peak / 2**20}
+        allocated = peak_allocated_bytes(lambda fn=fn, q=q, k=k, v=v: fn(q, k, v))
+        peak = allocated + sum(x.numel() * x.element_size() for x in (q, k, v))  # inputs + what the call adds
+        point = {"impl": name, "T": t, "ms": ms, "alloc_MiB": allocated / 2**20, "peak_bytes": peak,
+                 "peak_MiB": peak / 2**20}
         done[name].append(point)
         rows.append(point)
     for name, why in stopped.items():
@@ -138,7 +141,8 @@ def plot(rows: list[dict], fits: list[dict], memory: int, path) -> None:
     """Three panels: time vs T, peak memory vs T (log-log, with T and T^2 guides), and where each stops fitting."""
     fig, (ax_time, ax_mem, ax_fit) = plots.figure(ncols=3, width=5.0, height=4.4)
     plots.loglog(ax_time, "Time per call vs sequence length", "sequence length T (tokens)", "time per call (ms)")
-    plots.loglog(ax_mem, "Peak tensor memory vs T", "sequence length T (tokens)", "peak memory (MiB)")
+    plots.loglog(ax_mem, "Peak tensor memory vs T (inputs included)", "sequence length T (tokens)",
+                 "peak memory (MiB)")
     plots.loglog(ax_fit, f"Fitted memory, extrapolated to {format_bytes(memory)}", "sequence length T (tokens)",
                  "predicted peak memory (GiB)")
     lengths = sorted({r["T"] for r in rows})
@@ -188,7 +192,8 @@ def main(args: argparse.Namespace) -> int:
         print("error: no point fitted the time and memory budgets")
         return 1
     fits = fit_rows(rows, impls, args.fit_from, memory)
-    print("\n" + format_table(rows, ["impl", "T", "ms", "peak_MiB", "x_peer_time"]))
+    print("\npeak_MiB = q, k, v + the peak the call allocates (alloc_MiB, output included)\n")
+    print(format_table(rows, ["impl", "T", "ms", "x_peer_time", "alloc_MiB", "peak_MiB"]))
     shown = [{**f, "fits_until_T": f"{f['fits_until_T']:,.0f}"} for f in fits]
     print(f"\nlog-log fits over T >= {args.fit_from}; 'fits until T': one call at B={args.batch}, H={args.heads} "
           f"outgrows {format_bytes(memory)}\n")

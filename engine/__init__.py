@@ -8,9 +8,13 @@ Glossary (every shape comment in the package uses it):
 
 Visibility, stated once: key j is visible to query i iff key_positions[j] <= query_positions[i]
 (and allowed[i, j]); rows that see nothing output 0.
+
+The transformers backend is opt-in: ``import engine.integrations.transformers`` registers "engine".
 """
 
 from engine.attention import causal_attention, merge_heads, split_heads, window_mask
+from engine.kv_cache import KVCache, kv_cache_bytes
+from engine.layer import MultiHeadAttention
 from engine.masks import (
     causal_mask,
     document_mask,
@@ -19,6 +23,7 @@ from engine.masks import (
     padding_mask,
     padding_positions,
 )
+from engine.rope import apply_rope, rope_frequencies
 from engine.softmax import naive_softmax, online_softmax, stable_softmax
 
 __all__ = [
@@ -32,6 +37,11 @@ __all__ = [
     "padding_positions",
     "document_mask",
     "document_positions",
+    "MultiHeadAttention",
+    "KVCache",
+    "kv_cache_bytes",
+    "apply_rope",
+    "rope_frequencies",
     "stable_softmax",
     "naive_softmax",
     "online_softmax",

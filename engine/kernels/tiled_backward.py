@@ -11,7 +11,8 @@ With ``p = exp(s - lse)`` (exact softmax weights, no second normalisation pass) 
     dk_tile += ds^T @ (q * scale)
 
 Memory stays linear in T: only one tile of scores lives at a time. Rows that saw nothing have lse
-``-inf``; using ``+inf`` there makes every p exactly 0, so their gradients are 0, never NaN.
+``-inf``; using ``+inf`` there makes every p exactly 0, so their gradients are 0, never NaN. NaN/inf
+in K or V: masked entries change no gradient; a loss that depends on a NaN output gets NaN gradients.
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
     ct = compute_dtype(q.dtype)
     kc, vc = k.to(ct), v.to(ct)
     guard = guard_non_finite(kc, vc)
-    if guard is not None:
-        kc, vc = guard.k, guard.v
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    if guard is not None:  # differentiate the problem with bad K/V entries zeroed (masked ones change nothing)
+        kc, vc = guard.k, guard.v
+        poisoned = torch.isnan(out)  # outputs that saw a bad key or value
+        if bool((grad_out[poisoned] != 0).any()):  # the loss depends on a NaN output: its gradient is NaN
+            return tuple(torch.full_like(x, float("nan")) for x in (q, k, v))
+        out = out.masked_fill(poisoned, 0.0)  # their upstream gradient is 0: they contribute nothing
     delta = (grad_out.to(ct) * out.to(ct)).sum(dim=-1)  # [B, Hq, T]
     if grad_lse is not None:
         delta = delta - grad_lse.to(ct)  # d lse / d s = p folds into the same formula
@@ -64,8 +69,6 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
                 if inputs.softcap is not None:
                     capped = torch.tanh(scores / inputs.softcap)  # [Hkv, G*tq, tk]
                     scores = capped * inputs.softcap
-                if guard is not None and guard.key_bad is not None:
-                    scores.masked_fill_(guard.key_bad[b][:, None, j0:j1], float("nan"))
                 if not full:
                     visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
                     scores.view(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0).masked_fill_(~visible, NEG_INF)

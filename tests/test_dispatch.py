@@ -1,0 +1,87 @@
+"""Dispatch: the fastest kernel whose semantics fit, a readable explanation, and no silent slow path."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+import engine.kernels.dispatch as dispatch
+from engine.attention import causal_attention, prepare_inputs
+from engine.kernels.dispatch import SlowPathWarning, explain, select_kernel
+from engine.masks import key_padding_mask, window_mask
+
+
+def rand(b, hq, hkv, t, s, d, dv=None):
+    return torch.randn(b, hq, t, d), torch.randn(b, hkv, s, d), torch.randn(b, hkv, s, dv or d)
+
+
+def chosen(q, k, v, **kwargs):
+    return select_kernel(prepare_inputs(q, k, v, kwargs.pop("query_positions", None), None,
+                                        kwargs.pop("allowed", None), None, **kwargs))[0]
+
+
+def test_plain_prefill_runs_torch_sdpa():
+    assert chosen(*rand(1, 4, 2, 64, 64, 16)) == "sdpa"
+
+
+def test_decode_runs_the_decode_kernel_unless_gradients_are_needed():
+    q, k, v = rand(2, 8, 2, 1, 1024, 16)
+    assert chosen(q, k, v) == "decode"
+    assert chosen(q, k, v, allowed=key_padding_mask(torch.tensor([3, 1024]), 1024)) == "decode"
+    assert chosen(q.requires_grad_(), k, v) != "decode"
+
+
+def test_masks_and_position_offsets_run_the_fused_tiles():
+    q, k, v = rand(1, 4, 2, 64, 128, 16)
+    assert chosen(q, k, v) == "sdpa_tiles"  # chunked prefill: bottom-right causal is not SDPA's is_causal
+    pos = torch.arange(64)
+    assert chosen(q[:, :, :, :], k[:, :, :64], v[:, :, :64], allowed=window_mask(pos, pos, 8)) == "sdpa_tiles"
+
+
+def test_softcap_and_value_dims_run_the_tiled_kernel():
+    assert chosen(*rand(1, 4, 2, 64, 64, 16), softcap=30.0) == "tiled"
+    assert chosen(*rand(1, 4, 2, 64, 64, 16, 8)) == "tiled"
+
+
+def test_explain_names_the_kernel_and_why_faster_ones_did_not_fit():
+    pos = torch.arange(64)
+    choice = explain(*rand(1, 4, 2, 64, 64, 16), allowed=window_mask(pos, pos, 8))
+    assert choice.kernel == "sdpa_tiles"
+    assert "decode" in choice.passed_over and "sdpa" in choice.passed_over
+    assert "mask" in choice.passed_over["sdpa"]
+    text = str(choice)
+    assert text.startswith("kernel: sdpa_tiles") and "not sdpa:" in text
+    forced = explain(*rand(1, 4, 2, 64, 64, 16), kernel="tiled")
+    assert forced.kernel == "tiled" and "auto would pick sdpa" in forced.reason
+    with pytest.raises(ValueError, match="kernel must be 'auto' or one of"):
+        explain(*rand(1, 1, 1, 4, 4, 4), kernel="fastest")
+
+
+def test_every_choice_is_logged_at_debug_level(caplog):
+    with caplog.at_level(logging.DEBUG, logger="engine.kernels"):
+        causal_attention(*rand(1, 2, 1, 8, 8, 4))
+    assert any("kernel=sdpa" in record.getMessage() for record in caplog.records)
+
+
+def test_forcing_the_reference_at_a_slow_size_warns(monkeypatch):
+    monkeypatch.setattr(dispatch, "SLOW_REFERENCE_SCORES", 1000)
+    q, k, v = rand(1, 2, 1, 32, 32, 4)  # 2 * 32 * 32 = 2,048 scores > 1,000
+    with pytest.warns(SlowPathWarning, match="materialising reference"):
+        causal_attention(q, k, v, kernel="reference")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto never falls back to the reference
+        causal_attention(q, k, v)
+        causal_attention(q, k, v, softcap=2.0)
+
+
+def test_auto_gives_the_same_results_as_the_reference_for_every_choice():
+    pos = torch.arange(64)
+    for kwargs, shape in (({}, (1, 4, 2, 64, 64, 16)), ({}, (2, 8, 2, 1, 1024, 16)),
+                          ({"allowed": window_mask(pos, pos, 8)}, (1, 4, 2, 64, 64, 16)),
+                          ({"softcap": 5.0}, (1, 4, 2, 64, 64, 16))):
+        q, k, v = rand(*shape)
+        torch.testing.assert_close(causal_attention(q, k, v, **kwargs),
+                                   causal_attention(q, k, v, kernel="reference", **kwargs), rtol=1e-5, atol=1e-6)

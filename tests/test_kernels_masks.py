@@ -1,0 +1,138 @@
+"""Structured masks: the same values as the dense definitions, and per-tile bounds kernels can trust."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engine.masks import (
+    StructuredMask,
+    as_structured,
+    causal_mask,
+    document_mask,
+    key_padding_mask,
+    padding_mask,
+    window_mask,
+)
+
+
+def _dense_window(qp, kp, w):
+    return (kp[None, :] <= qp[:, None]) & (qp[:, None] - kp[None, :] < w)
+
+
+def test_helpers_return_structured_masks_equal_to_the_dense_definitions():
+    qp, kp = torch.arange(3, 9), torch.arange(9)
+    mask = window_mask(qp, kp, 3)
+    assert isinstance(mask, StructuredMask)
+    assert mask.shape == (6, 9) and mask.dtype == torch.bool and mask.dim() == 2
+    assert torch.equal(mask, _dense_window(qp, kp, 3))  # torch.equal materialises
+    assert torch.equal(mask.to_dense(), _dense_window(qp, kp, 3))
+    assert torch.equal(causal_mask(qp, kp), kp[None, :] <= qp[:, None])
+    ids = torch.tensor([0, 0, 1, 1, 1, 2])
+    assert torch.equal(document_mask(ids), ids[:, None] == ids[None, :])
+    lengths = torch.tensor([2, 4])
+    valid = torch.arange(4)[None, :] < lengths[:, None]  # [B, L]
+    assert torch.equal(padding_mask(lengths, 4), valid[:, None, :, None] & valid[:, None, None, :])
+    assert torch.equal(key_padding_mask(lengths, 4), valid[:, None, None, :])
+
+
+def test_structured_masks_behave_as_bool_tensors():
+    qp = torch.arange(6)
+    mask = window_mask(qp, qp, 2)
+    dense = mask.to_dense()
+    assert torch.equal(mask[1], dense[1]) and int(mask.sum()) == int(dense.sum())
+    assert bool((mask == dense).all()) and not bool((mask != dense).any())
+    assert torch.equal(torch.where(mask, 1, 0), dense.long())
+    tril = torch.ones(6, 6, dtype=torch.bool).tril()
+    for combined, expected in ((mask & tril, dense & tril), (tril & mask, tril & dense), (mask | ~tril, dense | ~tril),
+                               (~tril | mask, ~tril | dense), (~mask, ~dense), (torch.logical_not(mask), ~dense)):
+        assert isinstance(combined, StructuredMask)  # composing keeps the structure for kernels
+        assert torch.equal(combined, expected)
+    assert mask.tolist() == dense.tolist()
+
+
+def test_per_row_values_give_batch_masks():
+    qp = torch.tensor([[0, 1], [5, 6]])
+    kp = torch.tensor([[0, 1, 2], [4, 5, 6]])
+    mask = causal_mask(qp, kp)
+    assert mask.shape == (2, 1, 2, 3) and mask.batched()
+    assert torch.equal(mask[1, 0], torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool))
+    shared = causal_mask(torch.arange(2).expand(3, 2), torch.arange(3))  # one row expanded: planned once
+    assert shared.shape == (3, 1, 2, 3) and not shared.batched()
+
+
+def test_the_causal_structured_mask_summarises_tiles_without_a_dense_tensor():
+    pos = torch.arange(8)
+    some, every = causal_mask(pos, pos).tile_bounds(0, 4, 4, 8, 8)
+    assert torch.equal(some, torch.tensor([[True, False], [True, True]]))  # upper right tile skipped
+    assert torch.equal(every, torch.tensor([[False, False], [True, False]]))  # lower left needs no mask
+
+
+def _check_bounds(mask, batch, t, s, block_q, block_k):
+    dense = mask.to_dense()
+    dense = dense.reshape((1,) * (4 - dense.dim()) + tuple(dense.shape)).expand(batch, -1, t, s)  # [B, H|1, T, S]
+    for b in range(batch):
+        some, every = mask.tile_bounds(b, block_q, block_k, t, s)
+        assert some.shape == every.shape == (-(-t // block_q), -(-s // block_k))
+        for i in range(some.shape[0]):
+            for j in range(some.shape[1]):
+                i0, j0 = i * block_q, j * block_k
+                i1, j1 = min(i0 + block_q, t), min(j0 + block_k, s)
+                tile = dense[b, :, i0:i1, j0:j1]
+                block = mask.block(b, i0, i1, j0, j1)
+                assert torch.equal(block.expand(tile.shape[0], i1 - i0, j1 - j0), tile)  # exact tile values
+                if not bool(some[i, j]):
+                    assert not bool(tile.any())  # "no True here" must be true
+                if bool(every[i, j]):
+                    assert bool(tile.all())  # "no False here" must be true
+
+
+@st.composite
+def masks(draw):
+    t, s = draw(st.integers(1, 24)), draw(st.integers(1, 24))
+    batch = draw(st.integers(1, 2))
+    kind = draw(st.sampled_from(["causal", "window", "document", "padding", "key_padding", "dense", "combo"]))
+    qp = torch.tensor(sorted(draw(st.lists(st.integers(-3, 30), min_size=t, max_size=t))))
+    kp = torch.tensor(sorted(draw(st.lists(st.integers(0, 30), min_size=s, max_size=s))))
+    if kind == "causal":
+        return causal_mask(qp, kp), batch, t, s
+    if kind == "window":
+        return window_mask(qp, kp, draw(st.integers(1, 8))), batch, t, s
+    if kind == "document":
+        ids_q = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=t, max_size=t)))  # not even sorted
+        ids_k = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=s, max_size=s)))
+        return document_mask(ids_q, ids_k), batch, t, s
+    lengths = torch.tensor(draw(st.lists(st.integers(0, s), min_size=batch, max_size=batch)))
+    side = draw(st.sampled_from(["left", "right"]))
+    if kind == "key_padding":
+        return key_padding_mask(lengths, s, side), batch, t, s
+    if kind == "padding":
+        return padding_mask(lengths, s, side), batch, s, s
+    g = torch.Generator().manual_seed(draw(st.integers(0, 1000)))
+    dense = torch.rand(batch, draw(st.sampled_from([1, 3])), t, s, generator=g) < draw(st.floats(0.0, 1.0))
+    if kind == "dense":
+        return as_structured(dense), batch, t, s
+    return (window_mask(qp, kp, 4) | ~causal_mask(qp, kp)) & dense, batch, t, s
+
+
+@given(masks(), st.integers(1, 9), st.integers(1, 9))
+def test_tile_bounds_are_sound_and_blocks_exact(case, block_q, block_k):
+    mask, batch, t, s = case
+    _check_bounds(mask, batch, t, s, block_q, block_k)
+
+
+def test_sorted_structures_skip_most_tiles():
+    # A window of 16 over 256 tokens in 16 x 16 tiles: only the diagonal band of tiles is computed.
+    pos = torch.arange(256)
+    some, every = window_mask(pos, pos, 16).tile_bounds(0, 16, 16, 256, 256)
+    assert int(some.sum()) == 16 + 15  # diagonal tiles and the ones just left of them
+    assert int(every.sum()) == 0  # every visible tile is cut by the band
+    some, every = document_mask(pos // 64).tile_bounds(0, 16, 16, 256, 256)
+    assert int(some.sum()) == int(every.sum()) == 4 * 16  # whole 64-token documents: full or empty tiles
+
+
+def test_a_non_bool_mask_is_rejected():
+    with pytest.raises(ValueError, match="bool tensor"):
+        as_structured(torch.ones(3, 3))

@@ -105,7 +105,7 @@ def plot(rows: list[dict], peak: float, bandwidth: float, path, title_extra: str
     """The roofline (log-log) with one marker per (phase, implementation)."""
     import numpy as np
 
-    fig, (ax,) = plots.figure(width=10.0, height=5.0)
+    fig, (ax,) = plots.figure(width=9.0, height=5.0)
     plots.loglog(ax, f"Roofline of this machine: prefill vs decode attention\n{title_extra}",
                  "arithmetic intensity (FLOP per byte moved)", "achieved GFLOP/s", base=10)
     ridge = peak / bandwidth
@@ -120,8 +120,15 @@ def plot(rows: list[dict], peak: float, bandwidth: float, path, title_extra: str
         color = f"C{names.index(r['impl']) % 10}"
         filled = r["phase"] == "prefill"
         ax.plot([r["FLOP/B"]], [r["GFLOP/s"]], marker="o" if filled else "s", markersize=9, linestyle="none",
-                color=color, markerfacecolor=color if filled else "white", markeredgewidth=2,
-                label=f"{r['phase']} (T={r['T']}, S={r['S']}): {r['impl']}")
+                color=color, markerfacecolor=color if filled else "white", markeredgewidth=2)
+    for i, name in enumerate(names):  # legend: one colour per implementation, one marker per phase
+        ax.plot([], [], marker="D", linestyle="none", color=f"C{i % 10}", label=name)
+    shapes = {r["phase"]: (r["T"], r["S"]) for r in rows}
+    for phase, marker, face in (("prefill", "o", "black"), ("decode", "s", "white")):
+        if phase in shapes:
+            t, s = shapes[phase]
+            ax.plot([], [], marker=marker, linestyle="none", color="black", markerfacecolor=face,
+                    markeredgewidth=2, label=f"{phase}: T={t}, S={s}")
     ax.text(0.02, 0.97, "memory-bound (left of the ridge)", transform=ax.transAxes, va="top", fontsize=8)
     ax.text(0.98, 0.03, "compute-bound (right)", transform=ax.transAxes, ha="right", fontsize=8)
     ax.set_ylim(min(min(r["GFLOP/s"] for r in rows), bandwidth * lo) / 2, peak * 3)

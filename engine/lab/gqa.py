@@ -103,30 +103,40 @@ def run_rows(args: argparse.Namespace, impls: dict) -> list[dict]:
 
 
 def plot(rows: list[dict], path, title: str) -> None:
-    """Left: counted intensity vs G with the seed's line. Right: time per step vs KV bytes read."""
-    fig, (ax_i, ax_t) = plots.figure(ncols=2, width=6.0, height=4.8)
+    """Left: counted intensity vs G with the seed's line. Right: time per step vs KV cache size. Legend apart."""
+    fig, (ax_i, ax_t, ax_legend) = plots.plt.subplots(1, 3, figsize=(15, 4.8), width_ratios=[1, 1, 0.5])
     plots.loglog(ax_i, f"Decode intensity vs group size\n{title}", "G = Hq / Hkv (query heads per KV head)",
                  "arithmetic intensity (FLOP per byte)")
-    plots.loglog(ax_t, f"Time per decode step vs KV bytes\n{title}", "KV cache bytes read per step (MB)",
+    plots.loglog(ax_t, f"Time per decode step vs KV cache size\n{title}", "KV cache size, 2 Hkv S D bytes (MB)",
                  "time per decode step (ms)", base=10)
     groups = sorted({r["G"] for r in rows})
     seed = {r["G"]: r["formula_intensity"] for r in rows}
-    ax_i.plot(groups, [seed[g] for g in groups], color="black", linewidth=3, alpha=0.3,
-              label="seed: 4 Hq S D / (2 Hkv S D bytes)")
-    for i, name in enumerate(dict.fromkeys(r["impl"] for r in rows)):
+    handles = ax_i.plot(groups, [seed[g] for g in groups], color="black", linewidth=4, alpha=0.25,
+                        label="seed: 4 Hq S D / (2 Hkv S D bytes)")
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    for i, name in enumerate(names):
         mine = sorted((r for r in rows if r["impl"] == name), key=lambda r: r["G"])
         xs = [r["G"] for r in mine]
-        plots.series(ax_i, xs, [r["intensity"] for r in mine], f"{name}: FLOPs / KV bytes read", i,
-                     color=f"C{i}")
-        plots.series(ax_i, xs, [r["intensity_all_traffic"] for r in mine], f"{name}: FLOPs / all op traffic", i,
-                     color=f"C{i}", linestyle="--", markerfacecolor="white")
-        plots.series(ax_t, [r["kv_read_MB"] for r in mine], [r["ms"] for r in mine], name, i, color=f"C{i}")
-    ax_i.legend(fontsize=7)
-    ax_t.legend(fontsize=8)
+        plots.series(ax_i, xs, [r["intensity"] for r in mine], name, i, color=f"C{i}")
+        plots.series(ax_i, xs, [r["intensity_all_traffic"] for r in mine], name, i, color=f"C{i}",
+                     linestyle="--", markerfacecolor="white")
+        plots.series(ax_t, [r["formula_MB"] for r in mine], [r["ms"] for r in mine], name, i, color=f"C{i}")
+    sizes = sorted({r["formula_MB"] for r in rows})
+    largest = max((r for r in rows if r["formula_MB"] == sizes[-1]), key=lambda r: -r["ms"])
+    plots.power_guide(ax_t, sizes, (largest["formula_MB"], largest["ms"]), 1.0, "time ~ bytes (memory-bound)")
     for r in rows:
-        if r["impl"] == rows[0]["impl"]:
-            ax_t.annotate(f"Hkv={r['Hkv']}", (r["kv_read_MB"], r["ms"]), textcoords="offset points",
-                          xytext=(4, -10), fontsize=7)
+        if r["impl"] == names[0]:
+            ax_t.annotate(f"Hkv={r['Hkv']}", (r["formula_MB"], r["ms"]), textcoords="offset points",
+                          xytext=(4, -12), fontsize=8)
+    styles = [plots.plt.Line2D([], [], color="grey", marker="o", label="solid: FLOPs / KV bytes read (q, k, v)"),
+              plots.plt.Line2D([], [], color="grey", marker="o", linestyle="--", markerfacecolor="white",
+                               label="dashed: FLOPs / all op traffic")]
+    colours = [plots.plt.Line2D([], [], color=f"C{i}", marker=plots.MARKERS[i % len(plots.MARKERS)], label=name)
+               for i, name in enumerate(names)]
+    guide = ax_t.get_lines()[-1]
+    ax_legend.axis("off")
+    ax_legend.legend(handles=handles + styles + colours + [guide], loc="center left", fontsize=8,
+                     title="left: intensity; right: time", title_fontsize=8)
     plots.save(fig, path)
 
 

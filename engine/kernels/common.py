@@ -20,9 +20,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[Hq, tq, E] -> [Hkv, G * tq, E]``: stack each KV head's query heads as rows (needs contiguous x)."""
+    """``[Hq, tq, E] -> [Hkv, G * tq, E]``: stack each KV head's query heads as rows."""
     hq, tq, e = x.shape
-    return x.view(kv_heads, (hq // kv_heads) * tq, e)  # [Hkv, G*tq, E]
+    return x.reshape(kv_heads, (hq // kv_heads) * tq, e)  # [Hkv, G*tq, E] (copies only if x is strided)
 
 
 def head_mask(mask: torch.Tensor, kv_heads: int, q_heads: int) -> torch.Tensor:

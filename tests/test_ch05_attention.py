@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.attention import causal_attention, merge_heads, split_heads
+from engine.kernels.dispatch import KERNELS
 from engine.reference.loops import per_query_attention
 
 
@@ -261,11 +262,12 @@ def test_unknown_kernel_name_is_an_error():
         causal_attention(*rand_qkv(), kernel="no-such-kernel")
 
 
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_non_contiguous_inputs_as_models_pass_them(softcap):
+def test_non_contiguous_inputs_as_models_pass_them(softcap, kernel):
     # Models produce q, k, v as transposes of [B, T, H, D]; every path must accept strided views.
     q = torch.randn(1, 5, 4, 8).transpose(1, 2)  # [1, 4, 5, 8], not contiguous
     k, v = torch.randn(1, 5, 2, 8).transpose(1, 2), torch.randn(1, 5, 2, 8).transpose(1, 2)
-    out = causal_attention(q, k, v, softcap=softcap)
+    out = causal_attention(q, k, v, softcap=softcap, kernel=kernel)
     oracle = per_query_attention(q, k, v, softcap=softcap)
     torch.testing.assert_close(out.double(), oracle, rtol=1e-5, atol=1e-5)

@@ -3,7 +3,8 @@
 1. Peak compute: the best GFLOP/s of square GEMMs (``a @ b``, 2 n^3 FLOPs) in the bench dtype.
 2. Peak bandwidth: the best GB/s of three streaming kernels over arrays far larger than the caches:
    read (``x.sum()``, N bytes), copy (``y.copy_(x)``, 2N) and triad (``a = b + 2 c``, 3N), STREAM's counting.
-3. Attention: prefill (T = S, causal) and decode (T = 1 against S cached keys) for every implementation.
+3. Attention: prefill (T = S, causal) and decode (T = 1 against S cached keys) for every implementation
+   (and, for decode, ``grouped``: the plain-torch decode probe of ``bench gqa``).
    FLOPs are the causal work, ``4 * B * H * D * (visible query-key pairs)``; bytes are the compulsory traffic,
    reading q, k, v once and writing the output once. Intensity = FLOPs / bytes, a property of the shape.
 
@@ -18,6 +19,7 @@ import argparse
 import torch
 
 from engine.lab import implementations, plots
+from engine.lab.gqa import grouped_decode
 from engine.lab.measure import format_table, machine_info, median_ms, progress, save_results
 from engine.lab.options import add_common, apply_threads, positive_int
 
@@ -25,7 +27,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common(parser, "roofline")
+    add_common(parser, "roofline", impl_help="comma-separated implementations, or 'all' (default): every engine "
+               "kernel of engine.kernels.dispatch.KERNELS, torch-sdpa, and grouped (the decode probe of bench gqa)")
     parser.add_argument("--heads", type=positive_int, default=8, help="heads H = Hq = Hkv (default 8)")
     parser.add_argument("--head-dim", type=positive_int, default=128, help="head dim D (default 128)")
     parser.add_argument("--batch", type=positive_int, default=1, help="batch size B (default 1)")
@@ -88,6 +91,8 @@ def attention_rows(args: argparse.Namespace, impls: dict, ridge: float) -> list[
         k = torch.randn(args.batch, args.heads, s, args.head_dim, generator=generator).to(dtype)  # [B, H, S, D]
         v = torch.randn(args.batch, args.heads, s, args.head_dim, generator=generator).to(dtype)  # [B, H, S, D]
         why_not = implementations.why_not_fast(name, q, k, v)
+        if name == "grouped" and t != 1:
+            why_not = "the lab's decode probe runs one query per head"
         if why_not is not None:
             print(f"{name}: {phase} not measured, its fast path does not apply ({why_not})")
             continue
@@ -146,7 +151,7 @@ def main(args: argparse.Namespace) -> int:
         _quick(args)
     apply_threads(args)
     try:
-        impls = implementations.select(args.impl)
+        impls = implementations.select(args.impl, extra={"grouped": grouped_decode})
     except ValueError as error:
         print(f"error: {error}")
         return 2

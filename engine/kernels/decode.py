@@ -97,17 +97,19 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
     ct = compute_dtype(q.dtype)
     mask = visibility_mask(inputs)
     j0, j1 = _visible_span(mask, batch, t, s)
-    out = torch.zeros(batch, kv_heads, group * t, d, dtype=ct)  # [B, Hkv, G*T, Dv]
+    out = torch.zeros(batch, kv_heads, group * t, d, dtype=q.dtype)  # [B, Hkv, G*T, Dv]
     lse = torch.full((batch, kv_heads, group * t), NEG_INF, dtype=ct)  # [B, Hkv, G*T]
     if j1 > j0:
-        q_rows = q.to(ct).reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D]; a view when contiguous
-        kc, vc = k[:, :, j0:j1].to(ct), v[:, :, j0:j1].to(ct)  # views when fp32
+        # bf16/fp16 stay as they are: the fused kernel accumulates scores and sums in fp32 (converting the
+        # cache to fp32 first would triple the bytes moved)
+        q_rows = q.reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D]; a view when contiguous
+        kc, vc = k[:, :, j0:j1], v[:, :, j0:j1]  # views
         additive = None
         if mask is not None:
             from engine.kernels.sdpa import causal_pattern
 
             if inputs.allowed is not None or causal_pattern(inputs) != "none":
-                additive = _row_mask(mask, batch, kv_heads, group, t, j0, j1, ct)
+                additive = _row_mask(mask, batch, kv_heads, group, t, j0, j1, q.dtype)
         out, lse = _split_kv(q_rows, kc, vc, additive, inputs.scale)
     out = out.reshape(batch, q_heads, t, d).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
     return out, lse.reshape(batch, q_heads, t).float()
@@ -116,7 +118,7 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
 def _fused(q, k, v, additive, scale):
     """One fused call; rows the mask hides entirely get out 0 and lse -inf (the fused kernel says lse 0)."""
     o, part_lse = _FLASH(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
-    part_lse = part_lse.to(o.dtype)
+    part_lse = part_lse.to(compute_dtype(o.dtype))
     if additive is not None:
         seen = (additive == 0).any(dim=-1)  # [B|1, H|1, R]
         part_lse = part_lse.masked_fill(~seen, NEG_INF)

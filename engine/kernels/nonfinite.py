@@ -34,8 +34,21 @@ class NonFinite:
     v: torch.Tensor  # [B, Hkv, S, Dv] with bad entries zeroed
 
 
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """True when no tensor holds NaN/inf: one read-only pass each (min and max are finite exactly when every
+    entry is: NaN propagates, inf is the max or min), no temporary the size of the tensor."""
+    for x in tensors:
+        if x.numel():
+            low, high = torch.aminmax(x.detach())
+            if not (bool(torch.isfinite(low)) and bool(torch.isfinite(high))):
+                return False
+    return True
+
+
 def guard_non_finite(k: torch.Tensor, v: torch.Tensor) -> NonFinite | None:
     """None when K and V are all finite (the fast path); otherwise zeroed copies and where they were bad."""
+    if all_finite(k, v):
+        return None
     k_ok, v_ok = bool(torch.isfinite(k).all()), bool(torch.isfinite(v).all())
     if k_ok and v_ok:
         return None
@@ -97,13 +110,20 @@ def poison(inputs: AttentionInputs, guard: NonFinite, out: torch.Tensor, lse: to
 def run_guarded(inputs: AttentionInputs, return_lse: bool, fast):
     """Run ``fast(inputs, return_lse) -> (out, lse)`` with the NaN/inf semantics above.
 
-    Finite inputs go straight through. NaN/inf in K or V: zero them, run, then poison. NaN/inf in q, or
-    NaN/inf in K/V when gradients are needed, go to the ``tiled`` kernel, which handles both inline.
+    Finite K goes straight through, and a finite output proves q and V were finite wherever the kernel
+    looked (a NaN/inf value meets ``p = 0`` or ``p > 0``: both give NaN/inf), so only K, whose bad entries
+    could hide behind a ``-inf`` score, is checked up front. Otherwise the exact path: NaN/inf in K or V
+    are zeroed, the kernel runs, the outputs are poisoned; NaN/inf in q, or in K/V when gradients are
+    needed, go to the ``tiled`` kernel, which handles both inline.
     """
     q, k, v = inputs.q, inputs.k, inputs.v
+    if all_finite(k):  # NaN/inf in q or V always shows in the output (0 * NaN is NaN): check it there
+        out, lse = fast(inputs, return_lse)
+        if all_finite(out):
+            return out, lse
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     clean, guard = sanitized(inputs)
-    if not bool(torch.isfinite(q).all()) or (guard is not None and needs_grad):
+    if not all_finite(q) or (guard is not None and needs_grad):
         from engine.kernels.tiled import tiled_attention
 
         return tiled_attention(inputs, return_lse)

@@ -70,7 +70,15 @@ def sdpa_tiles_attention(inputs: AttentionInputs, return_lse: bool = False, bloc
 
 
 def plan_calls(inputs: AttentionInputs, block_q: int, block_k: int) -> list[list[Call]]:
-    """Calls grouped by query tile (each group is merged); batch rows share calls unless the mask differs."""
+    """Calls grouped by query tile (each group is merged); batch rows share calls unless the mask differs.
+
+    A square partial span whose mask is exactly the top-left triangle becomes an ``is_causal`` call (no
+    mask to build or read), and consecutive query tiles shaped ``[full a..c | causal c..c+tq]`` coalesce
+    into one taller group, so plain or chunked prefill and each packed document take two calls in all::
+
+        tile 0:  full [a, c)      causal [c, c+256)           merged:  full [a, c)
+        tile 1:  full [a, c+256)  causal [c+256, c+512)   ->           causal [c, c+512)
+    """
     mask = visibility_mask(inputs)
     batch, _, t, _ = inputs.q.shape
     s = inputs.k.shape[2]
@@ -80,10 +88,47 @@ def plan_calls(inputs: AttentionInputs, block_q: int, block_k: int) -> list[list
         rows = slice(0, batch) if shared else slice(b, b + 1)
         plan = plan_tiles(mask, b, t, s, block_q, block_k)
         for i0, i1, tiles in plan.query_tiles():
-            spans = plan.runs(tiles)
-            if spans:
-                groups.append([(rows, i0, i1, j0, j1, "full" if full else "masked") for j0, j1, full in spans])
+            calls = [(rows, i0, i1, j0, j1, "full" if full else _partial_kind(mask, b, i0, i1, j0, j1))
+                     for j0, j1, full in plan.runs(tiles)]
+            if not calls:
+                continue
+            merged = _coalesce(groups[-1], calls) if groups and groups[-1][0][0] == rows else None
+            if merged is not None:
+                groups[-1] = merged
+            else:
+                groups.append(calls)
     return groups
+
+
+def _partial_kind(mask, b: int, i0: int, i1: int, j0: int, j1: int) -> str:
+    """``"causal"`` when a partial span is square and exactly top-left causal, else ``"masked"``."""
+    if j1 - j0 != i1 - i0:
+        return "masked"
+    tril = torch.ones(i1 - i0, j1 - j0, dtype=torch.bool).tril()  # query r sees keys 0..r of the span
+    return "causal" if bool((mask.block(b, i0, i1, j0, j1) == tril).all()) else "masked"
+
+
+def _causal_shape(calls: list[Call]):
+    """``(a, c, i0, i1)`` for calls shaped ``[full a..c]? + [causal c..c+tq]``, else None."""
+    if len(calls) == 2 and calls[0][5] == "full" and calls[1][5] == "causal" and calls[0][4] == calls[1][3]:
+        return calls[0][3], calls[1][3], calls[1][1], calls[1][2]
+    if len(calls) == 1 and calls[0][5] == "causal":
+        return calls[0][3], calls[0][3], calls[0][1], calls[0][2]
+    return None
+
+
+def _coalesce(previous: list[Call], calls: list[Call]) -> list[Call] | None:
+    """One group for two consecutive query tiles sharing a full span start and a growing causal square."""
+    before, after = _causal_shape(previous), _causal_shape(calls)
+    if before is None or after is None:
+        return None
+    a, c, i0, i1 = before
+    a2, c2, i0_2, i1_2 = after
+    if a2 != a or i0_2 != i1 or c2 != c + (i1 - i0):
+        return None
+    rows = previous[0][0]
+    merged: list[Call] = [(rows, i0, i1_2, a, c, "full")] if c > a else []
+    return merged + [(rows, i0, i1_2, c, c + (i1_2 - i0), "causal")]
 
 
 def run_calls(inputs: AttentionInputs, groups: list[list[Call]], return_lse: bool):
@@ -140,6 +185,11 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
     batch, q_heads, t, _ = q.shape
     ct = compute_dtype(q.dtype)
     qc, kc, vc = q.detach().to(ct), k.detach().to(ct), v.detach().to(ct)  # no copy when already ct
+    if len(groups) == 1 and len(groups[0]) == 1 and _covers_all(groups[0][0], q, k):  # one call: no merging
+        rows, i0, i1, j0, j1, kind = groups[0][0]
+        if kind != "masked":
+            o, part_lse = _FLASH(qc, kc, vc, 0.0, kind == "causal", scale=inputs.scale)
+            return o.to(q.dtype), part_lse, o
     mask = visibility_mask(inputs)
     out = torch.zeros(batch, q_heads, t, v.shape[3], dtype=ct, device=q.device)  # [B, Hq, T, Dv]
     lse = torch.full((batch, q_heads, t), NEG_INF, dtype=ct, device=q.device)  # [B, Hq, T]
@@ -164,6 +214,11 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
     return out.to(q.dtype), lse, out
 
 
+def _covers_all(call: Call, q: torch.Tensor, k: torch.Tensor) -> bool:
+    rows, i0, i1, j0, j1, _ = call
+    return rows == slice(0, q.shape[0]) and (i0, i1, j0, j1) == (0, q.shape[2], 0, k.shape[2])
+
+
 def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: torch.Tensor, lse: torch.Tensor,
                    grad_out: torch.Tensor | None):
     """Each call's share of ``(dq, dk, dv)`` from the fused backward, fed the merged out and lse."""
@@ -171,6 +226,10 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
     ct = out_ct.dtype
     qc, kc, vc = q.detach().to(ct), k.detach().to(ct), v.detach().to(ct)
     grad = torch.zeros_like(out_ct) if grad_out is None else grad_out.to(ct)  # [B, Hq, T, Dv]
+    if len(groups) == 1 and len(groups[0]) == 1 and _covers_all(groups[0][0], q, k) and groups[0][0][5] != "masked":
+        g_q, g_k, g_v = _FLASH_BACKWARD(grad.contiguous(), qc, kc, vc, out_ct, lse.to(ct), 0.0,
+                                        groups[0][0][5] == "causal", scale=inputs.scale)
+        return g_q.to(q.dtype), g_k.to(k.dtype), g_v.to(v.dtype)
     lse_use = lse.to(ct).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: weights exp(s - inf) = 0
     mask = visibility_mask(inputs)
     dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)

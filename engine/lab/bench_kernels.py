@@ -1,0 +1,232 @@
+"""``run.py bench kernels``: the engine's kernels against PyTorch SDPA and FlexAttention, in one run.
+
+For each case (see engine.lab.bench_kernels_cases) every implementation runs on the same inputs; timings
+interleave the implementations repeat by repeat (so drift on a shared machine hits them alike) and the
+median is reported, with GFLOP/s of useful work, decode GB/s, peak extra memory (first call) and the
+engine's speed-up over each peer. FlexAttention's block mask and compile time are reported apart. The
+closing table checks issue 4's seven targets. Results: ``kernels.json`` / ``kernels.csv`` and PNG plots.
+
+    python run.py bench kernels --quick            # seconds: small sizes, no FlexAttention
+    python run.py bench kernels --threads 2        # the full run of docs/BENCHMARKS.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.lab import bench_kernels_cases as cases_mod
+from engine.lab.measure import PeakMemory, format_table, machine_info, progress, save_results
+from engine.lab.options import add_common, apply_threads
+
+SLOW_SECONDS = 4.0  # an implementation slower than this per call is timed once (its first call)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser, "bench_kernels", impl_help="comma-separated labels to run (e.g. 'engine,sdpa'), matched as "
+               "prefixes of the table's labels, or 'all' (default)")
+    parser.add_argument("--flex", action=argparse.BooleanOptionalAction, default=None,
+                        help="measure FlexAttention compiled for CPU (default: on, off with --quick; each "
+                        "compile takes tens of seconds)")
+    parser.add_argument("--groups", default="all",
+                        help="comma-separated case groups: prefill, chunked, window, documents, decode, memory, "
+                        "training (default all)")
+
+
+def main(args: argparse.Namespace) -> int:
+    apply_threads(args)
+    torch.manual_seed(args.seed)
+    flex = (not args.quick) if args.flex is None else args.flex
+    cases = cases_mod.all_cases(args.quick, flex)
+    if args.groups != "all":
+        wanted = {g.strip() for g in args.groups.split(",")}
+        cases = [c for c in cases if c.group in wanted]
+    wanted_impls = None if args.impl in ("all", "") else [p.strip() for p in args.impl.split(",")]
+    load_before = _load()
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for case in progress(cases, "bench kernels", quiet=args.quiet):
+        rows += run_case(case, 1 if args.quick else args.repeats, wanted_impls)
+    meta = {**machine_info(), "command": "python run.py bench kernels " + _flags(args),
+            "load_before": load_before, "load_after": _load(), "seconds": round(time.perf_counter() - started, 1)}
+    targets = check_targets(rows)
+    print(format_table(rows, ["group", "case", "impl", "ms", "GFLOP/s", "GB/s", "peak MiB", "vs sdpa", "vs dense",
+                              "vs flex", "setup s", "note"]))
+    print()
+    print(format_table(targets, ["target", "measured", "threshold", "met", "how"]))
+    if max(load_before) > 1.5:
+        print(f"\nnote: the load average was {load_before} at the start: other work shared the CPUs")
+    out = Path(args.out)
+    paths = save_results(out, "kernels", rows, {**meta, "targets": targets})
+    paths += plot(rows, out)
+    print("\nsaved " + ", ".join(str(p) for p in paths))
+    return 0
+
+
+def _flags(args: argparse.Namespace) -> str:
+    flags = ["--quick"] if args.quick else []
+    flags += [f"--threads {args.threads}", f"--repeats {args.repeats}"]
+    if args.flex is not None:
+        flags.append("--flex" if args.flex else "--no-flex")
+    if args.groups != "all":
+        flags.append(f"--groups {args.groups}")
+    return " ".join(flags)
+
+
+def _load() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return [0.0, 0.0, 0.0]
+
+
+def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None) -> list[dict[str, Any]]:
+    """Time every implementation of one case; returns one row per implementation."""
+    impls = [i for i in case.build() if wanted is None or i.role != "engine" or any(i.label.startswith(w)
+                                                                                     for w in wanted)]
+    setup_s: dict[str, float] = {}
+    for impl in impls:
+        if impl.setup is not None:
+            start = time.perf_counter()
+            try:
+                impl.setup()
+                setup_s[impl.label] = time.perf_counter() - start
+            except Exception as error:  # noqa: BLE001  (a peer that cannot compile here is reported, not fatal)
+                setup_s[impl.label] = float("nan")
+                impl.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
+    runnable = [i for i in impls if not i.note.startswith("failed")]
+    first, peak, times = {}, {}, {i.label: [] for i in runnable}
+    for impl in runnable:  # first call: peak memory, and the only timing of very slow peers
+        gc.collect()
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            impl.run()
+            first[impl.label] = time.perf_counter() - start
+        peak[impl.label] = memory.extra_bytes
+    for _ in range(repeats):
+        for impl in runnable:
+            if first[impl.label] > SLOW_SECONDS:
+                continue
+            start = time.perf_counter()
+            impl.run()
+            times[impl.label].append(time.perf_counter() - start)
+    rows = []
+    for impl in impls:
+        row = {"group": case.group, "case": case.name, "impl": impl.label, "role": impl.role, **case.params}
+        if impl.label in first:
+            seconds = statistics.median(times[impl.label]) if times[impl.label] else first[impl.label]
+            row["ms"] = seconds * 1e3
+            row["runs"] = max(1, len(times[impl.label]))
+            row["peak MiB"] = peak[impl.label] / 2 ** 20
+            if impl.role == "bandwidth":
+                row["GB/s"] = 2 * min(case.kv_bytes / 2, cases_mod.COPY_BYTES) / seconds / 1e9  # read + written
+            else:
+                row["GFLOP/s"] = case.flops / seconds / 1e9
+                row["GB/s"] = case.kv_bytes / seconds / 1e9 if case.kv_bytes else None
+        row["setup s"] = setup_s.get(impl.label)
+        row["note"] = "; ".join(x for x in (impl.note, *(case.notes if impl.role == "engine" else [])) if x) or None
+        rows.append(row)
+    _add_ratios(rows)
+    del impls, runnable
+    gc.collect()
+    return rows
+
+
+def _add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Each peer's time over this row's time (above 1: this row is faster): ``vs sdpa`` against SDPA
+    without a mask (is_causal / enable_gqa), ``vs dense`` against SDPA with the dense bool mask."""
+    def peer_ms(prefix: str) -> float | None:
+        return next((r["ms"] for r in rows if r["impl"].startswith(prefix) and "ms" in r), None)
+
+    peers = {"vs sdpa": peer_ms("sdpa is_causal") or peer_ms("sdpa enable_gqa"), "vs dense": peer_ms("sdpa dense"),
+             "vs flex": peer_ms("flex")}
+    for r in rows:
+        if r["role"] == "engine" and "ms" in r:
+            r.update({column: ms / r["ms"] if ms else None for column, ms in peers.items()})
+
+
+def _find(rows, group, impl_prefix, case_part=None):
+    return [r for r in rows if r["group"] == group and r["impl"].startswith(impl_prefix) and "ms" in r
+            and (case_part is None or case_part in r["case"])]
+
+
+def _ratio_rows(rows, group, peer_prefix, case_part=None):
+    """``(case, peer ms / engine ms)`` for every case of a group that has both."""
+    out = []
+    for engine in _find(rows, group, "engine (", case_part):
+        peer = [r for r in _find(rows, group, peer_prefix) if r["case"] == engine["case"]]
+        if peer:
+            out.append((engine["case"], peer[0]["ms"] / engine["ms"]))
+    return out
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 4's targets as measured in this run: the worst case of each, with the threshold."""
+    targets: list[dict[str, Any]] = []
+
+    def add(name, pairs, threshold, how):
+        if pairs:
+            case, value = min(pairs, key=lambda p: p[1])
+            targets.append({"target": name, "measured": value, "threshold": threshold, "met": value >= threshold,
+                            "how": f"{how}; worst: {case}"})
+
+    add("1 prefill vs sdpa is_causal", _ratio_rows(rows, "prefill", "sdpa is_causal"), 0.95, "throughput ratio")
+    add("2 chunked vs sdpa dense", _ratio_rows(rows, "chunked", "sdpa dense"), 1.5, "speed-up")
+    add("2 chunked vs flex", _ratio_rows(rows, "chunked", "flex"), 1.0, "speed-up")
+    add("3 window vs sdpa dense", _ratio_rows(rows, "window", "sdpa dense", "T=16384"), 8.0, "speed-up at T=16k")
+    add("3 window vs flex", _ratio_rows(rows, "window", "flex"), 1.0, "speed-up")
+    window = sorted((r["T"], r["ms"]) for r in _find(rows, "window", "engine ("))
+    if len(window) >= 2:
+        exponent = cases_mod.fitted_exponent([t for t, _ in window], [ms for _, ms in window])
+        targets.append({"target": "3 window time ~ T^e", "measured": exponent, "threshold": 1.15,
+                        "met": exponent <= 1.15, "how": f"fitted over T={window[0][0]}..{window[-1][0]} (at most)"})
+    add("4 documents vs sdpa dense", _ratio_rows(rows, "documents", "sdpa dense"), 8.0, "speed-up")
+    add("4 documents vs flex", _ratio_rows(rows, "documents", "flex"), 1.0, "speed-up")
+    copies = {r["case"]: r["GB/s"] for r in _find(rows, "decode", "copy")}
+    add("5 decode K/V GB/s / copy GB/s",
+        [(r["case"], r["GB/s"] / copies[r["case"]]) for r in _find(rows, "decode", "engine (") if r["case"] in copies],
+        0.8, "bytes of K and V read per second over the copy bandwidth")
+    add("5 decode vs sdpa enable_gqa", _ratio_rows(rows, "decode", "sdpa enable_gqa"), 1.0, "speed-up")
+    for r in _find(rows, "memory", "engine ("):
+        targets.append({"target": "6 memory, peak extra GiB", "measured": r["peak MiB"] / 1024, "threshold": 1.0,
+                        "met": r["peak MiB"] / 1024 < 1.0, "how": f"{r['case']}, {r['impl']}, below threshold"})
+    add("7 training vs sdpa is_causal", _ratio_rows(rows, "training", "sdpa is_causal"), 0.8, "throughput ratio")
+    add("7 training window/docs vs sdpa dense", _ratio_rows(rows, "training", "sdpa dense"), 4.0, "speed-up")
+    return targets
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    from engine.lab import plots
+
+    paths = []
+    fig, axes = plots.figure(ncols=2)
+    for ax, group, title in ((axes[0], "prefill", "causal prefill (fp32, Hq=16, D=64)"),
+                             (axes[1], "window", "sliding window 512 (fp32, Hq=16, D=64)")):
+        labels = sorted({r["impl"] for r in _find(rows, group, "")}, key=lambda s: (not s.startswith("engine"), s))
+        for index, label in enumerate(labels):
+            points = sorted((r["T"], r["ms"]) for r in _find(rows, group, label) if r["impl"] == label)
+            plots.series(ax, [t for t, _ in points], [ms for _, ms in points], label, index)
+        plots.loglog(ax, title, "sequence length T", "median ms per call")
+        ax.legend(fontsize=7)
+    paths.append(plots.save(fig, out / "kernels_scaling.png"))
+    targets = check_targets(rows)
+    if targets:
+        fig, axes = plots.figure(width=7.5, height=4.5)
+        ax = axes[0]
+        shown = [t for t in targets if not t["target"].startswith(("3 window time", "6 memory"))]
+        ratios = [t["measured"] / t["threshold"] for t in shown]
+        ax.barh([t["target"] for t in shown], ratios, color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
+        ax.axvline(1.0, color="grey", linestyle="--")
+        ax.set_xscale("log")
+        ax.set_xlabel("measured / target (>= 1 meets the target)")
+        ax.set_title("issue 4 targets, measured side by side in one run")
+        ax.tick_params(axis="y", labelsize=7)
+        paths.append(plots.save(fig, out / "kernels_targets.png"))
+    return paths

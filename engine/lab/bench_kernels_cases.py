@@ -1,0 +1,271 @@
+"""The cases of ``run.py bench kernels``: inputs, the implementations run side by side, and useful work.
+
+Each case builds its tensors only when it runs (``build()``) and returns the implementations to time:
+the engine (``causal_attention``, kernel chosen automatically), some of its kernels forced, and the
+peers: PyTorch SDPA (``is_causal`` where its top-left alignment fits, else the equivalent dense bool
+mask), FlexAttention compiled for CPU with a block mask, and the materialising reference.
+
+Useful work counts only visible (query, key) pairs: ``4 * D`` FLOPs per pair forward (``q.k`` and
+``p.v``), and 3.5x that for a training step (the backward does 2.5x the forward's matmuls).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import causal_attention, prepare_inputs
+from engine.kernels.dispatch import select_kernel
+from engine.masks import document_mask, key_padding_mask, padding_positions, window_mask
+
+
+@dataclass
+class Impl:
+    """One implementation of a case: ``run()`` is timed; ``setup()`` (compiling) is timed apart."""
+
+    label: str
+    run: Callable[[], Any]
+    role: str = "engine"  # "engine" or "peer"
+    setup: Callable[[], Any] | None = None
+    note: str = ""
+
+
+@dataclass
+class Case:
+    group: str
+    name: str
+    params: dict[str, Any]
+    build: Callable[[], list[Impl]]
+    flops: float  # useful FLOPs per call
+    kv_bytes: float = 0.0  # K/V bytes a decode call must read
+    notes: list[str] = field(default_factory=list)
+
+
+COPY_BYTES = 1 << 30  # the copy that measures the machine's bandwidth moves 1 GiB (or K, if smaller)
+
+
+def _qkv(b, hq, hkv, t, s, d, dtype=torch.float32, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, t, d, generator=g, dtype=torch.float32).to(dtype)
+    k = torch.randn(b, hkv, s, d, generator=g, dtype=torch.float32).to(dtype)
+    v = torch.randn(b, hkv, s, d, generator=g, dtype=torch.float32).to(dtype)
+    return tuple(x.requires_grad_(grad) for x in (q, k, v))
+
+
+def _auto(q, k, v, **kwargs) -> str:
+    """Which kernel ``kernel="auto"`` runs for these inputs (for the table)."""
+    return select_kernel(prepare_inputs(q, k, v, kwargs.get("query_positions"), kwargs.get("key_positions"),
+                                        kwargs.get("allowed"), None, causal=kwargs.get("causal", True)))[0]
+
+
+def _engine_impls(q, k, v, kernels: tuple[str, ...], train: bool = False, **kwargs) -> list[Impl]:
+    impls = [Impl(f"engine ({_auto(q, k, v, **kwargs)})", _call(q, k, v, train, "auto", **kwargs))]
+    impls += [Impl(f"engine:{name}", _call(q, k, v, train, name, **kwargs)) for name in kernels]
+    return impls
+
+
+def _call(q, k, v, train: bool, kernel: str, **kwargs) -> Callable[[], Any]:
+    if not train:
+        return lambda: causal_attention(q, k, v, kernel=kernel, **kwargs)
+    return _train_step(lambda: causal_attention(q, k, v, kernel=kernel, **kwargs), q, k, v)
+
+
+def _train_step(forward: Callable[[], torch.Tensor], *leaves: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        for x in leaves:
+            x.grad = None
+        forward().sum().backward()
+    return step
+
+
+def _sdpa(q, k, v, train: bool, **kwargs) -> Callable[[], Any]:
+    gqa = q.shape[1] != k.shape[1]
+    forward = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kwargs)  # noqa: E731
+    return _train_step(forward, q, k, v) if train else forward
+
+
+def _flex(q, k, v, mask_mod, batch_rows: int | None, train: bool) -> Impl:
+    """FlexAttention compiled for CPU with the block mask of ``mask_mod``; setup = block mask + compile."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    state: dict[str, Any] = {}
+
+    def setup() -> None:
+        state["mask"] = create_block_mask(mask_mod, batch_rows, None, q.shape[2], k.shape[2], device="cpu")
+        state["fn"] = torch.compile(flex_attention, dynamic=False)
+        state["fn"](q, k, v, block_mask=state["mask"], enable_gqa=q.shape[1] != k.shape[1])  # compiles
+
+    forward = lambda: state["fn"](q, k, v, block_mask=state["mask"], enable_gqa=q.shape[1] != k.shape[1])  # noqa: E731
+    return Impl("flex (compiled)", _train_step(forward, q, k, v) if train else forward, "peer", setup)
+
+
+def _reference(q, k, v, **kwargs) -> Impl:
+    return Impl("reference", lambda: causal_attention(q, k, v, kernel="reference", **kwargs), "peer")
+
+
+def causal_pairs(t: int) -> int:
+    return t * (t + 1) // 2
+
+
+def window_pairs(t: int, w: int) -> int:
+    return sum(min(i + 1, w) for i in range(t)) if t < 4 * w else w * (w + 1) // 2 + (t - w) * w
+
+
+def prefill(t: int, heads: int, d: int, flex: bool, reference: bool, train: bool = False) -> Case:
+    """Plain causal prefill, T = S, default positions: SDPA's is_causal fits exactly."""
+    def build() -> list[Impl]:
+        q, k, v = _qkv(1, heads, heads, t, t, d, grad=train)
+        impls = _engine_impls(q, k, v, () if train else ("tiled", "sdpa_tiles"), train)
+        impls.append(Impl("sdpa is_causal", _sdpa(q, k, v, train, is_causal=True), "peer"))
+        if not train:
+            dense = torch.ones(t, t, dtype=torch.bool).tril()
+            impls.append(Impl("sdpa dense mask", _sdpa(q, k, v, False, attn_mask=dense), "peer"))
+        if flex:
+            impls.append(_flex(q, k, v, lambda b, h, i, j: j <= i, None, train))
+        if reference:
+            impls.append(_reference(q, k, v))
+        return impls
+    flops = 4 * d * heads * causal_pairs(t) * (3.5 if train else 1.0)
+    return Case("training" if train else "prefill", f"causal T={t}", {"T": t, "S": t}, build, flops)
+
+
+def chunked(t: int, cached: int, heads: int, d: int, flex: bool) -> Case:
+    """T new queries after ``cached`` keys, default positions (bottom-right causal corner)."""
+    s = cached + t
+
+    def build() -> list[Impl]:
+        q, k, v = _qkv(1, heads, heads, t, s, d)
+        impls = _engine_impls(q, k, v, ("tiled",))
+        dense = torch.arange(s)[None, :] <= torch.arange(cached, s)[:, None]  # [T, S]
+        impls.append(Impl("sdpa dense mask", _sdpa(q, k, v, False, attn_mask=dense), "peer"))
+        if flex:
+            impls.append(_flex(q, k, v, lambda b, h, i, j: j <= i + cached, None, False))
+        return impls
+    flops = 4 * d * heads * (t * cached + causal_pairs(t))
+    return Case("chunked", f"T={t} after {cached}", {"T": t, "S": s}, build, flops)
+
+
+def ragged(t: int, cached: list[int], heads: int, d: int, flex: bool) -> Case:
+    """A batch of rows with their own cache lengths (left padded, per-row positions), T new tokens each."""
+    batch, s = len(cached), max(cached) + t
+    lengths = torch.tensor(cached) + t  # real tokens per row (cache + new)
+
+    def build() -> list[Impl]:
+        q, k, v = _qkv(batch, heads, heads, t, s, d)
+        positions = padding_positions(lengths, s, "left")  # [B, S]
+        kwargs = {"query_positions": positions[:, -t:], "key_positions": positions,
+                  "allowed": key_padding_mask(lengths, s, "left")}
+        impls = _engine_impls(q, k, v, ("tiled",), **kwargs)
+        valid = torch.arange(s)[None, :] >= (s - lengths)[:, None]  # [B, S]
+        dense = valid[:, None, None, :] & (positions[:, None, None, :] <= positions[:, None, -t:, None])
+        impls.append(Impl("sdpa dense mask", _sdpa(q, k, v, False, attn_mask=dense), "peer"))
+        if flex:
+            impls.append(_flex(q, k, v, lambda b, h, i, j: valid[b, j] & (positions[b, j] <= positions[b, s - t + i]),
+                               batch, False))
+        return impls
+    flops = 4 * d * heads * sum(t * c + causal_pairs(t) for c in cached)
+    return Case("chunked", f"B={batch} rows, T={t} after {cached[0]}..{cached[-1]}", {"T": t, "S": s, "B": batch},
+                build, flops)
+
+
+def windowed(t: int, w: int, heads: int, d: int, flex: bool, dense_peer: bool, train: bool = False) -> Case:
+    """Sliding window of w keys (own included), as a structured mask."""
+    def build() -> list[Impl]:
+        q, k, v = _qkv(1, heads, heads, t, t, d, grad=train)
+        pos = torch.arange(t)
+        impls = _engine_impls(q, k, v, () if train else ("tiled",), train, allowed=window_mask(pos, pos, w))
+        if dense_peer:
+            dense = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < w)  # [T, T]
+            impls.append(Impl("sdpa dense mask", _sdpa(q, k, v, train, attn_mask=dense), "peer"))
+        if flex:
+            impls.append(_flex(q, k, v, lambda b, h, i, j: (j <= i) & (i - j < w), None, train))
+        return impls
+    flops = 4 * d * heads * window_pairs(t, w) * (3.5 if train else 1.0)
+    return Case("training" if train else "window", f"window {w}, T={t}", {"T": t, "window": w}, build, flops)
+
+
+def documents(n_docs: int, length: int, heads: int, d: int, flex: bool, train: bool = False) -> Case:
+    """n_docs packed documents of ``length`` tokens each, causal inside each document."""
+    t = n_docs * length
+
+    def build() -> list[Impl]:
+        q, k, v = _qkv(1, heads, heads, t, t, d, grad=train)
+        ids = torch.arange(t) // length
+        impls = _engine_impls(q, k, v, () if train else ("tiled",), train, allowed=document_mask(ids))
+        pos = torch.arange(t)
+        dense = (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
+        impls.append(Impl("sdpa dense mask", _sdpa(q, k, v, train, attn_mask=dense), "peer"))
+        if flex:
+            impls.append(_flex(q, k, v, lambda b, h, i, j: (ids[i] == ids[j]) & (j <= i), None, train))
+        return impls
+    flops = 4 * d * heads * n_docs * causal_pairs(length) * (3.5 if train else 1.0)
+    return Case("training" if train else "documents", f"{n_docs} docs x {length}, T={t}", {"T": t}, build, flops)
+
+
+def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype, tiled: bool) -> Case:
+    """One new query per row against S cached keys (default positions: every key visible)."""
+    def build() -> list[Impl]:
+        q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d, dtype)
+        impls = _engine_impls(q, k, v, ("tiled",) if tiled else ())
+        impls.append(Impl("sdpa enable_gqa", _sdpa(q, k, v, False), "peer"))
+        src = k.reshape(-1)[: COPY_BYTES // k.element_size()]  # beyond the caches, the size does not matter
+        dst = torch.zeros_like(src)  # zeros: its pages are mapped before the timing
+        impls.append(Impl("copy", lambda: dst.copy_(src), "bandwidth",
+                          note=f"copy bandwidth = (bytes read + written) / s, {src.numel() * src.element_size() >> 20} "
+                          "MiB buffer"))
+        return impls
+    item = torch.finfo(dtype).bits // 8
+    kv_bytes = 2.0 * batch * kv_heads * s * d * item
+    name = f"B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
+    return Case("decode", name, {"S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s, kv_bytes)
+
+
+def memory(t: int, heads: int, d: int) -> Case:
+    """Causal prefill at a length where the reference's scores would not fit (one run, peak memory)."""
+    def build() -> list[Impl]:
+        q, k, v = _qkv(1, heads, heads, t, t, d)
+        return _engine_impls(q, k, v, ())
+    case = Case("memory", f"causal T={t}", {"T": t}, build, 4 * d * heads * causal_pairs(t))
+    case.notes.append(f"the reference would hold {heads * t * t * 4 / 2 ** 30:,.0f} GiB of fp32 scores")
+    return case
+
+
+def training_cases(quick: bool, heads: int, d: int, flex: bool) -> list[Case]:
+    t_plain, t_long = (512, 2048) if quick else (4096, 16384)
+    w, doc = (128, 256) if quick else (512, 1024)
+    return [prefill(t_plain, heads, d, False, False, train=True),
+            windowed(t_long, w, heads, d, False, True, train=True),
+            documents(t_long // doc, doc, heads, d, False, train=True)]
+
+
+def all_cases(quick: bool, flex: bool) -> list[Case]:
+    """The benchmark's cases, in the order of issue 4's targets (fp32, B=1, Hq=16, D=64 unless said)."""
+    h, d = 16, 64
+    if quick:
+        cases = [prefill(t, h, d, flex and t == 1024, t <= 1024) for t in (512, 1024)]
+        cases += [chunked(256, 2048, h, d, flex), ragged(256, [512, 1024, 1536, 2048], h, d, False)]
+        cases += [windowed(t, 128, h, d, flex and t == 2048, True) for t in (1024, 2048, 4096)]
+        cases += [documents(4, 512, h, d, flex)]
+        cases += [decode(2, 32, 8, 4096, 128, dt, True) for dt in (torch.float32, torch.bfloat16)]
+        cases += [memory(8192, h, d)]
+        return cases + training_cases(True, h, d, flex)
+    cases = [prefill(t, h, d, flex and t == 4096, t <= 2048) for t in (1024, 2048, 4096, 8192)]
+    cases += [chunked(512, c, h, d, flex and c == 8192) for c in (4096, 8192, 16384)]
+    cases += [ragged(512, [4096, 8192, 12288, 16384], h, d, False)]
+    cases += [windowed(t, 512, h, d, flex and t == 16384, t <= 16384) for t in (4096, 8192, 16384, 32768)]
+    cases += [documents(16, 1024, h, d, flex)]
+    cases += [decode(8, 32, 8, s, 128, dt, s == 32768) for s in (32768, 131072)
+              for dt in (torch.float32, torch.bfloat16)]
+    cases += [memory(65536, h, d)]
+    return cases + training_cases(False, h, d, flex)
+
+
+def fitted_exponent(ts: list[int], ms: list[float]) -> float:
+    from engine.lab.fitting import fit_power_law
+
+    return fit_power_law(ts, ms)[0] if len(ts) >= 2 else math.nan

@@ -38,23 +38,30 @@ def causal_pattern(inputs: AttentionInputs) -> str | None:
 
 def sdpa_fits(inputs: AttentionInputs) -> str | None:
     """Why one fused call cannot compute these inputs exactly (None: it can, given finite values)."""
+    return _pattern(inputs)[1]
+
+
+def _pattern(inputs: AttentionInputs) -> tuple[str | None, str | None]:
+    """``(pattern, None)`` when one fused call fits, else ``(None, why not)``."""
     why_not = flash_fits(inputs)
     if why_not is not None:
-        return why_not
+        return None, why_not
     if inputs.allowed is not None:
-        return "a mask is given (allowed): its tiles need sdpa_tiles or tiled"
-    if causal_pattern(inputs) is None:
-        return ("the positions are not plain prefill (T == S, equal increasing positions) nor all-visible: "
-                "the rule needs a mask")
-    return None
+        return None, "a mask is given (allowed): its tiles need sdpa_tiles or tiled"
+    pattern = causal_pattern(inputs)
+    if pattern is None:
+        return None, ("the positions are not plain prefill (T == S, equal increasing positions) nor all-visible: "
+                      "the rule needs a mask")
+    return pattern, None
 
 
 def sdpa_attention(inputs: AttentionInputs, return_lse: bool = False):
     """Kernel ``"sdpa"``: ``(out [B, Hq, T, Dv], lse [B, Hq, T] fp32 or None)``."""
-    if sdpa_fits(inputs) is not None:
+    pattern, why_not = _pattern(inputs)
+    if why_not is not None:
         from engine.kernels.sdpa_tiles import sdpa_tiles_attention
 
         return sdpa_tiles_attention(inputs, return_lse)
     batch, _, t, _ = inputs.q.shape
-    call = (slice(0, batch), 0, t, 0, inputs.k.shape[2], "full" if causal_pattern(inputs) == "none" else "causal")
+    call = (slice(0, batch), 0, t, 0, inputs.k.shape[2], "full" if pattern == "none" else "causal")
     return run_guarded(inputs, return_lse, lambda x, lse: run_calls(x, [[call]], lse))

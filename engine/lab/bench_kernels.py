@@ -207,15 +207,34 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
 
     paths = []
     fig, axes = plots.figure(ncols=2)
+    widths = sorted({r["window"] for r in rows if r["group"] == "window" and "window" in r})
+    window = f"sliding window {', '.join(map(str, widths))}"
     for ax, group, title in ((axes[0], "prefill", "causal prefill (fp32, Hq=16, D=64)"),
-                             (axes[1], "window", "sliding window 512 (fp32, Hq=16, D=64)")):
+                             (axes[1], "window", f"{window} (fp32, Hq=16, D=64)")):
         labels = sorted({r["impl"] for r in _find(rows, group, "")}, key=lambda s: (not s.startswith("engine"), s))
         for index, label in enumerate(labels):
             points = sorted((r["T"], r["ms"]) for r in _find(rows, group, label) if r["impl"] == label)
             plots.series(ax, [t for t, _ in points], [ms for _, ms in points], label, index)
         plots.loglog(ax, title, "sequence length T", "median ms per call")
-        ax.legend(fontsize=7)
+        if labels:
+            ax.legend(fontsize=7)
     paths.append(plots.save(fig, out / "kernels_scaling.png"))
+    decode_rows = [r for r in rows if r["group"] == "decode" and r.get("GB/s")]
+    if decode_rows:
+        fig, axes = plots.figure(width=7.5, height=4.5)
+        ax = axes[0]
+        cases = list(dict.fromkeys(r["case"] for r in decode_rows))
+        labels = list(dict.fromkeys(r["impl"] for r in decode_rows))
+        width = 0.8 / len(labels)
+        for index, label in enumerate(labels):
+            values = [next((r["GB/s"] for r in decode_rows if r["case"] == c and r["impl"] == label), 0) for c in cases]
+            ax.bar([i + index * width for i in range(len(cases))], values, width, label=label)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))],
+                      [c.split(" D=128 ")[-1] for c in cases], fontsize=8)
+        ax.set_ylabel("GB/s (K/V bytes read; copy: read + written)")
+        ax.set_title("decode, B=8 Hq=32 Hkv=8 D=128: bytes per second")
+        ax.legend(fontsize=7)
+        paths.append(plots.save(fig, out / "kernels_decode.png"))
     targets = check_targets(rows)
     if targets:
         fig, axes = plots.figure(width=7.5, height=4.5)

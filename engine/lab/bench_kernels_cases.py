@@ -120,7 +120,7 @@ def prefill(t: int, heads: int, d: int, flex: bool, reference: bool, train: bool
     """Plain causal prefill, T = S, default positions: SDPA's is_causal fits exactly."""
     def build() -> list[Impl]:
         q, k, v = _qkv(1, heads, heads, t, t, d, grad=train)
-        impls = _engine_impls(q, k, v, () if train else ("tiled", "sdpa_tiles"), train)
+        impls = _engine_impls(q, k, v, ("tiled",) if train else ("tiled", "sdpa_tiles"), train)
         impls.append(Impl("sdpa is_causal", _sdpa(q, k, v, train, is_causal=True), "peer"))
         if not train:
             dense = torch.ones(t, t, dtype=torch.bool).tril()
@@ -178,7 +178,7 @@ def windowed(t: int, w: int, heads: int, d: int, flex: bool, dense_peer: bool, t
     def build() -> list[Impl]:
         q, k, v = _qkv(1, heads, heads, t, t, d, grad=train)
         pos = torch.arange(t)
-        impls = _engine_impls(q, k, v, () if train else ("tiled",), train, allowed=window_mask(pos, pos, w))
+        impls = _engine_impls(q, k, v, ("tiled",), train, allowed=window_mask(pos, pos, w))
         if dense_peer:
             dense = (pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < w)  # [T, T]
             impls.append(Impl("sdpa dense mask", _sdpa(q, k, v, train, attn_mask=dense), "peer"))
@@ -196,7 +196,7 @@ def documents(n_docs: int, length: int, heads: int, d: int, flex: bool, train: b
     def build() -> list[Impl]:
         q, k, v = _qkv(1, heads, heads, t, t, d, grad=train)
         ids = torch.arange(t) // length
-        impls = _engine_impls(q, k, v, () if train else ("tiled",), train, allowed=document_mask(ids))
+        impls = _engine_impls(q, k, v, ("tiled",), train, allowed=document_mask(ids))
         pos = torch.arange(t)
         dense = (ids[:, None] == ids[None, :]) & (pos[None, :] <= pos[:, None])  # [T, T]
         impls.append(Impl("sdpa dense mask", _sdpa(q, k, v, train, attn_mask=dense), "peer"))
@@ -229,7 +229,7 @@ def memory(t: int, heads: int, d: int) -> Case:
     """Causal prefill at a length where the reference's scores would not fit (one run, peak memory)."""
     def build() -> list[Impl]:
         q, k, v = _qkv(1, heads, heads, t, t, d)
-        return _engine_impls(q, k, v, ())
+        return _engine_impls(q, k, v, ("tiled",))
     case = Case("memory", f"causal T={t}", {"T": t}, build, 4 * d * heads * causal_pairs(t))
     case.notes.append(f"the reference would hold {heads * t * t * 4 / 2 ** 30:,.0f} GiB of fp32 scores")
     return case

@@ -16,7 +16,8 @@ layout choices keep those bytes read once:
 
 Masks (positions, windows, padding) enter as an additive mask over the rows; key chunks that no row
 sees are cut off. Inputs the fused kernel cannot take exactly (softcap, Dv != D, gradients)
-run the ``tiled`` kernel with one query tile and long key tiles, which shares K/V across the group too.
+run the ``tiled`` kernel with one query tile and long key tiles, which shares K/V across the group too;
+more than ``MAX_QUERIES`` queries (a prefill shape, when the kernel is forced) run ``sdpa_tiles``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ def decode_fits(inputs: AttentionInputs) -> str | None:
 def decode_attention(inputs: AttentionInputs, return_lse: bool = False):
     """Kernel ``"decode"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)``."""
     q, k, v = inputs.q, inputs.k, inputs.v
+    if q.shape[2] > MAX_QUERIES:  # a prefill shape: its additive row mask would be [G*T, S]
+        from engine.kernels.sdpa_tiles import sdpa_tiles_attention
+
+        return sdpa_tiles_attention(inputs, return_lse)
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     if needs_grad or flash_fits(inputs) is not None:
         from engine.kernels.tiled import tiled_attention

@@ -1,0 +1,59 @@
+"""``run.py bench kernels``: the machinery runs, rows carry ratios, targets are read from the rows."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from engine.lab import bench_kernels
+from engine.lab.bench_kernels_cases import Case, Impl, causal_pairs, window_pairs
+
+
+def test_useful_work_counts_visible_pairs():
+    assert causal_pairs(4) == 10  # 1 + 2 + 3 + 4
+    assert window_pairs(6, 3) == 1 + 2 + 3 + 3 + 3 + 3
+    assert window_pairs(100, 3) == sum(min(i + 1, 3) for i in range(100))
+
+
+def test_a_case_gives_one_row_per_implementation_with_ratios_to_the_peers():
+    x = torch.randn(64, 64)
+    case = Case("window", "toy", {"T": 64, "window": 8},
+                lambda: [Impl("engine (toy)", lambda: x @ x), Impl("sdpa dense mask", lambda: (x @ x) @ x, "peer")],
+                flops=2 * 64 ** 3)
+    rows = bench_kernels.run_case(case, repeats=2, wanted=None)
+    assert [r["impl"] for r in rows] == ["engine (toy)", "sdpa dense mask"]
+    assert all(r["ms"] > 0 and r["GFLOP/s"] > 0 and r["runs"] == 2 for r in rows)
+    assert rows[0]["vs dense"] == rows[1]["ms"] / rows[0]["ms"]
+    assert "vs dense" not in rows[1]  # peers carry no ratio to themselves
+
+
+def test_targets_take_the_worst_case_and_say_whether_it_is_met():
+    def row(group, case, impl, ms, **extra):
+        return {"group": group, "case": case, "impl": impl, "ms": ms, "role": "peer", **extra}
+    rows = [row("prefill", "causal T=1024", "engine (sdpa)", 10.0),
+            row("prefill", "causal T=1024", "sdpa is_causal", 10.0),
+            row("prefill", "causal T=2048", "engine (sdpa)", 40.0),
+            row("prefill", "causal T=2048", "sdpa is_causal", 36.0),
+            row("window", "window 512, T=16384", "engine (sdpa_tiles)", 100.0, T=16384),
+            row("window", "window 512, T=16384", "sdpa dense mask", 1000.0, T=16384),
+            row("window", "window 512, T=4096", "engine (sdpa_tiles)", 25.0, T=4096)]
+    targets = {t["target"]: t for t in bench_kernels.check_targets(rows)}
+    prefill = targets["1 prefill vs sdpa is_causal"]
+    assert prefill["measured"] == 0.9 and not prefill["met"] and "T=2048" in prefill["how"]
+    assert targets["3 window vs sdpa dense"]["measured"] == 10.0 and targets["3 window vs sdpa dense"]["met"]
+    assert abs(targets["3 window time ~ T^e"]["measured"] - 1.0) < 1e-9
+
+
+def test_the_quick_decode_run_writes_json_and_plots(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench_kernels.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--groups", "decode", "--out", str(tmp_path), "--quiet"])
+    assert bench_kernels.main(args) == 0
+    saved = json.loads((tmp_path / "kernels.json").read_text())
+    impls = {r["impl"] for r in saved["rows"]}
+    assert {"engine (decode)", "sdpa enable_gqa", "copy"} <= impls
+    assert any(t["target"].startswith("5 decode") for t in saved["meta"]["targets"])
+    assert (tmp_path / "kernels_decode.png").exists()
+    assert "5 decode vs sdpa enable_gqa" in capsys.readouterr().out

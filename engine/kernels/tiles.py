@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.kernels.dispatch import AttentionInputs
-from engine.masks.structured import AllOf, PairwiseMask, StructuredMask, as_structured
+from engine.masks.combine import AllOf
+from engine.masks.pairwise import PairwiseMask
+from engine.masks.structured import StructuredMask, as_structured
 
 EMPTY, FULL, PARTIAL = 0, 1, 2
 
@@ -77,16 +79,3 @@ def plan_tiles(mask: StructuredMask | None, b: int, t: int, s: int, block_q: int
         some, every = mask.tile_bounds(b, block_q, block_k, t, s)  # [nq, nk] each
         kinds = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
     return TilePlan(block_q, block_k, t, s, kinds.tolist())
-
-
-def visible_fraction(mask: StructuredMask | None, batch: int, t: int, s: int, block_q: int, block_k: int) -> float:
-    """Fraction of the ``B * T * S`` tile area a tiled kernel computes (non-empty tiles), for dispatch."""
-    if mask is None or t == 0 or s == 0:
-        return 1.0
-    rows = range(batch) if mask.batched() else range(1)
-    kept = 0
-    for b in rows:
-        some, _ = mask.tile_bounds(b, block_q, block_k, t, s)
-        kept += int(some.sum())
-    total = len(rows) * some.numel()
-    return kept / max(total, 1)

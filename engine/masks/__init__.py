@@ -17,9 +17,11 @@ inspection and plots.
 """
 
 from engine.masks.causal import causal_mask
+from engine.masks.combine import AllOf, AnyOf, Not
 from engine.masks.documents import document_mask, document_positions
 from engine.masks.padding import key_padding_mask, padding_mask, padding_positions
-from engine.masks.structured import StructuredMask, as_structured
+from engine.masks.pairwise import PairwiseMask
+from engine.masks.structured import DenseMask, StructuredMask, as_structured
 from engine.masks.window import window_mask
 
 __all__ = [
@@ -31,5 +33,10 @@ __all__ = [
     "document_mask",
     "document_positions",
     "StructuredMask",
+    "PairwiseMask",
+    "DenseMask",
+    "AllOf",
+    "AnyOf",
+    "Not",
     "as_structured",
 ]

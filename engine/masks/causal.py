@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.masks._shape import pairwise
-from engine.masks.structured import PairwiseMask
+from engine.masks.pairwise import PairwiseMask
 
 
 def causal_mask(query_positions: torch.Tensor, key_positions: torch.Tensor) -> PairwiseMask:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from engine.masks._shape import pairwise
-from engine.masks.structured import PairwiseMask
+from engine.masks.pairwise import PairwiseMask
 
 
 def document_mask(query_document_ids: torch.Tensor, key_document_ids: torch.Tensor | None = None) -> PairwiseMask:

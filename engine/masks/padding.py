@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.masks.structured import PairwiseMask
+from engine.masks.pairwise import PairwiseMask
 
 _SIDES = ("left", "right")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.masks._shape import pairwise
-from engine.masks.structured import PairwiseMask
+from engine.masks.pairwise import PairwiseMask
 
 
 def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> PairwiseMask:

@@ -191,7 +191,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads(kernel):
 
 
 @pytest.mark.parametrize("kernel", FAST)
-def test_kernels_compute_no_materialised_attention_on_bigger_inputs(kernel):
+def test_kernels_on_a_bigger_window_with_every_kind_of_tile(kernel):
     # A size with many tiles of every kind (empty, full, partial) and a tile-crossing window, in fp32.
     pos = torch.arange(1100)
     q, k, v = qkv(1, 4, 1, 1100, 1100, 32, dtype=torch.float32)
@@ -199,3 +199,21 @@ def test_kernels_compute_no_materialised_attention_on_bigger_inputs(kernel):
     out = causal_attention(q, k, v, allowed=allowed, kernel=kernel)
     ref = causal_attention(q, k, v, allowed=allowed, kernel="reference")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+
+
+def test_a_window_plan_reads_only_the_band():
+    # Every fused call stays within [i0 - w, i1); all calls together cover 1.5x the visible pairs (the two
+    # half-empty 256 x 256 triangles at the band's edges), not T x S.
+    from engine.attention import prepare_inputs
+    from engine.kernels.sdpa_tiles import BLOCK_K, BLOCK_Q, plan_calls
+
+    t, w = 4096, 512
+    pos = torch.arange(t)
+    q, k, v = qkv(1, 2, 1, t, t, 8, dtype=torch.float32)
+    groups = plan_calls(prepare_inputs(q, k, v, None, None, window_mask(pos, pos, w), None), BLOCK_Q, BLOCK_K)
+    calls = [call for group in groups for call in group]
+    assert all(j0 >= i0 - w - BLOCK_K and j1 <= i1 for _, i0, i1, j0, j1, _ in calls)
+    area = sum((i1 - i0) * (j1 - j0) for _, i0, i1, j0, j1, _ in calls)
+    visible = sum(min(i + 1, w) for i in range(t))
+    assert visible <= area < 1.55 * visible
+    assert {kind for *_, kind in calls} == {"full", "masked", "causal"}  # the diagonal needs no mask

@@ -72,7 +72,7 @@ def poison(inputs: AttentionInputs, guard: NonFinite, out: torch.Tensor, lse: to
     batch, q_heads, t, _ = inputs.q.shape
     kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
     ct = compute_dtype(out.dtype)
-    bad_columns = torch.zeros(batch, s, dtype=torch.bool)  # [B, S] keys holding any bad entry
+    bad_columns = torch.zeros(batch, s, dtype=torch.bool, device=out.device)  # [B, S] keys holding a bad entry
     if guard.key_bad is not None:
         bad_columns |= guard.key_bad.any(dim=1)
     if guard.value_bad is not None:
@@ -85,12 +85,12 @@ def poison(inputs: AttentionInputs, guard: NonFinite, out: torch.Tensor, lse: to
         plan = plan_tiles(mask, b, t, s, POISON_BLOCK_Q, POISON_BLOCK_K)
         for i0, i1, tiles in plan.query_tiles():
             rows = (q_heads // kv_heads) * (i1 - i0)
-            hit_key = torch.zeros(kv_heads, rows, 1, dtype=ct)  # [Hkv, G*tq, 1]
-            hit_value = torch.zeros(kv_heads, rows, out.shape[-1], dtype=ct)  # [Hkv, G*tq, Dv]
+            hit_key = torch.zeros(kv_heads, rows, 1, dtype=ct, device=out.device)  # [Hkv, G*tq, 1]
+            hit_value = torch.zeros(kv_heads, rows, out.shape[-1], dtype=ct, device=out.device)  # [Hkv, G*tq, Dv]
             for j0, j1, full in tiles:
                 if not bool(bad_columns[b, j0:j1].any()):
                     continue
-                visible = torch.ones(i1 - i0, j1 - j0, dtype=torch.bool)
+                visible = torch.ones(i1 - i0, j1 - j0, dtype=torch.bool, device=out.device)
                 if not full:
                     visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
                 visible = visible.expand(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0)

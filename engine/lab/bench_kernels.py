@@ -61,6 +61,8 @@ def main(args: argparse.Namespace) -> int:
                               "vs flex", "setup s", "note"]))
     print()
     print(format_table(targets, ["target", "measured", "threshold", "met", "how"]))
+    if args.quick:
+        print("\nnote: --quick runs small sizes once each; the targets are meant for the full sizes")
     if max(load_before) > 1.5:
         print(f"\nnote: the load average was {load_before} at the start: other work shared the CPUs")
     out = Path(args.out)

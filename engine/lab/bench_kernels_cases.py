@@ -236,7 +236,7 @@ def memory(t: int, heads: int, d: int) -> Case:
 
 
 def training_cases(quick: bool, heads: int, d: int, flex: bool) -> list[Case]:
-    t_plain, t_long = (512, 2048) if quick else (4096, 16384)
+    t_plain, t_long = (512, 1024) if quick else (4096, 16384)
     w, doc = (128, 256) if quick else (512, 1024)
     return [prefill(t_plain, heads, d, False, False, train=True),
             windowed(t_long, w, heads, d, False, True, train=True),
@@ -252,7 +252,7 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
         cases += [windowed(t, 128, h, d, flex and t == 2048, True) for t in (1024, 2048, 4096)]
         cases += [documents(4, 512, h, d, flex)]
         cases += [decode(2, 32, 8, 4096, 128, dt, True) for dt in (torch.float32, torch.bfloat16)]
-        cases += [memory(8192, h, d)]
+        cases += [memory(4096, h, d)]
         return cases + training_cases(True, h, d, flex)
     cases = [prefill(t, h, d, flex and t == 4096, t <= 2048) for t in (1024, 2048, 4096, 8192)]
     cases += [chunked(512, c, h, d, flex and c == 8192) for c in (4096, 8192, 16384)]

@@ -217,3 +217,28 @@ def test_a_window_plan_reads_only_the_band():
     visible = sum(min(i + 1, w) for i in range(t))
     assert visible <= area < 1.55 * visible
     assert {kind for *_, kind in calls} == {"full", "masked", "causal"}  # the diagonal needs no mask
+
+
+def test_decode_splits_the_keys_when_few_heads_would_leave_cores_idle(monkeypatch):
+    # B * Hkv = 1: the cache is cut into 4 chunks of 2,048 keys merged by lse. Head 0 sees only keys < 100,
+    # so three of its chunks see nothing (lse -inf parts); head 1 sees only the last chunk.
+    import engine.kernels.decode as decode
+
+    shapes, fused = [], decode._FLASH
+
+    def spy(q, k, v, *args, **kwargs):
+        shapes.append(tuple(k.shape))
+        return fused(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(decode, "_FLASH", spy)
+    s = 8192
+    q, k, v = qkv(1, 4, 1, 1, s, 16, dtype=torch.float32)
+    allowed = torch.ones(1, 4, 1, s, dtype=torch.bool)
+    allowed[0, 0, 0, 100:] = False
+    allowed[0, 1, 0, :6144] = False
+    for mask in (None, allowed):
+        out, lse = causal_attention(q, k, v, allowed=mask, kernel="decode", return_lse=True)
+        ref, ref_lse = causal_attention(q, k, v, allowed=mask, kernel="reference", return_lse=True)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert shapes == [(1, 4, 2048, 16)] * 2  # one fused call over 4 chunks seen as heads, both times

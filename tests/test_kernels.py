@@ -224,13 +224,13 @@ def test_decode_splits_the_keys_when_few_heads_would_leave_cores_idle(monkeypatc
     # so three of its chunks see nothing (lse -inf parts); head 1 sees only the last chunk.
     import engine.kernels.decode as decode
 
-    shapes, fused = [], decode._FLASH
+    shapes, fused = [], decode.FLASH
 
     def spy(q, k, v, *args, **kwargs):
         shapes.append(tuple(k.shape))
         return fused(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(decode, "_FLASH", spy)
+    monkeypatch.setattr(decode, "FLASH", spy)
     s = 8192
     q, k, v = qkv(1, 4, 1, 1, s, 16, dtype=torch.float32)
     allowed = torch.ones(1, 4, 1, s, dtype=torch.bool)

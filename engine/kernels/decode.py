@@ -28,7 +28,7 @@ from engine.kernels.common import NEG_INF, compute_dtype
 from engine.kernels.dispatch import AttentionInputs
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
-from engine.kernels.sdpa_tiles import _FLASH, flash_fits
+from engine.kernels.sdpa_tiles import FLASH, flash_fits
 from engine.kernels.tiles import visibility_mask
 
 MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row
@@ -122,7 +122,7 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
 
 def _fused(q, k, v, additive, scale):
     """One fused call; rows the mask hides entirely get out 0 and lse -inf (the fused kernel says lse 0)."""
-    o, part_lse = _FLASH(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
+    o, part_lse = FLASH(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
     part_lse = part_lse.to(compute_dtype(o.dtype))
     if additive is not None:
         seen = (additive == 0).any(dim=-1)  # [B|1, H|1, R]

@@ -30,8 +30,8 @@ from engine.kernels.tiles import plan_tiles, visibility_mask
 BLOCK_Q = 256  # queries per tile
 BLOCK_K = 128  # keys per tile; spans merge consecutive tiles, so calls stay few
 
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 
 # A call of the fused kernel: (batch rows, query range, key range, kind); kind is "full" (no mask),
 # "causal" (square, top-left: query i sees keys j <= i) or "masked" (additive mask from the plan).
@@ -40,7 +40,7 @@ Call = tuple[slice, int, int, int, int, str]
 
 def flash_fits(inputs: AttentionInputs) -> str | None:
     """Why the fused CPU kernel cannot run these inputs (None: it can, given finite values)."""
-    if _FLASH is None or _FLASH_BACKWARD is None:
+    if FLASH is None or FLASH_BACKWARD is None:
         return "this torch build has no fused CPU flash kernel"
     if inputs.q.device.type != "cpu":
         return f"the fused flash kernel used here is the CPU one; inputs are on {inputs.q.device}"
@@ -188,7 +188,7 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
     if len(groups) == 1 and len(groups[0]) == 1 and _covers_all(groups[0][0], q, k):  # one call: no merging
         rows, i0, i1, j0, j1, kind = groups[0][0]
         if kind != "masked":
-            o, part_lse = _FLASH(qc, kc, vc, 0.0, kind == "causal", scale=inputs.scale)
+            o, part_lse = FLASH(qc, kc, vc, 0.0, kind == "causal", scale=inputs.scale)
             return o.to(q.dtype), part_lse, o
     mask = visibility_mask(inputs)
     out = torch.zeros(batch, q_heads, t, v.shape[3], dtype=ct, device=q.device)  # [B, Hq, T, Dv]
@@ -200,7 +200,7 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
             additive = None
             if kind == "masked":
                 additive, row_seen = _span_mask(mask, call, q_heads, ct)
-            o, part_lse = _FLASH(qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1], 0.0, kind == "causal",
+            o, part_lse = FLASH(qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1], 0.0, kind == "causal",
                           attn_mask=additive, scale=inputs.scale)  # [b, Hq, tq, Dv], [b, Hq, tq]
             if kind == "masked":  # rows of the span that see nothing: the fused kernel says lse 0, we say -inf
                 part_lse = part_lse.masked_fill(~row_seen, NEG_INF)
@@ -227,7 +227,7 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
     qc, kc, vc = q.detach().to(ct), k.detach().to(ct), v.detach().to(ct)
     grad = torch.zeros_like(out_ct) if grad_out is None else grad_out.to(ct)  # [B, Hq, T, Dv]
     if len(groups) == 1 and len(groups[0]) == 1 and _covers_all(groups[0][0], q, k) and groups[0][0][5] != "masked":
-        g_q, g_k, g_v = _FLASH_BACKWARD(grad.contiguous(), qc, kc, vc, out_ct, lse.to(ct), 0.0,
+        g_q, g_k, g_v = FLASH_BACKWARD(grad.contiguous(), qc, kc, vc, out_ct, lse.to(ct), 0.0,
                                         groups[0][0][5] == "causal", scale=inputs.scale)
         return g_q.to(q.dtype), g_k.to(k.dtype), g_v.to(v.dtype)
     lse_use = lse.to(ct).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: weights exp(s - inf) = 0
@@ -237,7 +237,7 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
         for call in group:
             rows, i0, i1, j0, j1, kind = call
             additive = None if kind != "masked" else _span_mask(mask, call, q.shape[1], ct)[0]
-            g_q, g_k, g_v = _FLASH_BACKWARD(
+            g_q, g_k, g_v = FLASH_BACKWARD(
                 grad[rows, :, i0:i1].contiguous(), qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1],
                 out_ct[rows, :, i0:i1], lse_use[rows, :, i0:i1].contiguous(), 0.0, kind == "causal",
                 attn_mask=additive, scale=inputs.scale)

@@ -13,6 +13,7 @@ The transformers backend is opt-in: ``import engine.integrations.transformers`` 
 """
 
 from engine.attention import causal_attention, merge_heads, split_heads, window_mask
+from engine.kernels import KernelChoice, SlowPathWarning, explain, merge_attention_states
 from engine.kv_cache import KVCache, kv_cache_bytes
 from engine.layer import MultiHeadAttention
 from engine.masks import (
@@ -23,11 +24,16 @@ from engine.masks import (
     padding_mask,
     padding_positions,
 )
+from engine.masks.structured import StructuredMask, as_structured
 from engine.rope import apply_rope, rope_frequencies
 from engine.softmax import naive_softmax, online_softmax, stable_softmax
 
 __all__ = [
     "causal_attention",
+    "explain",
+    "merge_attention_states",
+    "KernelChoice",
+    "SlowPathWarning",
     "split_heads",
     "merge_heads",
     "causal_mask",
@@ -37,6 +43,8 @@ __all__ = [
     "padding_positions",
     "document_mask",
     "document_positions",
+    "StructuredMask",
+    "as_structured",
     "MultiHeadAttention",
     "KVCache",
     "kv_cache_bytes",

@@ -56,6 +56,8 @@ def causal_attention(
         key_positions: integer ``[S]`` or ``[B, S]``; defaults to ``0 .. S-1``.
         allowed: optional bool mask broadcastable to ``[B, Hq, T, S]``; True means "may attend".
             Combined with the position rule by ``&`` (sliding windows, documents, padding, sparsity).
+            The mask helpers of ``engine.masks`` return structured masks that behave as bool tensors and
+            let kernels skip whole tiles without reading a dense ``[T, S]`` mask.
         scale: multiplier of ``q @ k^T``; defaults to ``1 / sqrt(D)``.
         causal: keyword-only; False drops the position rule so only ``allowed`` restricts
             (encoders, cross-attention).

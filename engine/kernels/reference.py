@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels.common import compute_dtype
 from engine.kernels.dispatch import AttentionInputs
 
 
@@ -21,11 +22,6 @@ def visibility(inputs: AttentionInputs) -> torch.Tensor:
     if inputs.allowed is not None:
         mask = mask & inputs.allowed  # [B, 1 or Hq, T, S]
     return mask
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Scores and softmax run in fp32, or fp64 when the inputs are fp64."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def dense_attention(inputs: AttentionInputs, return_lse: bool = False):

@@ -13,76 +13,67 @@ import torch
 from engine.masks.structured import StructuredMask
 
 
-class AllOf(StructuredMask):
+class _Combined(StructuredMask):
+    """Parts joined by one elementwise operator (``&`` or ``|``); nested joins of the same kind flatten."""
+
+    symbol = ""
+
+    @staticmethod
+    def op(a, b):
+        raise NotImplementedError
+
+    def __init__(self, parts: Sequence[StructuredMask]) -> None:
+        flat: list[StructuredMask] = []
+        for part in parts:
+            flat += part.parts if isinstance(part, type(self)) else [part]
+        self.parts = flat
+        super().__init__(torch.broadcast_shapes(*(p.shape for p in flat)), flat[0].device)
+
+    def _fold(self, get):
+        out = get(self.parts[0])
+        for part in self.parts[1:]:
+            out = self.op(out, get(part))
+        return out
+
+    def to_dense(self) -> torch.Tensor:
+        return self._fold(lambda p: p.to_dense())
+
+    def batched(self) -> bool:
+        return any(p.batched() for p in self.parts)
+
+    def block(self, b, i0, i1, j0, j1):
+        return self._fold(lambda p: p.block(b, i0, i1, j0, j1))
+
+    def tile_bounds(self, b, block_q, block_k, t, s):
+        # "some visible" and "every visible" per tile combine with the same operator as the masks.
+        bounds = [p.tile_bounds(b, block_q, block_k, t, s) for p in self.parts]
+        some, every = bounds[0]
+        for p_some, p_every in bounds[1:]:
+            some, every = self.op(some, p_some), self.op(every, p_every)
+        return some, every
+
+    def _describe(self) -> str:
+        return f" {self.symbol} ".join(repr(p) for p in self.parts)
+
+
+class AllOf(_Combined):
     """``parts[0] & parts[1] & ...``: a tile is empty if any part's is, full if every part's is."""
 
-    def __init__(self, parts: Sequence[StructuredMask]) -> None:
-        flat: list[StructuredMask] = []
-        for part in parts:
-            flat += part.parts if isinstance(part, AllOf) else [part]
-        self.parts = flat
-        super().__init__(torch.broadcast_shapes(*(p.shape for p in flat)), flat[0].device)
+    symbol = "&"
 
-    def to_dense(self) -> torch.Tensor:
-        out = self.parts[0].to_dense()
-        for part in self.parts[1:]:
-            out = out & part.to_dense()
-        return out
-
-    def batched(self) -> bool:
-        return any(p.batched() for p in self.parts)
-
-    def block(self, b, i0, i1, j0, j1):
-        out = self.parts[0].block(b, i0, i1, j0, j1)
-        for part in self.parts[1:]:
-            out = out & part.block(b, i0, i1, j0, j1)
-        return out
-
-    def tile_bounds(self, b, block_q, block_k, t, s):
-        some, every = self.parts[0].tile_bounds(b, block_q, block_k, t, s)
-        for part in self.parts[1:]:
-            p_some, p_every = part.tile_bounds(b, block_q, block_k, t, s)
-            some, every = some & p_some, every & p_every
-        return some, every
-
-    def _describe(self) -> str:
-        return " & ".join(repr(p) for p in self.parts)
+    @staticmethod
+    def op(a, b):
+        return a & b
 
 
-class AnyOf(StructuredMask):
+class AnyOf(_Combined):
     """``parts[0] | parts[1] | ...``: a tile is full if any part's is, empty if every part's is."""
 
-    def __init__(self, parts: Sequence[StructuredMask]) -> None:
-        flat: list[StructuredMask] = []
-        for part in parts:
-            flat += part.parts if isinstance(part, AnyOf) else [part]
-        self.parts = flat
-        super().__init__(torch.broadcast_shapes(*(p.shape for p in flat)), flat[0].device)
+    symbol = "|"
 
-    def to_dense(self) -> torch.Tensor:
-        out = self.parts[0].to_dense()
-        for part in self.parts[1:]:
-            out = out | part.to_dense()
-        return out
-
-    def batched(self) -> bool:
-        return any(p.batched() for p in self.parts)
-
-    def block(self, b, i0, i1, j0, j1):
-        out = self.parts[0].block(b, i0, i1, j0, j1)
-        for part in self.parts[1:]:
-            out = out | part.block(b, i0, i1, j0, j1)
-        return out
-
-    def tile_bounds(self, b, block_q, block_k, t, s):
-        some, every = self.parts[0].tile_bounds(b, block_q, block_k, t, s)
-        for part in self.parts[1:]:
-            p_some, p_every = part.tile_bounds(b, block_q, block_k, t, s)
-            some, every = some | p_some, every | p_every
-        return some, every
-
-    def _describe(self) -> str:
-        return " | ".join(repr(p) for p in self.parts)
+    @staticmethod
+    def op(a, b):
+        return a | b
 
 
 class Not(StructuredMask):

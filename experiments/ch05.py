@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.attention import causal_attention, prepare_inputs  # noqa: E402
 from engine.demo import SEED_CAUSAL_TABLE, SIX_TOKENS, WORDS  # noqa: E402
 from engine.kernels.dispatch import select_kernel  # noqa: E402
-from engine.lab.measure import PeakMemory, format_table, median_ms, progress, save_results  # noqa: E402
+from engine.lab.measure import format_table, median_ms, peak_allocated_bytes, progress, save_results  # noqa: E402
 
 
 def six_token_table() -> torch.Tensor:
@@ -57,10 +57,9 @@ def measure(lengths: list[int], heads: int, head_dim: int, kernel: str, repeats:
         q, k, v = (torch.randn(1, heads, t, head_dim) for _ in range(3))  # [1, H, T, D]
         chosen = kernel if kernel != "auto" else select_kernel(prepare_inputs(q, k, v, None, None, None, None))[0]
         ms = median_ms(lambda q=q, k=k, v=v: causal_attention(q, k, v, kernel=kernel), repeats=repeats)
-        with PeakMemory() as peak:
-            causal_attention(q, k, v, kernel=kernel)
+        extra = peak_allocated_bytes(lambda q=q, k=k, v=v: causal_attention(q, k, v, kernel=kernel))
         rows.append({"kernel": kernel, "ran": chosen, "T": t, "median_ms": ms,
-                     "peak_extra_MiB": peak.extra_bytes / 2**20,
+                     "peak_extra_MiB": extra / 2**20,
                      "score_matrix_MiB": heads * t * t * 4 / 2**20})
     return rows
 
@@ -78,9 +77,10 @@ def plot(rows: list[dict], path: Path) -> None:
         ax_t.loglog(ts, [r["median_ms"] for r in sub], "o-", label=f"kernel={kernel}")
         ax_m.loglog(ts, [max(r["peak_extra_MiB"], 1e-3) for r in sub], "o-", label=f"kernel={kernel}")
     ts = sorted({r["T"] for r in rows})
-    ax_m.loglog(ts, [rows[0]["score_matrix_MiB"] * (t / ts[0]) ** 2 for t in ts], "k--", label="one fp32 score matrix")
+    scores = [rows[0]["score_matrix_MiB"] * (t / ts[0]) ** 2 for t in ts]
+    ax_m.loglog(ts, scores, "k--", label="the [H, T, T] fp32 score matrix")
     ax_t.set(title="Runtime of causal_attention", xlabel="sequence length T (tokens)", ylabel="median time (ms)")
-    ax_m.set(title="Peak extra memory", xlabel="sequence length T (tokens)", ylabel="peak extra RSS (MiB)")
+    ax_m.set(title="Peak extra memory", xlabel="sequence length T (tokens)", ylabel="peak extra allocated memory (MiB)")
     for ax in (ax_t, ax_m):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()

@@ -182,8 +182,8 @@ def peak_allocated_bytes(fn: Callable[[], Any]) -> int:
     """Peak bytes held by torch's CPU allocator during one call of ``fn()``, above the level before it.
 
     Exact accounting of every tensor allocation and free, read from the profiler's memory events, so unlike
-    RSS (``PeakMemory``) it is not hidden by memory that malloc keeps after a free. It counts tensor storage
-    only (not the Python heap), including the tensor ``fn`` returns.
+    sampling (``PeakMemory``) it misses no short-lived allocation and is not hidden by memory that malloc keeps
+    after a free. It counts tensor storage only (not the Python heap), including the tensor ``fn`` returns.
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -22,6 +22,7 @@ The rule, stated once:
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -102,12 +103,23 @@ def prepare_inputs(
         _check_allowed(allowed, (batch, q_heads, t, s))
     if scale is None:
         scale = 1.0 / math.sqrt(d)
-    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+    scale = _real_number(scale, "scale")
+    if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite number, got {scale!r}")
-    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-    return AttentionInputs(q, k, v, qp, kp, allowed, float(scale), bool(causal),
-                           None if softcap is None else float(softcap))
+    if softcap is not None:
+        softcap = _real_number(softcap, "softcap")
+        if not (softcap > 0 and math.isfinite(softcap)):
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
+    return AttentionInputs(q, k, v, qp, kp, allowed, scale, bool(causal), softcap)
+
+
+def _real_number(value: object, name: str) -> float:
+    """A Python float from a real number (int, float, numpy scalar or 0-d tensor); bools are refused."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -251,10 +251,13 @@ def test_bad_tensors_raise_a_clear_value_error(make, message):
                                                            r"\[1, 4, 6, 6\], got shape \[5, 6\]"),
         ({"allowed": torch.ones(1, 1, 1, 6, 6, dtype=torch.bool)}, r"allowed must be broadcastable"),
         ({"scale": float("nan")}, r"scale must be a finite number"),
-        ({"softcap": -1.0}, r"softcap must be a positive number"),
+        ({"softcap": -1.0}, r"softcap must be a positive finite number"),
+        ({"softcap": float("inf")}, r"softcap must be a positive finite number"),
+        ({"scale": True}, r"scale must be a real number, got True \(bool\)"),
+        ({"scale": "0.5"}, r"scale must be a real number"),
     ],
     ids=["qpos-len", "kpos-batch", "qpos-float", "qpos-list", "allowed-float", "allowed-shape", "allowed-5d",
-         "scale-nan", "softcap-neg"],
+         "scale-nan", "softcap-neg", "softcap-inf", "scale-bool", "scale-str"],
 )
 def test_bad_arguments_raise_a_clear_value_error(kwargs, message):
     q, k, v = rand_qkv()
@@ -276,3 +279,23 @@ def test_non_contiguous_inputs_as_models_pass_them(softcap, kernel):
     out = causal_attention(q, k, v, softcap=softcap, kernel=kernel)
     oracle = per_query_attention(q, k, v, softcap=softcap)
     torch.testing.assert_close(out.double(), oracle, rtol=1e-5, atol=1e-5)
+
+
+def test_scale_accepts_numpy_scalars_and_zero_dim_tensors():
+    import numpy as np
+
+    q, k, v = rand_qkv()
+    expected = causal_attention(q, k, v, scale=0.5)
+    assert torch.equal(causal_attention(q, k, v, scale=np.float32(0.5)), expected)
+    assert torch.equal(causal_attention(q, k, v, scale=torch.tensor(0.5)), expected)
+
+
+@pytest.mark.parametrize("kernel", [*sorted(KERNELS), "auto"])
+def test_empty_batches_queries_and_caches(kernel):
+    # S = 0: every row sees nothing (zeros, lse -inf); B = 0 or T = 0: an empty output of the right shape.
+    out, lse = causal_attention(torch.randn(1, 2, 3, 4), torch.randn(1, 1, 0, 4), torch.randn(1, 1, 0, 5),
+                                kernel=kernel, return_lse=True)
+    assert torch.equal(out, torch.zeros(1, 2, 3, 5)) and bool(torch.isneginf(lse).all())
+    assert causal_attention(*(torch.randn(0, 2, 3, 4),) * 3, kernel=kernel).shape == (0, 2, 3, 4)
+    empty_t = causal_attention(torch.randn(1, 2, 0, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), kernel=kernel)
+    assert empty_t.shape == (1, 2, 0, 4)

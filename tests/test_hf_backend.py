@@ -109,8 +109,9 @@ def test_caller_masks_and_no_mask():
         hf.engine_attention_forward(module, q, k, v, additive + 0.5)
     with pytest.raises(ValueError, match="dropout"):
         hf.engine_attention_forward(module, q, k, v, None, dropout=0.1)
-    with pytest.raises(ValueError, match="s_aux"):
-        hf.engine_attention_forward(module, q, k, v, None, s_aux=torch.zeros(2))
+    for name in hf.UNSUPPORTED_ATTENTION_KWARGS:  # score-changing keywords are refused, never ignored
+        with pytest.raises(ValueError, match=name):
+            hf.engine_attention_forward(module, q, k, v, None, **{name: torch.zeros(2)})
 
 
 def test_registered_through_the_librarys_registries():

@@ -125,3 +125,19 @@ def test_no_mask_is_bidirectional_attention_for_encoders_and_cross_attention():
     out = causal_attention(q, k, v, causal=False, allowed=key_padding_mask(lengths, 7))
     torch.testing.assert_close(out[1].double(), per_query_attention(q[1:], k[1:, :, :4], v[1:, :, :4],
                                                                      causal=False)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_narrow_and_unsigned_position_dtypes_give_the_same_attention(dtype):
+    # q - k on uint8 wraps around; tile skipping must still see every visible key.
+    pos = torch.arange(200)
+    q, k, v = torch.randn(1, 2, 200, 8), torch.randn(1, 2, 200, 8), torch.randn(1, 2, 200, 8)
+    expected = causal_attention(q, k, v, allowed=window_mask(pos, pos, 100).to_dense(), kernel="reference")
+    mask = window_mask(pos.to(dtype), pos.to(dtype), 100)
+    assert torch.equal(mask.to_dense(), window_mask(pos, pos, 100).to_dense())
+    torch.testing.assert_close(causal_attention(q, k, v, allowed=mask), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_float_positions_in_a_mask_are_refused():
+    with pytest.raises(ValueError, match="must be integers, got dtype torch.float32"):
+        window_mask(torch.arange(4.0), torch.arange(4.0), 2)

@@ -189,6 +189,10 @@ def _dense_to_allowed(mask: torch.Tensor, s: int) -> torch.Tensor:
     return ~blocked
 
 
+# Keywords some models pass to their attention function that change the result; the engine refuses them.
+UNSUPPORTED_ATTENTION_KWARGS = ("position_bias", "s_aux", "sinks", "indices", "block_indices")
+
+
 def engine_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -218,10 +222,10 @@ def engine_attention_forward(
     if dropout:
         raise ValueError(f"the engine attention has no dropout; got dropout={dropout} "
                          "(call model.eval() or set the attention dropout to 0)")
-    for name in ("position_bias", "s_aux"):
+    for name in UNSUPPORTED_ATTENTION_KWARGS:  # each changes the scores: ignoring it would be silently wrong
         if kwargs.get(name) is not None:
-            raise ValueError(f"the engine attention does not support {name!r} (an additive score bias or sinks); "
-                             "use attn_implementation='eager' for this model")
+            raise ValueError(f"the engine attention does not support {name!r} (a score bias, attention sinks or a "
+                             "sparse selection); use attn_implementation='eager' for this model")
     t, s = query.shape[2], key.shape[2]
     query_positions = key_positions = allowed = None
     if isinstance(attention_mask, EngineMask):

@@ -210,6 +210,8 @@ def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: boo
     else:
         _check_name(kernel)
         reason = "forced"
+    if inputs.q.numel() == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
+        return _empty_result(inputs, return_lse)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("causal_attention: kernel=%s (%s), q %s, k %s", kernel, reason,
                      tuple(inputs.q.shape), tuple(inputs.k.shape))
@@ -220,3 +222,11 @@ def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: boo
                           f"{[batch, q_heads, t, inputs.k.shape[2]]} score tensor; use kernel='auto'",
                           SlowPathWarning, stacklevel=3)
     return KERNELS[kernel](inputs, return_lse)
+
+
+def _empty_result(inputs: AttentionInputs, return_lse: bool):
+    """B, Hq or T of 0 gives an empty output; S = 0 gives rows that see nothing: zeros and lse -inf."""
+    batch, q_heads, t, _ = inputs.q.shape
+    out = inputs.q.new_zeros(batch, q_heads, t, inputs.v.shape[3])  # [B, Hq, T, Dv]
+    lse = torch.full((batch, q_heads, t), float("-inf"), device=inputs.q.device) if return_lse else None
+    return out, lse

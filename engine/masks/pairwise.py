@@ -21,6 +21,15 @@ def _rows(values: torch.Tensor) -> torch.Tensor:
     return values  # [B, L]
 
 
+def _widen(values: torch.Tensor | None) -> torch.Tensor | None:
+    """Integer values as int64 (a no-op for int64); bool validity flags stay bool."""
+    if values is None or values.dtype in (torch.bool, torch.int64):
+        return values
+    if values.is_floating_point() or values.is_complex():
+        raise ValueError(f"mask positions and ids must be integers, got dtype {values.dtype}")
+    return values.long()
+
+
 class PairwiseMask(StructuredMask):
     """``relation(query_values[i], key_values[j])`` for one family of masks.
 
@@ -43,6 +52,9 @@ class PairwiseMask(StructuredMask):
         if relation == "window" and window is None:
             raise ValueError("relation 'window' needs a window size")
         self.relation, self.window = relation, window
+        # Positions and ids are compared after subtraction (q - k < window): widen them to int64 so that a
+        # narrow or unsigned dtype (uint8 wraps around) cannot misplace a tile boundary.
+        query_values, key_values = _widen(query_values), _widen(key_values)
         self.query_values, self.key_values = query_values, key_values
         self._qv = None if query_values is None else _rows(query_values)  # [1|B, T]
         self._kv = _rows(key_values)  # [1|B, S]

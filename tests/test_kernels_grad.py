@@ -101,3 +101,47 @@ def test_fused_tile_gradients_match_with_masked_non_finite_values():
     for clean, dirty in zip(*grads):
         assert bool(torch.isfinite(dirty).all())
         torch.testing.assert_close(dirty, clean, rtol=1e-6, atol=1e-6)
+
+
+
+def _rounded_grads(run, shape, kwargs, rounded_to, dtype):
+    """Gradients of ``run(q, k, v, mask, scale)`` on inputs rounded to ``rounded_to``, then cast to ``dtype``."""
+    from engine.attention import prepare_inputs
+    from engine.kernels.reference import visibility
+
+    b, hq, hkv, t, s, d, dv = shape
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(*size, generator=g).to(rounded_to).to(dtype).requires_grad_()
+               for size in ((b, hq, t, d), (b, hkv, s, d), (b, hkv, s, dv)))
+    inputs = prepare_inputs(q, k, v, None, None, kwargs.get("allowed"), None)
+    mask = visibility(inputs)
+    mask = mask if isinstance(mask, torch.Tensor) else mask.to_dense()
+    out = run(q, k, v, mask, inputs.scale)
+    (out * torch.randn(out.shape, generator=g).to(rounded_to).to(dtype)).sum().backward()
+    return [x.grad for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ["prefill_gqa", "chunked_prefill", "window", "documents"])
+@pytest.mark.parametrize("kernel", FAST)
+def test_low_precision_gradients_are_as_accurate_as_a_plain_run(kernel, case, dtype):
+    # bf16/fp16 go to the fused kernels without an fp32 copy: gradients against float64 (on the same rounded
+    # inputs) must still be within 2x a plain same-precision run's error, plus a floor (tests/precision.py).
+    from tests.precision import plain_attention
+
+    shape, kwargs = _case(case)
+
+    def engine(q, k, v, mask, scale):
+        return causal_attention(q, k, v, kernel=kernel, **kwargs)
+
+    def plain(q, k, v, mask, scale):
+        return plain_attention(q, k, v, mask, scale, q.dtype)
+
+    exact = _rounded_grads(plain, shape, kwargs, dtype, torch.float64)
+    plain_grads = _rounded_grads(plain, shape, kwargs, dtype, dtype)
+    got = _rounded_grads(engine, shape, kwargs, dtype, dtype)
+    for name, a, p, e in zip("qkv", got, plain_grads, exact):
+        assert a.dtype == dtype, name
+        err, plain_err = (a.double() - e).abs().max().item(), (p.double() - e).abs().max().item()
+        floor = 4 * torch.finfo(dtype).eps * max(1.0, e.abs().max().item())
+        assert err <= 2 * plain_err + floor, f"d{name}: {err:.3g} > 2 x {plain_err:.3g} + {floor:.3g}"

@@ -180,16 +180,20 @@ def _span_mask(mask, call: Call, q_heads: int, dtype: torch.dtype):
 
 
 def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
-    """``(out in q's dtype, lse, out in the compute dtype)``; rows no call covers stay 0 / -inf."""
+    """``(out in q's dtype, lse in the compute dtype, out as saved for the backward)``.
+
+    bf16/fp16 q, K, V go to the fused kernel as they are (no up-cast copy); partial outputs, their merge
+    and the lse run in fp32. Rows no call covers stay 0 / -inf.
+    """
     q, k, v = inputs.q, inputs.k, inputs.v
     batch, q_heads, t, _ = q.shape
     ct = compute_dtype(q.dtype)
-    qc, kc, vc = q.detach().to(ct), k.detach().to(ct), v.detach().to(ct)  # no copy when already ct
+    qc, kc, vc = _kernel_inputs(q, k, v)
     if len(groups) == 1 and len(groups[0]) == 1 and _covers_all(groups[0][0], q, k):  # one call: no merging
         rows, i0, i1, j0, j1, kind = groups[0][0]
         if kind != "masked":
             o, part_lse = FLASH(qc, kc, vc, 0.0, kind == "causal", scale=inputs.scale)
-            return o.to(q.dtype), part_lse, o
+            return o.to(q.dtype), part_lse.to(ct), o
     mask = visibility_mask(inputs)
     out = torch.zeros(batch, q_heads, t, v.shape[3], dtype=ct, device=q.device)  # [B, Hq, T, Dv]
     lse = torch.full((batch, q_heads, t), NEG_INF, dtype=ct, device=q.device)  # [B, Hq, T]
@@ -199,19 +203,26 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
             rows, i0, i1, j0, j1, kind = call
             additive = None
             if kind == "masked":
-                additive, row_seen = _span_mask(mask, call, q_heads, ct)
+                additive, row_seen = _span_mask(mask, call, q_heads, qc.dtype)
             o, part_lse = FLASH(qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1], 0.0, kind == "causal",
                           attn_mask=additive, scale=inputs.scale)  # [b, Hq, tq, Dv], [b, Hq, tq]
             if kind == "masked":  # rows of the span that see nothing: the fused kernel says lse 0, we say -inf
                 part_lse = part_lse.masked_fill(~row_seen, NEG_INF)
                 o = o.masked_fill(~row_seen[..., None], 0.0)
-            parts_out.append(o)
+            parts_out.append(o.to(ct))  # merged in fp32: only each part's output is rounded
             parts_lse.append(part_lse.to(ct))
         o, part_lse = (parts_out[0], parts_lse[0]) if len(group) == 1 else merge_attention_states(parts_out, parts_lse)
         rows, i0, i1 = group[0][0], group[0][1], group[0][2]
         out[rows, :, i0:i1] = o
         lse[rows, :, i0:i1] = part_lse
     return out.to(q.dtype), lse, out
+
+
+def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k, v as the fused kernel takes them: fp32/fp64 as they are, and bf16/fp16 too (it accumulates scores,
+    softmax and sums in fp32 and returns an fp32 lse), so no up-cast copy of K/V; other dtypes go to fp32."""
+    kt = q.dtype if q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else torch.float32
+    return q.detach().to(kt), k.detach().to(kt), v.detach().to(kt)  # no copy when already kt
 
 
 def _covers_all(call: Call, q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -223,23 +234,25 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
                    grad_out: torch.Tensor | None):
     """Each call's share of ``(dq, dk, dv)`` from the fused backward, fed the merged out and lse."""
     q, k, v = inputs.q, inputs.k, inputs.v
-    ct = out_ct.dtype
-    qc, kc, vc = q.detach().to(ct), k.detach().to(ct), v.detach().to(ct)
-    grad = torch.zeros_like(out_ct) if grad_out is None else grad_out.to(ct)  # [B, Hq, T, Dv]
+    ct = compute_dtype(q.dtype)
+    qc, kc, vc = _kernel_inputs(q, k, v)
+    kt = qc.dtype  # the dtype the fused kernel runs in; its out and grad inputs must match it
+    grad = torch.zeros_like(out_ct, dtype=kt) if grad_out is None else grad_out.to(kt)  # [B, Hq, T, Dv]
+    out_k = out_ct.to(kt)  # [B, Hq, T, Dv]
     if len(groups) == 1 and len(groups[0]) == 1 and _covers_all(groups[0][0], q, k) and groups[0][0][5] != "masked":
-        g_q, g_k, g_v = FLASH_BACKWARD(grad.contiguous(), qc, kc, vc, out_ct, lse.to(ct), 0.0,
+        g_q, g_k, g_v = FLASH_BACKWARD(grad.contiguous(), qc, kc, vc, out_k, lse.to(ct), 0.0,
                                         groups[0][0][5] == "causal", scale=inputs.scale)
         return g_q.to(q.dtype), g_k.to(k.dtype), g_v.to(v.dtype)
     lse_use = lse.to(ct).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: weights exp(s - inf) = 0
     mask = visibility_mask(inputs)
-    dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
+    dq, dk, dv = (torch.zeros_like(x, dtype=ct) for x in (qc, kc, vc))  # spans' shares summed in fp32
     for group in groups:
         for call in group:
             rows, i0, i1, j0, j1, kind = call
-            additive = None if kind != "masked" else _span_mask(mask, call, q.shape[1], ct)[0]
+            additive = None if kind != "masked" else _span_mask(mask, call, q.shape[1], kt)[0]
             g_q, g_k, g_v = FLASH_BACKWARD(
                 grad[rows, :, i0:i1].contiguous(), qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1],
-                out_ct[rows, :, i0:i1], lse_use[rows, :, i0:i1].contiguous(), 0.0, kind == "causal",
+                out_k[rows, :, i0:i1], lse_use[rows, :, i0:i1].contiguous(), 0.0, kind == "causal",
                 attn_mask=additive, scale=inputs.scale)
             dq[rows, :, i0:i1] += g_q
             dk[rows, :, j0:j1] += g_k

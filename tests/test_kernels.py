@@ -242,3 +242,21 @@ def test_decode_splits_the_keys_when_few_heads_would_leave_cores_idle(monkeypatc
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=2e-6)
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
     assert shapes == [(1, 4, 2048, 16)] * 2  # one fused call over 4 chunks seen as heads, both times
+
+
+def test_finiteness_check_reads_a_kv_cache_view_by_contiguous_blocks():
+    # KVCache.view() is a strided slice of a longer buffer: the check runs per [L, D] head block (a strided
+    # reduction is ~10x slower) and still finds a NaN/inf in any block, and ignores the unused capacity.
+    from engine.kernels.nonfinite import all_finite, contiguous_blocks
+
+    buffer = torch.zeros(2, 3, 50, 4)  # [B, Hkv, capacity, D]
+    view = buffer[:, :, :40]  # [B, Hkv, L, D], not contiguous
+    assert len(contiguous_blocks(view)) == 6 and all(b.is_contiguous() for b in contiguous_blocks(view))
+    buffer[1, 2, 45] = float("nan")  # beyond L: not part of the view
+    assert all_finite(view)
+    for value in (float("nan"), float("inf"), float("-inf")):
+        bad = view.clone()[:, :, :40]
+        view[1, 2, 39, 3] = value
+        assert not all_finite(view) and all_finite(bad)
+        view[1, 2, 39, 3] = 0.0
+    assert not all_finite(torch.tensor([1e38, -3e38]), torch.tensor([float("nan")]))  # overflow, then a NaN

@@ -225,6 +225,41 @@ def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch
     return Case("decode", name, {"S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s, kv_bytes)
 
 
+def chunked_bf16(t: int, cached: int, heads: int, d: int, train: bool = False) -> Case:
+    """Chunked prefill in bf16 (group "bf16", outside the targets): the fused kernel takes bf16 as it is."""
+    s = cached + t
+
+    def build() -> list[Impl]:
+        q, k, v = _qkv(1, heads, heads, t, s, d, torch.bfloat16, grad=train)
+        impls = _engine_impls(q, k, v, (), train)
+        dense = torch.arange(s)[None, :] <= torch.arange(cached, s)[:, None]  # [T, S]
+        impls.append(Impl("sdpa dense mask", _sdpa(q, k, v, train, attn_mask=dense), "peer"))
+        return impls
+    flops = 4 * d * heads * (t * cached + causal_pairs(t)) * (3.5 if train else 1.0)
+    name = f"{'training ' if train else ''}T={t} after {cached} bfloat16"
+    return Case("bf16", name, {"T": t, "S": s, "dtype": "torch.bfloat16"}, build, flops)
+
+
+def decode_cache_view(batch: int, q_heads: int, kv_heads: int, s: int, capacity: int, d: int) -> Case:
+    """Decode against a KV-cache view (group "cache", outside the targets): the cache's filled slots
+    ``[B, Hkv, S, D]`` are a strided slice of its ``capacity``-long buffer."""
+    def build() -> list[Impl]:
+        from engine.kv_cache import KVCache
+
+        q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d)
+        cache = KVCache(batch, kv_heads, capacity, d)
+        keys, values, key_positions, _ = cache.update(k, v)  # strided views of the cache
+        query_positions = torch.full((batch, 1), s)
+        impls = [Impl(f"engine ({_auto(q, keys, values, key_positions=key_positions)})",
+                      lambda: causal_attention(q, keys, values, query_positions, key_positions))]
+        impls.append(Impl("engine on a contiguous copy", lambda: causal_attention(q, k, v)))
+        impls.append(Impl("sdpa enable_gqa", _sdpa(q, keys, values, False), "peer"))
+        return impls
+    kv_bytes = 2.0 * batch * kv_heads * s * d * 4
+    name = f"B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} of {capacity} float32"
+    return Case("cache", name, {"S": s}, build, 4.0 * d * q_heads * batch * s, kv_bytes)
+
+
 def memory(t: int, heads: int, d: int) -> Case:
     """Causal prefill at a length where the reference's scores would not fit (one run, peak memory)."""
     def build() -> list[Impl]:
@@ -253,6 +288,8 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
         cases += [documents(4, 512, h, d, flex)]
         cases += [decode(2, 32, 8, 4096, 128, dt, True) for dt in (torch.float32, torch.bfloat16)]
         cases += [memory(4096, h, d)]
+        cases += [chunked_bf16(256, 2048, h, d), chunked_bf16(256, 1024, h, d, train=True)]
+        cases += [decode_cache_view(1, 32, 8, 4096, 8192, 128)]
         return cases + training_cases(True, h, d, flex)
     cases = [prefill(t, h, d, flex and t == 4096, t <= 2048) for t in (1024, 2048, 4096, 8192)]
     cases += [chunked(512, c, h, d, flex and c == 8192) for c in (4096, 8192, 16384)]
@@ -262,6 +299,8 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
     cases += [decode(8, 32, 8, s, 128, dt, s == 32768) for s in (32768, 131072)
               for dt in (torch.float32, torch.bfloat16)]
     cases += [memory(65536, h, d)]
+    cases += [chunked_bf16(512, 8192, h, d), chunked_bf16(512, 4096, h, d, train=True)]
+    cases += [decode_cache_view(1, 32, 8, 32768, 65536, 128)]
     return cases + training_cases(False, h, d, flex)
 
 

@@ -9,6 +9,17 @@ the fused kernel (which returns its log-sum-exp)::
     call 1 and 3 carry an additive mask of their span only (0 where visible, -inf elsewhere);
     call 2 carries none. merge_attention_states combines the three (out, lse) pairs exactly.
 
+In the forward, a tile whose spans touch (no empty tile between them) and include a masked one runs as
+*one* masked call over their union (the backward keeps the spans). The fused kernel costs about the same
+per key with or without a mask, and its ``is_causal`` skips nothing inside a 256-query square (both
+measured), so the union computes no more than the spans did and saves their merge::
+
+    sliding window, w = 512:   [ masked 256 | full 256 | causal 256 ]  ->  [ masked 768 ]   no merge
+
+Consecutive query tiles that are each one masked call of the same shape, at the same key offset and with
+the same mask (a window is translation invariant) run as one batched call: the query tiles and their
+overlapping key spans become strided views ``[n, Hq, tq, D]`` / ``[n, Hkv, tk, D]`` with one shared mask.
+
 Empty tiles are never read, so windows and documents cost O(visible tiles). Gradients: the fused
 kernel's backward applied per span, fed the *merged* output and lse, gives each span's exact share of
 dq, dk, dv (the flash backward only needs the softmax weights ``exp(s - lse)`` and
@@ -19,6 +30,7 @@ otherwise the call goes to the ``tiled`` kernel, which is exact everywhere. NaN/
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -104,8 +116,22 @@ def _partial_kind(mask, b: int, i0: int, i1: int, j0: int, j1: int) -> str:
     """``"causal"`` when a partial span is square and exactly top-left causal, else ``"masked"``."""
     if j1 - j0 != i1 - i0:
         return "masked"
-    tril = torch.ones(i1 - i0, j1 - j0, dtype=torch.bool).tril()  # query r sees keys 0..r of the span
-    return "causal" if bool((mask.block(b, i0, i1, j0, j1) == tril).all()) else "masked"
+    return "causal" if bool((mask.block(b, i0, i1, j0, j1) == _lower_triangle(i1 - i0)).all()) else "masked"
+
+
+@functools.lru_cache(maxsize=8)
+def _lower_triangle(n: int) -> torch.Tensor:
+    """``[n, n]`` bool, query r sees keys 0..r (shared by every tile of that size: never written)."""
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def _fold_masked(calls: list[Call]) -> list[Call]:
+    """One masked call over a query tile's spans when they touch and one of them is masked (no merge)."""
+    touching = all(before[4] == after[3] for before, after in zip(calls, calls[1:]))
+    if len(calls) < 2 or not touching or all(call[5] != "masked" for call in calls):
+        return calls
+    rows, i0, i1 = calls[0][:3]
+    return [(rows, i0, i1, calls[0][3], calls[-1][4], "masked")]
 
 
 def _causal_shape(calls: list[Call]):
@@ -195,9 +221,14 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
             o, part_lse = FLASH(qc, kc, vc, 0.0, kind == "causal", scale=inputs.scale)
             return o.to(q.dtype), part_lse.to(ct), o
     mask = visibility_mask(inputs)
-    out = torch.zeros(batch, q_heads, t, v.shape[3], dtype=ct, device=q.device)  # [B, Hq, T, Dv]
+    covered = sum((g[0][0].stop - g[0][0].start) * (g[0][2] - g[0][1]) for g in groups) == batch * t  # disjoint
+    alloc = torch.empty if covered else torch.zeros  # rows no call covers stay 0
+    out = alloc(batch, q_heads, t, v.shape[3], dtype=ct, device=q.device)  # [B, Hq, T, Dv]
     lse = torch.full((batch, q_heads, t), NEG_INF, dtype=ct, device=q.device)  # [B, Hq, T]
-    for group in groups:
+    for batched, group in _batches(mask, groups):
+        if batched:  # query tiles sharing one masked call shape and mask
+            _run_batch(qc, kc, vc, mask, group, inputs.scale, out, lse)
+            continue
         parts_out, parts_lse = [], []
         for call in group:
             rows, i0, i1, j0, j1, kind = call
@@ -216,6 +247,54 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
         out[rows, :, i0:i1] = o
         lse[rows, :, i0:i1] = part_lse
     return out.to(q.dtype), lse, out
+
+
+def _batches(mask, groups: list[list[Call]]) -> list[tuple[bool, list[Call]]]:
+    """The groups folded (``_fold_masked``) as ``(False, group)``, and runs of translated copies of one masked
+    call joined as ``(True, [one call per query tile])``.
+
+    A run: query tiles back to back whose spans have the same sizes, kinds and offsets from the query tile
+    and whose masked spans have the same mask blocks (checked exactly; full and causal spans are exact by
+    their kind), so their folded calls share one mask.
+    """
+    joined: list[tuple[bool, list[Call]]] = []
+    run_shape, run_blocks = None, None
+    for group in groups:
+        folded = _fold_masked(group)
+        rows, i0 = group[0][0], group[0][1]
+        shape = (rows.start, rows.stop, tuple((i1 - i0, j0 - i0, j1 - i0, kind) for _, _, i1, j0, j1, kind in group))
+        if len(folded) != 1 or folded[0][5] != "masked":
+            joined.append((False, folded))
+            run_shape = None
+            continue
+        blocks = None
+        if shape == run_shape and i0 == joined[-1][1][-1][2]:
+            blocks = [mask.block(rows.start, *call[1:5]) for call in group if call[5] == "masked"]
+            if all(torch.equal(a, b) for a, b in zip(blocks, run_blocks)):
+                joined[-1] = (True, joined[-1][1] + folded)
+                continue
+        joined.append((False, folded))
+        run_shape = shape
+        run_blocks = blocks or [mask.block(rows.start, *call[1:5]) for call in group if call[5] == "masked"]
+    return joined
+
+
+def _run_batch(qc, kc, vc, mask, calls: list[Call], scale, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One fused call for n translated copies of a masked call; writes their rows of out and lse."""
+    rows, i0, i1, j0, j1, _ = calls[0]
+    n, tq, tk, end = len(calls), i1 - i0, j1 - j0, calls[-1][2]
+    batch, q_heads = qc[rows].shape[:2]
+    q_tiles = qc[rows, :, i0:end].unflatten(2, (n, tq)).permute(2, 0, 1, 3, 4)  # [n, b, Hq, tq, D]
+    k_spans = kc[rows, :, j0:j0 + (n - 1) * tq + tk].unfold(2, tk, tq).permute(2, 0, 1, 4, 3)  # [n, b, Hkv, tk, D]
+    v_spans = vc[rows, :, j0:j0 + (n - 1) * tq + tk].unfold(2, tk, tq).permute(2, 0, 1, 4, 3)  # [n, b, Hkv, tk, Dv]
+    additive, row_seen = _span_mask(mask, calls[0], q_heads, qc.dtype)  # [1, H|1, tq, tk], [1, H|1, tq]
+    o, part_lse = FLASH(q_tiles.flatten(0, 1), k_spans.flatten(0, 1), v_spans.flatten(0, 1), 0.0, False,
+                        attn_mask=additive, scale=scale)  # [n*b, Hq, tq, Dv], [n*b, Hq, tq]
+    if not bool(row_seen.all()):  # rows of the span that see nothing: lse -inf, output 0
+        part_lse = part_lse.masked_fill(~row_seen, NEG_INF)
+        o = o.masked_fill(~row_seen[..., None], 0.0)
+    out[rows, :, i0:end] = o.unflatten(0, (n, batch)).permute(1, 2, 0, 3, 4).flatten(2, 3)  # [b, Hq, n*tq, Dv]
+    lse[rows, :, i0:end] = part_lse.unflatten(0, (n, batch)).permute(1, 2, 0, 3).flatten(2, 3)  # [b, Hq, n*tq]
 
 
 def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

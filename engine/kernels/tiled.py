@@ -27,7 +27,7 @@ import torch
 from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
 from engine.kernels.dispatch import AttentionInputs
 from engine.kernels.nonfinite import guard_non_finite
-from engine.kernels.tiles import plan_tiles, visibility_mask
+from engine.kernels.tiles import batch_query_tiles, visibility_mask
 
 BLOCK_Q = 128  # queries per tile (times every head of the KV group)
 BLOCK_K = 256  # keys per tile
@@ -81,17 +81,13 @@ def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int 
     mask = visibility_mask(inputs)
     out = torch.zeros(batch, q_heads, t, dv, dtype=q.dtype, device=q.device)  # rows left alone stay 0
     lse = torch.full((batch, q_heads, t), NEG_INF, dtype=ct, device=q.device)
-    plan = None
-    for b in range(batch):
-        if plan is None or (mask is not None and mask.batched()):
-            plan = plan_tiles(mask, b, t, s, block_q, block_k)
-        for i0, i1, tiles in plan.query_tiles():
-            if not tiles:
-                continue  # no visible key: out 0, lse -inf
-            q_rows = group_rows(q[b, :, i0:i1].to(ct) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
-            o, part_lse = _query_tile(q_rows, kc[b], vc[b], tiles, mask, b, i0, i1, inputs.softcap, guard)
-            out[b, :, i0:i1] = o.view(q_heads, i1 - i0, dv).to(q.dtype)
-            lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)
+    for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
+        if not tiles:
+            continue  # no visible key: out 0, lse -inf
+        q_rows = group_rows(q[b, :, i0:i1].to(ct) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+        o, part_lse = _query_tile(q_rows, kc[b], vc[b], tiles, mask, b, i0, i1, inputs.softcap, guard)
+        out[b, :, i0:i1] = o.view(q_heads, i1 - i0, dv).to(q.dtype)
+        lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)
     return out, lse
 
 

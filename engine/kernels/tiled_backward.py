@@ -22,7 +22,7 @@ import torch
 from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
 from engine.kernels.dispatch import AttentionInputs
 from engine.kernels.nonfinite import guard_non_finite
-from engine.kernels.tiles import plan_tiles, visibility_mask
+from engine.kernels.tiles import batch_query_tiles, visibility_mask
 
 
 def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor | None,
@@ -49,35 +49,31 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
     dk = torch.zeros(kc.shape, dtype=ct, device=q.device)  # [B, Hkv, S, D]
     dv = torch.zeros(vc.shape, dtype=ct, device=q.device)  # [B, Hkv, S, Dv]
     mask = visibility_mask(inputs)
-    plan = None
-    for b in range(batch):
-        if plan is None or (mask is not None and mask.batched()):
-            plan = plan_tiles(mask, b, t, s, block_q, block_k)
-        for i0, i1, tiles in plan.query_tiles():
-            if not tiles:
-                continue
-            rows = (q_heads // kv_heads) * (i1 - i0)
-            q_rows = group_rows(q[b, :, i0:i1].to(ct) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
-            do_rows = group_rows(grad_out[b, :, i0:i1].to(ct).contiguous(), kv_heads)  # [Hkv, G*tq, Dv]
-            lse_rows = lse_use[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
-            delta_rows = delta[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
-            dq_rows = torch.zeros_like(q_rows)  # [Hkv, G*tq, D]
-            for j0, j1, full in tiles:
-                k_tile, v_tile = kc[b, :, j0:j1], vc[b, :, j0:j1]  # [Hkv, tk, D], [Hkv, tk, Dv]
-                scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # [Hkv, G*tq, tk]
-                capped = None
-                if inputs.softcap is not None:
-                    capped = torch.tanh(scores / inputs.softcap)  # [Hkv, G*tq, tk]
-                    scores = capped * inputs.softcap
-                if not full:
-                    visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
-                    scores.view(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0).masked_fill_(~visible, NEG_INF)
-                p = scores.sub_(lse_rows).exp_()  # [Hkv, G*tq, tk], the softmax weights
-                dv[b, :, j0:j1] += torch.bmm(p.transpose(1, 2), do_rows)  # [Hkv, tk, Dv]
-                ds = torch.bmm(do_rows, v_tile.transpose(1, 2)).sub_(delta_rows).mul_(p)  # [Hkv, G*tq, tk]
-                if capped is not None:
-                    ds.mul_(1.0 - capped * capped)
-                dq_rows.baddbmm_(ds, k_tile)  # [Hkv, G*tq, D]
-                dk[b, :, j0:j1] += torch.bmm(ds.transpose(1, 2), q_rows)  # [Hkv, tk, D]
-            dq[b, :, i0:i1] = (dq_rows * inputs.scale).view(q_heads, i1 - i0, d)
+    for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
+        if not tiles:
+            continue
+        rows = (q_heads // kv_heads) * (i1 - i0)
+        q_rows = group_rows(q[b, :, i0:i1].to(ct) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+        do_rows = group_rows(grad_out[b, :, i0:i1].to(ct).contiguous(), kv_heads)  # [Hkv, G*tq, Dv]
+        lse_rows = lse_use[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
+        delta_rows = delta[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
+        dq_rows = torch.zeros_like(q_rows)  # [Hkv, G*tq, D]
+        for j0, j1, full in tiles:
+            k_tile, v_tile = kc[b, :, j0:j1], vc[b, :, j0:j1]  # [Hkv, tk, D], [Hkv, tk, Dv]
+            scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # [Hkv, G*tq, tk]
+            capped = None
+            if inputs.softcap is not None:
+                capped = torch.tanh(scores / inputs.softcap)  # [Hkv, G*tq, tk]
+                scores = capped * inputs.softcap
+            if not full:
+                visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
+                scores.view(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0).masked_fill_(~visible, NEG_INF)
+            p = scores.sub_(lse_rows).exp_()  # [Hkv, G*tq, tk], the softmax weights
+            dv[b, :, j0:j1] += torch.bmm(p.transpose(1, 2), do_rows)  # [Hkv, tk, Dv]
+            ds = torch.bmm(do_rows, v_tile.transpose(1, 2)).sub_(delta_rows).mul_(p)  # [Hkv, G*tq, tk]
+            if capped is not None:
+                ds.mul_(1.0 - capped * capped)
+            dq_rows.baddbmm_(ds, k_tile)  # [Hkv, G*tq, D]
+            dk[b, :, j0:j1] += torch.bmm(ds.transpose(1, 2), q_rows)  # [Hkv, tk, D]
+        dq[b, :, i0:i1] = (dq_rows * inputs.scale).view(q_heads, i1 - i0, d)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -79,3 +79,14 @@ def plan_tiles(mask: StructuredMask | None, b: int, t: int, s: int, block_q: int
         some, every = mask.tile_bounds(b, block_q, block_k, t, s)  # [nq, nk] each
         kinds = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
     return TilePlan(block_q, block_k, t, s, kinds.tolist())
+
+
+def batch_query_tiles(mask: StructuredMask | None, batch: int, t: int, s: int, block_q: int, block_k: int):
+    """Yield ``(b, i0, i1, tiles)`` for every batch row and query tile; the plan is made once when the mask
+    is the same for every row, once per row otherwise."""
+    plan = None
+    for b in range(batch):
+        if plan is None or (mask is not None and mask.batched()):
+            plan = plan_tiles(mask, b, t, s, block_q, block_k)
+        for i0, i1, tiles in plan.query_tiles():
+            yield b, i0, i1, tiles

@@ -50,7 +50,7 @@ def causal_attention(
     """Scaled dot-product attention with the position rule ``key_pos <= query_pos``.
 
     Args:
-        q: ``[B, Hq, T, D]`` queries, any float dtype.
+        q: ``[B, Hq, T, D]`` queries: float16, bfloat16, float32 or float64; any strides.
         k: ``[B, Hkv, S, D]`` keys, same dtype as q; ``Hq`` must be a multiple of ``Hkv``.
         v: ``[B, Hkv, S, Dv]`` values, same dtype as q (``Dv`` may differ from ``D``).
         query_positions: integer ``[T]`` or ``[B, T]``; defaults to ``S-T .. S-1``.
@@ -59,12 +59,14 @@ def causal_attention(
             Combined with the position rule by ``&`` (sliding windows, documents, padding, sparsity).
             The mask helpers of ``engine.masks`` return structured masks that behave as bool tensors and
             let kernels skip whole tiles without reading a dense ``[T, S]`` mask.
-        scale: multiplier of ``q @ k^T``; defaults to ``1 / sqrt(D)``.
+        scale: multiplier of ``q @ k^T``, any finite real number (0 averages the visible values uniformly;
+            a negative scale is a positive one on ``-q``); defaults to ``1 / sqrt(D)``.
         causal: keyword-only; False drops the position rule so only ``allowed`` restricts
             (encoders, cross-attention).
         softcap: keyword-only; if set, scores become ``softcap * tanh(scores / softcap)`` after scaling.
-        return_lse: keyword-only; also return the fp32 log-sum-exp of each row's visible scores,
-            ``[B, Hq, T]`` (base e, ``-inf`` for rows that see nothing).
+        return_lse: keyword-only; also return the log-sum-exp of each row's visible scores,
+            ``[B, Hq, T]`` in the compute dtype (fp32, fp64 for fp64 inputs; base e, ``-inf`` for rows
+            that see nothing).
         kernel: keyword-only; ``"auto"`` picks the fastest exact kernel (see ``engine.explain``),
             or a kernel name forces one.
 
@@ -95,6 +97,9 @@ def prepare_inputs(
 ) -> AttentionInputs:
     """Validate the arguments of causal_attention and resolve their defaults (no copies of q, k, v)."""
     _check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool (True: the position rule applies), got {causal!r} "
+                         f"({type(causal).__name__})")
     batch, q_heads, t, d = q.shape
     s = k.shape[2]
     qp = resolve_positions(query_positions, batch, t, s - t, q.device, "query_positions")  # [B, T]
@@ -102,6 +107,8 @@ def prepare_inputs(
     if allowed is not None:
         _check_allowed(allowed, (batch, q_heads, t, s))
     if scale is None:
+        if d == 0:
+            raise ValueError("head dim D = 0: the default scale 1 / sqrt(D) is undefined; pass scale explicitly")
         scale = 1.0 / math.sqrt(d)
     scale = _real_number(scale, "scale")
     if not math.isfinite(scale):
@@ -110,16 +117,25 @@ def prepare_inputs(
         softcap = _real_number(softcap, "softcap")
         if not (softcap > 0 and math.isfinite(softcap)):
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
-    return AttentionInputs(q, k, v, qp, kp, allowed, scale, bool(causal), softcap)
+    return AttentionInputs(q, k, v, qp, kp, allowed, scale, causal, softcap)
 
 
 def _real_number(value: object, name: str) -> float:
     """A Python float from a real number (int, float, numpy scalar or 0-d tensor); bools are refused."""
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
+        if value.requires_grad:
+            raise ValueError(f"{name} is a tensor that requires grad: a learned {name} is not supported "
+                             f"(its gradient would be dropped); fold it into q or pass a number")
+        if value.device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor: it has no value; pass a number")
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     return float(value)
+
+
+# The dtypes every kernel computes exactly (scores in fp32, fp64 for fp64); fp8 and others are refused.
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -129,8 +145,11 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if x.dim() != 4:
             layout = "[B, Hq, T, D]" if name == "q" else "[B, Hkv, S, D]" if name == "k" else "[B, Hkv, S, Dv]"
             raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(x.shape)}")
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            supported = ", ".join(str(dtype).removeprefix("torch.") for dtype in SUPPORTED_DTYPES)
+            raise ValueError(f"{name} must have dtype {supported}, got {x.dtype} (cast fp8 or integer inputs first)")
+        if x.device.type == "meta":
+            raise ValueError(f"{name} is a meta tensor: attention needs its values (got device {x.device})")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):

@@ -229,10 +229,17 @@ def test_a_visible_nan_key_still_shows_up_as_nan():
         (lambda: (rand_qkv(b=2)[0], *rand_qkv(b=1)[1:]), r"batch size mismatch: q has B=2, k has B=1"),
         (lambda: (rand_qkv(d=8)[0], *rand_qkv(d=4)[1:]), r"head dim mismatch: q has D=8, k has D=4"),
         (lambda: (rand_qkv()[0], rand_qkv()[1], torch.randn(1, 2, 6, 8)), r"same number of heads"),
-        (lambda: tuple(x.long() for x in rand_qkv()), r"q must be a floating-point tensor, got dtype torch.int64"),
+        (lambda: tuple(x.long() for x in rand_qkv()),
+         r"q must have dtype float16, bfloat16, float32, float64, got torch.int64"),
+        (lambda: tuple(x.to(torch.float8_e4m3fn) for x in rand_qkv()),
+         r"q must have dtype float16, bfloat16, float32, float64, got torch.float8_e4m3fn"),
         (lambda: (rand_qkv()[0].double(), *rand_qkv()[1:]), r"q, k, v must share one dtype"),
+        (lambda: tuple(x.to("meta") for x in rand_qkv()), r"q is a meta tensor: attention needs its values"),
+        (lambda: (torch.randn(1, 4, 6, 0), torch.randn(1, 2, 6, 0), torch.randn(1, 2, 6, 3)),
+         r"head dim D = 0: the default scale 1 / sqrt\(D\) is undefined; pass scale explicitly"),
     ],
-    ids=["heads", "q-3d", "k-3d", "s-mismatch", "batch", "head-dim", "kv-heads", "int-dtype", "mixed-dtype"],
+    ids=["heads", "q-3d", "k-3d", "s-mismatch", "batch", "head-dim", "kv-heads", "int-dtype", "fp8", "mixed-dtype",
+         "meta", "d0-no-scale"],
 )
 def test_bad_tensors_raise_a_clear_value_error(make, message):
     with pytest.raises(ValueError, match=message):
@@ -255,9 +262,13 @@ def test_bad_tensors_raise_a_clear_value_error(make, message):
         ({"softcap": float("inf")}, r"softcap must be a positive finite number"),
         ({"scale": True}, r"scale must be a real number, got True \(bool\)"),
         ({"scale": "0.5"}, r"scale must be a real number"),
+        ({"scale": torch.tensor(0.5, requires_grad=True)}, r"scale is a tensor that requires grad"),
+        ({"causal": "no"}, r"causal must be a bool \(True: the position rule applies\), got 'no' \(str\)"),
+        ({"causal": 0}, r"causal must be a bool"),
     ],
     ids=["qpos-len", "kpos-batch", "qpos-float", "qpos-list", "allowed-float", "allowed-shape", "allowed-5d",
-         "scale-nan", "softcap-neg", "softcap-inf", "scale-bool", "scale-str"],
+         "scale-nan", "softcap-neg", "softcap-inf", "scale-bool", "scale-str", "scale-grad", "causal-str",
+         "causal-int"],
 )
 def test_bad_arguments_raise_a_clear_value_error(kwargs, message):
     q, k, v = rand_qkv()

@@ -141,3 +141,26 @@ def test_narrow_and_unsigned_position_dtypes_give_the_same_attention(dtype):
 def test_float_positions_in_a_mask_are_refused():
     with pytest.raises(ValueError, match="must be integers, got dtype torch.float32"):
         window_mask(torch.arange(4.0), torch.arange(4.0), 2)
+
+
+def test_window_positions_near_the_int64_limits_are_exact_or_refused():
+    # q - k < window on int64 would wrap around for positions 2^63 apart and mark a distant key visible.
+    far = torch.tensor([2**62 - 1]), torch.tensor([-(2**62)])
+    assert not bool(window_mask(*far, 4).to_dense().any())  # the largest allowed gap: exact, not visible
+    near = torch.tensor([2**62 - 1]), torch.tensor([2**62 - 3, 2**62 - 1])
+    assert torch.equal(window_mask(*near, 3).to_dense(), torch.tensor([[True, True]]))
+    with pytest.raises(ValueError, match=r"window masks need positions in \[-2\^62, 2\^62\).*got positions from "
+                                         r"4611686018427387904 to 4611686018427387904"):
+        window_mask(torch.tensor([2**62]), torch.tensor([-(2**62)]), 4)
+    with pytest.raises(ValueError, match=r"window masks need positions in \[-2\^62, 2\^62\)"):
+        window_mask(torch.tensor([0]), torch.tensor([-(2**62) - 1]), 4)
+    with pytest.raises(ValueError, match=r"window must be at most 2\^62"):
+        window_mask(torch.tensor([0]), torch.tensor([0]), 2**62 + 1)
+
+
+def test_composing_with_a_mask_of_too_many_dims_names_the_dims():
+    with pytest.raises(ValueError, match=r"at most 4 dims \[B, Hq, T, S\].*got a 5-D bool tensor of shape "
+                                         r"\[1, 1, 1, 3, 3\]"):
+        causal_mask(torch.arange(3), torch.arange(3)) & torch.ones(1, 1, 1, 3, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"got dtype torch.float32"):
+        causal_mask(torch.arange(3), torch.arange(3)) & torch.ones(3, 3)

@@ -9,10 +9,11 @@ layout choices keep those bytes read once:
        q [B, Hq, T, D] -> view [B, Hkv, G*T, D]      rows g*T + i = query i of head kv_head*G + g
 
 2. Split-KV: when B * Hkv is too small to keep every core busy, the keys are cut into ``n`` equal
-   chunks that become extra "heads" of one call (a free view of the cache, no copy), and the ``n``
-   partial results are merged by log-sum-exp::
+   chunks that become the "heads" of one call, with batch and KV heads as its batch (a free view of the
+   cache, no copy, also of a strided ``KVCache.view()`` slice), and the ``n`` partial results are merged
+   by log-sum-exp::
 
-       k [B, Hkv, S, D] -> view [B, Hkv*n, S/n, D];   q rows repeated per chunk;   merge over n
+       k [B, Hkv, S, D] -> view [B*Hkv, n, S/n, D];   q rows repeated per chunk;   merge over n
 
 Masks (positions, windows, padding) enter as an additive mask over the rows; key chunks that no row
 sees are cut off. Inputs the fused kernel cannot take exactly (softcap, Dv != D, gradients)
@@ -28,7 +29,7 @@ from engine.kernels.common import NEG_INF, compute_dtype
 from engine.kernels.dispatch import AttentionInputs
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
-from engine.kernels.sdpa_tiles import FLASH, flash_fits
+from engine.kernels.sdpa_tiles import FLASH, flash_fits, flash_operands
 from engine.kernels.tiles import visibility_mask
 
 MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row
@@ -50,7 +51,7 @@ def decode_fits(inputs: AttentionInputs) -> str | None:
 
 
 def decode_attention(inputs: AttentionInputs, return_lse: bool = False):
-    """Kernel ``"decode"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)``."""
+    """Kernel ``"decode"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] in the compute dtype or None)``."""
     q, k, v = inputs.q, inputs.k, inputs.v
     if q.shape[2] > MAX_QUERIES:  # a prefill shape: its additive row mask would be [G*T, S]
         from engine.kernels.sdpa_tiles import sdpa_tiles_attention
@@ -95,7 +96,7 @@ def _row_mask(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: 
 
 
 def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
-    q, k, v = inputs.q, inputs.k, inputs.v
+    q, k, v = flash_operands(inputs.q, inputs.k, inputs.v)  # views unless a last axis is strided
     batch, q_heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
@@ -117,7 +118,7 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
                 additive = _row_mask(mask, batch, kv_heads, group, t, j0, j1, q.dtype)
         out, lse = _split_kv(q_rows, kc, vc, additive, inputs.scale)
     out = out.reshape(batch, q_heads, t, d).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
-    return out, lse.reshape(batch, q_heads, t).float()
+    return out, lse.reshape(batch, q_heads, t)
 
 
 def _fused(q, k, v, additive, scale):
@@ -132,24 +133,30 @@ def _fused(q, k, v, additive, scale):
 
 
 def _split_kv(q_rows, k, v, additive, scale):
-    """One fused call over ``n`` key chunks seen as extra heads, merged by lse: ``[B, Hkv, R, Dv]``, ``[B, Hkv, R]``."""
+    """One fused call over ``n`` key chunks seen as heads, merged by lse: ``[B, Hkv, R, Dv]``, ``[B, Hkv, R]``."""
     batch, kv_heads, rows, d = q_rows.shape
     s = k.shape[2]
     n = 1
     while batch * kv_heads * n < BUSY_ITEMS and s % (2 * n) == 0 and s // (2 * n) >= MIN_SPLIT_KEYS:
         n *= 2
-    if n == 1 or not k.is_contiguous() or not v.is_contiguous():
+    if n == 1 or not (_heads_fold(k) and _heads_fold(v)):
         return _fused(q_rows, k, v, additive, scale)
     chunk = s // n
-    k_split = k.view(batch, kv_heads * n, chunk, d)  # [B, Hkv*n, S/n, D]: chunk c of head h is head h*n + c
-    v_split = v.view(batch, kv_heads * n, chunk, v.shape[-1])
-    q_split = q_rows[:, :, None].expand(batch, kv_heads, n, rows, d).reshape(batch, kv_heads * n, rows, d)
+    k_split = k.flatten(0, 1).unflatten(1, (n, chunk))  # [B*Hkv, n, S/n, D]: a view, chunk c of (b, h) is head c
+    v_split = v.flatten(0, 1).unflatten(1, (n, chunk))  # [B*Hkv, n, S/n, Dv]
+    q_split = q_rows.reshape(batch * kv_heads, 1, rows, d).expand(-1, n, rows, d)  # [B*Hkv, n, R, D]
     mask_split = None
-    if additive is not None:  # [B|1, Hkv|1, R, S] -> [B|1, Hkv*n, R, S/n]
-        mb = additive.shape[0]
-        full = additive.expand(mb, kv_heads, rows, s).reshape(mb, kv_heads, rows, n, chunk)
-        mask_split = full.permute(0, 1, 3, 2, 4).reshape(mb, kv_heads * n, rows, chunk)
-    o, part_lse = _fused(q_split, k_split, v_split, mask_split, scale)
+    if additive is not None:  # [B|1, Hkv|1, R, S] -> [B*Hkv|1, n, R, S/n]
+        if additive.shape[0] > 1 or additive.shape[1] > 1:
+            additive = additive.expand(batch, kv_heads, rows, s)
+        mask_split = additive.flatten(0, 1).unflatten(2, (n, chunk)).transpose(1, 2).contiguous()
+    o, part_lse = _fused(q_split, k_split, v_split, mask_split, scale)  # [B*Hkv, n, R, Dv], [B*Hkv, n, R]
     o = o.view(batch, kv_heads, n, rows, -1)  # [B, Hkv, n, R, Dv]
-    part_lse = part_lse.expand(batch, kv_heads * n, rows).reshape(batch, kv_heads, n, rows)  # [B, Hkv, n, R]
+    part_lse = part_lse.expand(batch * kv_heads, n, rows).reshape(batch, kv_heads, n, rows)  # [B, Hkv, n, R]
     return merge_attention_states(list(o.unbind(2)), list(part_lse.unbind(2)))
+
+
+def _heads_fold(x: torch.Tensor) -> bool:
+    """True when ``x [B, Hkv, S, E]`` folds to ``[B*Hkv, S, E]`` as a view (no copy of the cache): a contiguous
+    tensor, or a slice ``[:, :, :L]`` of a longer KV-cache buffer."""
+    return x.shape[0] == 1 or x.shape[1] == 1 or x.stride(0) == x.shape[1] * x.stride(1)

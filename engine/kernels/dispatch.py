@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kernels.common import compute_dtype
+
 logger = logging.getLogger("engine.kernels")
 
 
@@ -49,7 +51,8 @@ class AttentionInputs:
     softcap: float | None
 
 
-# A kernel: (inputs, return_lse) -> (out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)
+# A kernel: (inputs, return_lse) -> (out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] or None);
+# the lse is in the compute dtype (fp32, fp64 for fp64 inputs).
 Kernel = Callable[[AttentionInputs, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
 # Why a kernel cannot run these inputs exactly (None: it can)
 Fit = Callable[[AttentionInputs], "str | None"]
@@ -210,7 +213,8 @@ def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: boo
     else:
         _check_name(kernel)
         reason = "forced"
-    if inputs.q.numel() == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
+    batch, q_heads, t, _ = inputs.q.shape
+    if batch * q_heads * t == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
         return _empty_result(inputs, return_lse)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("causal_attention: kernel=%s (%s), q %s, k %s", kernel, reason,
@@ -228,5 +232,8 @@ def _empty_result(inputs: AttentionInputs, return_lse: bool):
     """B, Hq or T of 0 gives an empty output; S = 0 gives rows that see nothing: zeros and lse -inf."""
     batch, q_heads, t, _ = inputs.q.shape
     out = inputs.q.new_zeros(batch, q_heads, t, inputs.v.shape[3])  # [B, Hq, T, Dv]
-    lse = torch.full((batch, q_heads, t), float("-inf"), device=inputs.q.device) if return_lse else None
+    lse = None
+    if return_lse:
+        lse = torch.full((batch, q_heads, t), float("-inf"), dtype=compute_dtype(inputs.q.dtype),
+                         device=inputs.q.device)  # [B, Hq, T]
     return out, lse

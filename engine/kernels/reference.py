@@ -61,5 +61,5 @@ def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
     lse = None
     if return_lse:
         lse = torch.where(denom[..., 0] > 0, row_max[..., 0] + torch.log(denom[..., 0]),
-                          float("-inf")).float()  # [B, Hq, T]
+                          float("-inf"))  # [B, Hq, T] in the compute dtype
     return out.to(q.dtype), lse

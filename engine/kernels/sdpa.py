@@ -21,7 +21,7 @@ import torch
 
 from engine.kernels.dispatch import AttentionInputs
 from engine.kernels.nonfinite import run_guarded
-from engine.kernels.sdpa_tiles import flash_fits, run_calls
+from engine.kernels.sdpa_tiles import causal_call_fits, flash_fits, run_calls
 
 
 def causal_pattern(inputs: AttentionInputs) -> str | None:
@@ -52,11 +52,13 @@ def _pattern(inputs: AttentionInputs) -> tuple[str | None, str | None]:
     if pattern is None:
         return None, ("the positions are not plain prefill (T == S, equal increasing positions) nor all-visible: "
                       "the rule needs a mask")
+    if pattern == "causal" and not causal_call_fits(inputs.scale):
+        return None, f"scale = {inputs.scale} <= 0: the fused is_causal call needs a positive scale (sdpa_tiles masks)"
     return pattern, None
 
 
 def sdpa_attention(inputs: AttentionInputs, return_lse: bool = False):
-    """Kernel ``"sdpa"``: ``(out [B, Hq, T, Dv], lse [B, Hq, T] fp32 or None)``."""
+    """Kernel ``"sdpa"``: ``(out [B, Hq, T, Dv], lse [B, Hq, T] in the compute dtype or None)``."""
     pattern, why_not = _pattern(inputs)
     if why_not is not None:
         from engine.kernels.sdpa_tiles import sdpa_tiles_attention

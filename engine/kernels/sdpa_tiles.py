@@ -62,6 +62,8 @@ def flash_fits(inputs: AttentionInputs) -> str | None:
         return f"Dv = {inputs.v.shape[3]} != D = {inputs.q.shape[3]}: the fused kernel needs equal head dims"
     if inputs.q.shape[2] == 0 or inputs.k.shape[2] == 0:
         return "no queries or no keys"
+    if inputs.q.shape[3] == 0 or inputs.v.shape[3] == 0:
+        return "D = 0 or Dv = 0: the fused kernel needs non-empty head dims"
     return None
 
 
@@ -71,7 +73,7 @@ def sdpa_tiles_fits(inputs: AttentionInputs) -> str | None:
 
 def sdpa_tiles_attention(inputs: AttentionInputs, return_lse: bool = False, block_q: int = BLOCK_Q,
                          block_k: int = BLOCK_K):
-    """Kernel ``"sdpa_tiles"``: ``(out [B, Hq, T, Dv], lse [B, Hq, T] fp32 or None)``."""
+    """Kernel ``"sdpa_tiles"``: ``(out [B, Hq, T, Dv], lse [B, Hq, T] in the compute dtype or None)``."""
     if flash_fits(inputs) is not None:
         from engine.kernels.tiled import tiled_attention
 
@@ -100,7 +102,8 @@ def plan_calls(inputs: AttentionInputs, block_q: int, block_k: int) -> list[list
         rows = slice(0, batch) if shared else slice(b, b + 1)
         plan = plan_tiles(mask, b, t, s, block_q, block_k)
         for i0, i1, tiles in plan.query_tiles():
-            calls = [(rows, i0, i1, j0, j1, "full" if full else _partial_kind(mask, b, i0, i1, j0, j1))
+            calls = [(rows, i0, i1, j0, j1,
+                      "full" if full else _partial_kind(mask, b, i0, i1, j0, j1, inputs.scale))
                      for j0, j1, full in plan.runs(tiles)]
             if not calls:
                 continue
@@ -112,9 +115,15 @@ def plan_calls(inputs: AttentionInputs, block_q: int, block_k: int) -> list[list
     return groups
 
 
-def _partial_kind(mask, b: int, i0: int, i1: int, j0: int, j1: int) -> str:
+def causal_call_fits(scale: float) -> bool:
+    """The fused kernel's ``is_causal`` gives NaN for ``scale <= 0`` (it scales its own -inf), so with such a
+    scale a causal square is a masked call instead (an additive mask is added after scaling: exact)."""
+    return scale > 0
+
+
+def _partial_kind(mask, b: int, i0: int, i1: int, j0: int, j1: int, scale: float) -> str:
     """``"causal"`` when a partial span is square and exactly top-left causal, else ``"masked"``."""
-    if j1 - j0 != i1 - i0:
+    if j1 - j0 != i1 - i0 or not causal_call_fits(scale):
         return "masked"
     return "causal" if bool((mask.block(b, i0, i1, j0, j1) == _lower_triangle(i1 - i0)).all()) else "masked"
 
@@ -164,7 +173,7 @@ def run_calls(inputs: AttentionInputs, groups: list[list[Call]], return_lse: boo
         out, lse = _FlashTiles.apply(q, k, v, inputs, groups)
     else:
         out, lse, _ = flash_forward(inputs, groups)
-    return out, (lse.float() if return_lse else None)
+    return out, (lse if return_lse else None)
 
 
 class _FlashTiles(torch.autograd.Function):
@@ -214,7 +223,7 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
     q, k, v = inputs.q, inputs.k, inputs.v
     batch, q_heads, t, _ = q.shape
     ct = compute_dtype(q.dtype)
-    qc, kc, vc = _kernel_inputs(q, k, v)
+    qc, kc, vc = flash_operands(q, k, v)
     if len(groups) == 1 and len(groups[0]) == 1 and _covers_all(groups[0][0], q, k):  # one call: no merging
         rows, i0, i1, j0, j1, kind = groups[0][0]
         if kind != "masked":
@@ -297,11 +306,20 @@ def _run_batch(qc, kc, vc, mask, calls: list[Call], scale, out: torch.Tensor, ls
     lse[rows, :, i0:end] = part_lse.unflatten(0, (n, batch)).permute(1, 2, 0, 3).flatten(2, 3)  # [b, Hq, n*tq]
 
 
-def _kernel_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    """q, k, v as the fused kernel takes them: fp32/fp64 as they are, and bf16/fp16 too (it accumulates scores,
-    softmax and sums in fp32 and returns an fp32 lse), so no up-cast copy of K/V; other dtypes go to fp32."""
-    kt = q.dtype if q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16) else torch.float32
-    return q.detach().to(kt), k.detach().to(kt), v.detach().to(kt)  # no copy when already kt
+def flash_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k, v as the fused kernel takes them, copied only where it needs a copy.
+
+    dtype: fp32/fp64 as they are, and bf16/fp16 too (it accumulates scores, softmax and sums in fp32 and returns
+    an fp32 lse), so no up-cast copy of K/V. Layout: the fused kernel reads each head-dim vector as contiguous
+    memory (it ignores ``stride(-1)``), so a tensor whose last axis is strided (``x[..., ::2]``, an ``expand``
+    along D, a permuted layout) is copied; any strides on the other axes are fine (contiguous, ``[B, S, H, D]``
+    transposed, KV-cache slices, expanded batch or heads), so those layouts are passed as they are.
+    """
+    return tuple(_unit_last_stride(x.detach()) for x in (q, k, v))
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
 def _covers_all(call: Call, q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -314,7 +332,7 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
     """Each call's share of ``(dq, dk, dv)`` from the fused backward, fed the merged out and lse."""
     q, k, v = inputs.q, inputs.k, inputs.v
     ct = compute_dtype(q.dtype)
-    qc, kc, vc = _kernel_inputs(q, k, v)
+    qc, kc, vc = flash_operands(q, k, v)
     kt = qc.dtype  # the dtype the fused kernel runs in; its out and grad inputs must match it
     grad = torch.zeros_like(out_ct, dtype=kt) if grad_out is None else grad_out.to(kt)  # [B, Hq, T, Dv]
     out_k = out_ct.to(kt)  # [B, Hq, T, Dv]

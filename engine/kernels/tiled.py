@@ -35,13 +35,13 @@ BLOCK_K = 256  # keys per tile
 
 def tiled_attention(inputs: AttentionInputs, return_lse: bool = False, block_q: int = BLOCK_Q,
                     block_k: int = BLOCK_K) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Kernel ``"tiled"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)``."""
+    """Kernel ``"tiled"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] in the compute dtype or None)``."""
     q, k, v = inputs.q, inputs.k, inputs.v
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _TiledAttention.apply(q, k, v, inputs, block_q, block_k)
     else:
         out, lse = tiled_forward(inputs, block_q, block_k)
-    return out, (lse.float() if return_lse else None)
+    return out, (lse if return_lse else None)
 
 
 class _TiledAttention(torch.autograd.Function):

@@ -27,7 +27,7 @@ from engine.kernels.tiles import batch_query_tiles, visibility_mask
 
 def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor | None,
                    grad_lse: torch.Tensor | None, block_q: int, block_k: int):
-    """Gradients ``(dq, dk, dv)`` in the dtypes of q, k, v from ``out [B, Hq, T, Dv]`` and fp32 ``lse [B, Hq, T]``."""
+    """Gradients ``(dq, dk, dv)`` in the dtypes of q, k, v from ``out [B, Hq, T, Dv]`` and ``lse [B, Hq, T]``."""
     q, k, v = inputs.q, inputs.k, inputs.v
     batch, q_heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]

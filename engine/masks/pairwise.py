@@ -21,6 +21,23 @@ def _rows(values: torch.Tensor) -> torch.Tensor:
     return values  # [B, L]
 
 
+# Window masks subtract positions (q - k < window): positions in [-2^62, 2^62) keep q - k exact in int64.
+POSITION_LIMIT = 1 << 62
+
+
+def check_window_range(values: torch.Tensor | None, window: int) -> None:
+    """Refuse positions or a window so large that ``q - k < window`` could overflow int64."""
+    if window > POSITION_LIMIT:
+        raise ValueError(f"window must be at most 2^62 = {POSITION_LIMIT} keys, got {window} "
+                         f"(for an unbounded window use the causal rule alone)")
+    if values is None or values.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(values))
+    if low < -POSITION_LIMIT or high >= POSITION_LIMIT:
+        raise ValueError(f"window masks need positions in [-2^62, 2^62) so that q - k cannot overflow int64, "
+                         f"got positions from {low} to {high}")
+
+
 def _widen(values: torch.Tensor | None) -> torch.Tensor | None:
     """Integer values as int64 (a no-op for int64); bool validity flags stay bool."""
     if values is None or values.dtype in (torch.bool, torch.int64):
@@ -55,6 +72,9 @@ class PairwiseMask(StructuredMask):
         # Positions and ids are compared after subtraction (q - k < window): widen them to int64 so that a
         # narrow or unsigned dtype (uint8 wraps around) cannot misplace a tile boundary.
         query_values, key_values = _widen(query_values), _widen(key_values)
+        if relation == "window":
+            check_window_range(query_values, window)
+            check_window_range(key_values, window)
         self.query_values, self.key_values = query_values, key_values
         self._qv = None if query_values is None else _rows(query_values)  # [1|B, T]
         self._kv = _rows(key_values)  # [1|B, S]

@@ -198,8 +198,11 @@ def as_structured(x: Any) -> StructuredMask:
         return x
     if isinstance(x, torch.Tensor) and x.dtype == torch.bool and x.dim() <= 4:
         return DenseMask(x)
-    kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-    raise ValueError(f"a mask must be a bool tensor (at most 4-D) or a StructuredMask, got {kind}")
+    if isinstance(x, torch.Tensor) and x.dtype == torch.bool:
+        got = f"a {x.dim()}-D bool tensor of shape {list(x.shape)}"
+    else:
+        got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+    raise ValueError(f"a mask must be a bool tensor of at most 4 dims [B, Hq, T, S] or a StructuredMask, got {got}")
 
 
 class DenseMask(StructuredMask):

@@ -105,7 +105,7 @@ def prepare_inputs(
     qp = resolve_positions(query_positions, batch, t, s - t, q.device, "query_positions")  # [B, T]
     kp = resolve_positions(key_positions, batch, s, 0, q.device, "key_positions")  # [B, S]
     if allowed is not None:
-        _check_allowed(allowed, (batch, q_heads, t, s))
+        check_allowed(allowed, (batch, q_heads, t, s))
     if scale is None:
         if d == 0:
             raise ValueError("head dim D = 0: the default scale 1 / sqrt(D) is undefined; pass scale explicitly")
@@ -186,7 +186,8 @@ def resolve_positions(
     raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got {tuple(positions.shape)}")
 
 
-def _check_allowed(allowed: torch.Tensor | StructuredMask, full: tuple[int, int, int, int]) -> None:
+def check_allowed(allowed: torch.Tensor | StructuredMask, full: tuple[int, int, int, int]) -> None:
+    """ValueError unless ``allowed`` is a bool tensor or StructuredMask broadcastable to ``full`` = [B, Hq, T, S]."""
     if not isinstance(allowed, (torch.Tensor, StructuredMask)) or allowed.dtype != torch.bool:
         kind = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
         raise ValueError(f"allowed must be a bool tensor broadcastable to [B, Hq, T, S] = {list(full)}, "

@@ -61,8 +61,15 @@ class KVCache:
                         ("head_dim", head_dim), ("value_dim", value_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.float16), got {dtype!r} "
+                             f"({type(dtype).__name__})")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as error:
+                raise ValueError(f"device must be a torch.device, a device string (e.g. 'cpu', 'cuda:0') or None, "
+                                 f"got {device!r}: {error}") from error
         self.capacity = capacity
         storage = dict(dtype=dtype, device=device)
         self.keys = torch.zeros(batch_size, kv_heads, capacity, head_dim, **storage)  # [B, Hkv, capacity, D]

@@ -17,10 +17,13 @@ chunked prefill and one-token decode are the same call: only the positions diffe
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch import nn
 
-from engine.attention import causal_attention, merge_heads, split_heads
+from engine.attention import causal_attention, check_allowed, merge_heads, resolve_positions, split_heads
 from engine.kv_cache import KVCache
 from engine.masks.window import window_mask
 from engine.rope import PAIRINGS, apply_rope
@@ -61,21 +64,8 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-            raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}) "
-                                 "unless head_dim is given")
-            head_dim = hidden_size // num_heads
-        if rope_base is not None and head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-        if rope_pairing not in PAIRINGS:
-            raise ValueError(f"rope_pairing must be one of {PAIRINGS}, got {rope_pairing!r}")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
-        if window is not None and not causal:
-            raise ValueError("window needs causal=True (the window counts keys at or before the query)")
+        head_dim = _check_config(hidden_size, num_heads, num_kv_heads, head_dim, bias, rope_base, rope_pairing,
+                                 window, causal, scale, softcap)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_base, self.rope_pairing = rope_base, rope_pairing
         self.window, self.causal, self.scale, self.softcap = window, causal, scale, softcap
@@ -112,12 +102,10 @@ class MultiHeadAttention(nn.Module):
             allowed: extra bool mask broadcastable to ``[B, Hq, T, S]`` (e.g. ``document_mask``), S = keys
                 after the write.
         """
-        if x.dim() != 3:
-            raise ValueError(f"x must be [B, T, E], got shape {tuple(x.shape)}")
+        self._check_call(x, positions, cache, valid, allowed)
         batch, t, _ = x.shape
-        if valid is not None and (not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool
-                                  or tuple(valid.shape) != (batch, t)):
-            raise ValueError(f"valid must be a bool tensor [{batch}, {t}], got {getattr(valid, 'shape', valid)!r}")
+        if t == 0:  # nothing to attend; the cache is unchanged
+            return x.new_zeros(batch, 0, self.o_proj.out_features)  # [B, 0, E]
         positions = self._resolve_positions(positions, cache, batch, t, x.device)  # [B, T]
         q = split_heads(self.q_proj(x), self.num_heads)  # [B, Hq, T, D]
         k = split_heads(self.k_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
@@ -134,15 +122,45 @@ class MultiHeadAttention(nn.Module):
                                causal=self.causal, softcap=self.softcap)  # [B, Hq, T, D]
         return self.o_proj(merge_heads(out))  # [B, T, E]
 
+    def _check_call(self, x, positions, cache, valid, allowed) -> None:
+        """ValueError for any bad argument of forward, before anything (the cache included) is touched."""
+        weight = self.q_proj.weight
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[2] != self.q_proj.in_features:
+            raise ValueError(f"x must be a tensor [B, T, E] with E = {self.q_proj.in_features}, "
+                             f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        if x.device != weight.device:
+            raise ValueError(f"x must be on the layer's device {weight.device}, got {x.device}")
+        autocast = torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type)
+        if x.dtype != weight.dtype and not autocast:  # under autocast, nn.Linear casts x itself
+            raise ValueError(f"x must have the layer's dtype {weight.dtype} (convert x or the layer), got {x.dtype}")
+        batch, t, _ = x.shape
+        if positions is not None:
+            resolve_positions(positions, batch, t, 0, x.device, "positions")  # validates
+        if valid is not None and (not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool
+                                  or tuple(valid.shape) != (batch, t)):
+            kind = f"{valid.dtype} {list(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
+            raise ValueError(f"valid must be a bool tensor [{batch}, {t}], got {kind}")
+        self._check_cache_and_allowed(cache, allowed, batch, t, x.device)
+
+    def _check_cache_and_allowed(self, cache, allowed, batch, t, device) -> None:
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise ValueError(f"cache must be a KVCache (see new_cache) or None, got {type(cache).__name__}")
+            want = (batch, self.num_kv_heads, self.head_dim, self.head_dim)
+            have = (cache.batch_size, cache.kv_heads, cache.keys.shape[-1], cache.values.shape[-1])
+            if have != want:
+                raise ValueError(f"cache must hold [B, Hkv, D, Dv] = {list(want)} for this call, got {list(have)}; "
+                                 f"make it with layer.new_cache(batch_size, capacity)")
+            if cache.keys.device != device:
+                raise ValueError(f"cache must be on x's device {device}, got {cache.keys.device}")
+        if allowed is not None:  # S = cached + new keys
+            check_allowed(allowed, (batch, self.num_heads, t, t + (cache.length if cache is not None else 0)))
+
     def _resolve_positions(self, positions, cache, batch, t, device) -> torch.Tensor:
         if positions is None:
             start = cache.next_positions[:, None] if cache is not None else 0  # [B, 1] or 0
             return (start + torch.arange(t, device=device)).expand(batch, t)  # [B, T]
-        if positions.dim() == 1 and positions.shape[0] == t:
-            return positions.to(device).expand(batch, t)  # [B, T]
-        if positions.dim() == 2 and tuple(positions.shape) == (batch, t):
-            return positions.to(device)  # [B, T]
-        raise ValueError(f"positions must have shape [{t}] or [{batch}, {t}], got {tuple(positions.shape)}")
+        return positions.to(device).expand(batch, t)  # [T] or [B, T] -> [B, T]
 
     def _mask(self, positions, key_positions, valid, key_valid, allowed) -> torch.Tensor | None:
         """Bool ``[B, 1 or Hq, T, S]`` (or None): window & key padding & query padding & extra ``allowed``."""
@@ -158,3 +176,43 @@ class MultiHeadAttention(nn.Module):
         if allowed is not None:
             mask = allowed if mask is None else mask & allowed
         return mask
+
+
+def _check_config(hidden_size, num_heads, num_kv_heads, head_dim, bias, rope_base, rope_pairing, window, causal,
+                  scale, softcap) -> int:
+    """ValueError for a bad constructor argument of MultiHeadAttention; returns the resolved head_dim."""
+    for name, n in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                    ("head_dim", head_dim)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+            raise ValueError(f"{name} must be a positive int, got {n!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}) "
+                             "unless head_dim is given")
+        head_dim = hidden_size // num_heads
+    for name, flag in (("bias", bias), ("causal", causal)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name} must be a bool, got {flag!r} ({type(flag).__name__})")
+    if rope_base is not None and not (_is_real(rope_base) and 1 < rope_base < math.inf):
+        raise ValueError(f"rope_base must be a finite number > 1 (e.g. 10000.0) or None for no RoPE, "
+                         f"got {rope_base!r}")
+    if rope_base is not None and head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    if rope_pairing not in PAIRINGS:
+        raise ValueError(f"rope_pairing must be one of {PAIRINGS}, got {rope_pairing!r}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+    if window is not None and not causal:
+        raise ValueError("window needs causal=True (the window counts keys at or before the query)")
+    if scale is not None and not (_is_real(scale) and math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None (1 / sqrt(head_dim)), got {scale!r}")
+    if softcap is not None and not (_is_real(softcap) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite number or None (no cap), got {softcap!r}")
+    return head_dim
+
+
+def _is_real(value: object) -> bool:
+    """A real number (int, float, numpy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

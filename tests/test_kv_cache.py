@@ -61,21 +61,22 @@ def test_overflow_raises_and_leaves_the_cache_unchanged():
     assert cache.length == 5
 
 
-@pytest.mark.parametrize("bad", [
-    dict(keys=torch.zeros(B, HKV, 1, D + 1)),  # wrong head dim
-    dict(keys=torch.zeros(B + 1, HKV, 1, D)),  # wrong batch
-    dict(keys=torch.zeros(B, HKV, 1, D, dtype=torch.float64)),  # wrong dtype
-    dict(values=torch.zeros(B, HKV, 2, D)),  # keys and values disagree on T
-    dict(positions=torch.tensor([0.0])),  # float positions
-    dict(positions=torch.tensor([[0], [1], [2]])),  # wrong batch of positions
-    dict(valid=torch.ones(B, 1)),  # valid must be bool
+@pytest.mark.parametrize("bad,match", [
+    (dict(keys=torch.zeros(B, HKV, 1, D + 1)), r"keys must have shape \[2, 2, T, 4\].*got \[2, 2, 1, 5\]"),
+    (dict(keys=torch.zeros(B + 1, HKV, 1, D)), r"keys must have shape \[2, 2, T, 4\].*got \[3, 2, 1, 4\]"),
+    (dict(keys=torch.zeros(B, HKV, 1, D, dtype=torch.float64)), "keys must have the cache's dtype torch.float32"),
+    (dict(values=torch.zeros(B, HKV, 2, D)), "keys and values must have the same T, got 1 and 2"),
+    (dict(positions=torch.tensor([0.0])), "positions must be an integer tensor, got dtype torch.float32"),
+    (dict(positions=torch.tensor([[0], [1], [2]])), r"positions must have shape \[1\] or \[2, 1\]"),
+    (dict(positions=[0]), "positions must be an integer tensor .* got list"),
+    (dict(valid=torch.ones(B, 1)), "valid must be a bool tensor, got dtype torch.float32"),
 ])
-def test_bad_writes_raise_and_leave_the_cache_unchanged(bad):
+def test_bad_writes_raise_and_leave_the_cache_unchanged(bad, match):
     cache = KVCache(B, HKV, capacity=4, head_dim=D)
     cache.update(*new_kv(2, 1))
     before = snapshot(cache)
     args = dict(keys=torch.zeros(B, HKV, 1, D), values=torch.zeros(B, HKV, 1, D)) | bad
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         cache.update(**args)
     assert_unchanged(cache, before)
 
@@ -126,13 +127,28 @@ def test_llama3_8b_at_128k_tokens_is_17_2_gb():
     assert 32 * one_layer.nbytes == 17_179_869_184
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(capacity=0), dict(batch_size=-1), dict(head_dim=2.5), dict(dtype=torch.int64),
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(capacity=0), "capacity must be a positive int, got 0"),
+    (dict(batch_size=-1), "batch_size must be a positive int, got -1"),
+    (dict(kv_heads=True), "kv_heads must be a positive int, got True"),
+    (dict(head_dim=2.5), "head_dim must be a positive int, got 2.5"),
+    (dict(value_dim=0), "value_dim must be a positive int, got 0"),
+    (dict(dtype=torch.int64), r"dtype must be a floating-point torch.dtype .*got torch.int64"),
+    (dict(dtype="float32"), r"dtype must be a floating-point torch.dtype .*got 'float32' \(str\)"),
+    (dict(dtype=float), r"dtype must be a floating-point torch.dtype .*got <class 'float'> \(type\)"),
+    (dict(device="gpu0"), r"device must be a torch.device, a device string .*got 'gpu0'"),
+    (dict(device=2.5), r"device must be a torch.device, a device string .*got 2.5"),
 ])
-def test_rejects_bad_construction(kwargs):
+def test_rejects_bad_construction(kwargs, match):
     args = dict(batch_size=1, kv_heads=1, capacity=4, head_dim=4) | kwargs
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):
         KVCache(**args)
+
+
+def test_construction_accepts_a_device_string_and_a_value_dim():
+    cache = KVCache(1, 2, 4, 4, value_dim=6, dtype=torch.float64, device="cpu")
+    assert cache.keys.shape == (1, 2, 4, 4) and cache.values.shape == (1, 2, 4, 6)
+    assert cache.keys.dtype == cache.values.dtype == torch.float64 and cache.keys.device == torch.device("cpu")
 
 
 def test_memory_formula_rejects_negative_sizes():

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.attention import merge_heads, split_heads
+from engine.kv_cache import KVCache
 from engine.layer import MultiHeadAttention
 from engine.masks.documents import document_mask, document_positions
 from engine.masks.padding import key_padding_mask, padding_positions
@@ -25,8 +26,10 @@ def make_layer(kind="gqa", dtype=torch.float32, seed=0, **kwargs) -> MultiHeadAt
     return MultiHeadAttention(E, hq, hkv, **kwargs).to(dtype)
 
 
-def seed_listing(layer, x, positions, window=None, valid=None, causal=True):
-    """Seed 003's listing in fp64 with an explicit visibility loop: the oracle for the layer."""
+def seed_listing(layer, x, positions, window=None, valid=None, causal=True, scale=None, softcap=None):
+    """Seed 003's listing in fp64 with an explicit visibility loop: the oracle for the layer.
+
+    ``scale`` (default 1 / sqrt(D)) and ``softcap`` are taken as given, never read from the layer."""
     layer = layer.double()
     x = x.double()
     b, t, _ = x.shape
@@ -38,7 +41,9 @@ def seed_listing(layer, x, positions, window=None, valid=None, causal=True):
         q, k = apply_rope(q, positions, layer.rope_base), apply_rope(k, positions, layer.rope_base)
     k = k.repeat_interleave(hq // hkv, dim=1)  # [B, Hq, T, D]
     v = v.repeat_interleave(hq // hkv, dim=1)  # [B, Hq, T, D]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(d)  # [B, Hq, T, T]
+    scores = q @ k.transpose(-2, -1) * (1 / math.sqrt(d) if scale is None else scale)  # [B, Hq, T, T]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)  # after scaling (Gemma-2)
     visible = torch.zeros(b, 1, t, t, dtype=torch.bool)
     for row in range(b):
         for i in range(t):
@@ -204,37 +209,108 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
     torch.testing.assert_close(gqa(x), mha(x), rtol=0, atol=1e-12)
 
 
-def test_scale_and_softcap_pass_through():
-    layer = make_layer("gqa", torch.float64, scale=0.5, softcap=2.0)
-    x = torch.randn(1, 4, E, dtype=torch.float64)
-    plain = make_layer("gqa", torch.float64, scale=0.5)
-    assert not torch.allclose(layer(x), plain(x))
-    big = make_layer("gqa", torch.float64, scale=0.5, softcap=1e9)  # a huge cap is no cap
-    torch.testing.assert_close(big(x), plain(x), rtol=0, atol=1e-12)
+# A custom scale alone, a custom scale with a cap, a cap with the default scale. Scores of this layer are
+# O(1) at scale 1.5, so a cap of 1.0 or 0.5 bends them well beyond rounding.
+@pytest.mark.parametrize("scale,softcap", [(1.5, None), (1.5, 1.0), (None, 0.5)])
+def test_layer_hands_its_scale_and_softcap_to_attention(scale, softcap):
+    layer = make_layer("gqa", torch.float64, scale=scale, softcap=softcap)
+    x = torch.randn(2, 6, E, dtype=torch.float64)
+    positions = torch.arange(6).expand(2, 6)
+    expected = seed_listing(layer, x, positions, scale=scale, softcap=softcap)  # projections, RoPE, loop mask
+    torch.testing.assert_close(layer(x), expected, rtol=0, atol=1e-12)
+    # The case can tell: the default scale without a cap gives a clearly different output.
+    assert (expected - seed_listing(layer, x, positions)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(num_heads=4, num_kv_heads=3),  # Hkv must divide Hq
-    dict(num_heads=3, num_kv_heads=3),  # E = 32 is not a multiple of 3 heads
-    dict(num_heads=4, head_dim=5),  # odd head dim with RoPE
-    dict(num_heads=4, window=0),  # a window sees at least its own token
-    dict(num_heads=4, window=3, causal=False),  # a window counts keys before the query
-    dict(num_heads=4, rope_pairing="gptj"),
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_heads=4, num_kv_heads=3), r"num_heads \(4\) must be a positive multiple of num_kv_heads \(3\)"),
+    (dict(num_heads=3, num_kv_heads=3), r"hidden_size \(32\) must be a multiple of num_heads \(3\)"),
+    (dict(num_heads=4, head_dim=5), "RoPE needs an even head_dim, got 5"),
+    (dict(num_heads=4, window=0), "window must be a positive int"),  # a window sees at least its own token
+    (dict(num_heads=4, window=3, causal=False), "window needs causal=True"),  # it counts keys before the query
+    (dict(num_heads=4, rope_pairing="gptj"), "rope_pairing must be one of"),
+    (dict(num_heads="4"), "num_heads must be a positive int, got '4'"),
+    (dict(num_heads=4, num_kv_heads=0), "num_kv_heads must be a positive int, got 0"),
+    (dict(num_heads=4, head_dim=0), "head_dim must be a positive int, got 0"),
+    (dict(num_heads=4, head_dim=-2), "head_dim must be a positive int, got -2"),
+    (dict(hidden_size=32.0, num_heads=4), r"hidden_size must be a positive int, got 32.0"),
+    (dict(hidden_size=0, num_heads=4), "hidden_size must be a positive int, got 0"),
+    (dict(num_heads=4, rope_base=1.0), r"rope_base must be a finite number > 1 .*got 1.0"),  # theta_i = 1: no rotation
+    (dict(num_heads=4, rope_base="1e4"), r"rope_base must be a finite number > 1 .*got '1e4'"),
+    (dict(num_heads=4, causal="no"), r"causal must be a bool, got 'no' \(str\)"),  # truthy: would stay causal
+    (dict(num_heads=4, bias=None), "bias must be a bool, got None"),
+    (dict(num_heads=4, scale="0.5"), r"scale must be a finite number or None .*got '0.5'"),
+    (dict(num_heads=4, scale=float("nan")), r"scale must be a finite number or None .*got nan"),
+    (dict(num_heads=4, softcap=0.0), r"softcap must be a positive finite number or None .*got 0.0"),
+    (dict(num_heads=4, softcap=float("inf")), r"softcap must be a positive finite number or None .*got inf"),
 ])
-def test_rejects_bad_configuration(kwargs):
-    with pytest.raises(ValueError):
-        MultiHeadAttention(E, **kwargs)
+def test_rejects_bad_configuration(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MultiHeadAttention(**(dict(hidden_size=E) | kwargs))
 
 
-def test_rejects_bad_call_arguments():
+X = torch.zeros(2, 4, E)  # [B, T, E] for the call checks below
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(positions=torch.arange(5)), r"positions must have shape \[4\] or \[2, 4\], got \(5,\)"),
+    (dict(positions=[0, 1, 2, 3]), r"positions must be an integer tensor of shape \[4\] or \[2, 4\], got list"),
+    (dict(positions=torch.arange(4.0)), "positions must have an integer dtype, got torch.float32"),
+    (dict(positions=torch.ones(4, dtype=torch.bool)), "positions must have an integer dtype, got torch.bool"),
+    (dict(valid=torch.ones(2, 4)), r"valid must be a bool tensor \[2, 4\], got torch.float32 \[2, 4\]"),
+    (dict(valid=[[True] * 4] * 2), r"valid must be a bool tensor \[2, 4\], got list"),
+    (dict(x=X[0]), r"x must be a tensor \[B, T, E\] with E = 32, got \(4, 32\)"),
+    (dict(x=X[..., :16]), r"x must be a tensor \[B, T, E\] with E = 32, got \(2, 4, 16\)"),
+    (dict(x=X.tolist()), r"x must be a tensor \[B, T, E\] with E = 32, got list"),
+    (dict(x=X.double()), "x must have the layer's dtype torch.float32 .*got torch.float64"),
+    (dict(x=X.long()), "x must have the layer's dtype torch.float32 .*got torch.int64"),
+    (dict(x=X.to("meta")), "x must be on the layer's device cpu, got meta"),
+    (dict(cache="cache"), "cache must be a KVCache .*got str"),
+    (dict(cache=KVCache(3, 2, 8, 8)), r"cache must hold \[B, Hkv, D, Dv\] = \[2, 2, 8, 8\] .*got \[3, 2, 8, 8\]"),
+    (dict(cache=KVCache(2, 4, 8, 8)), r"cache must hold .*got \[2, 4, 8, 8\]"),  # an MHA cache for a GQA layer
+    (dict(cache=KVCache(2, 2, 8, 8, device="meta")), "cache must be on x's device cpu, got meta"),
+    (dict(allowed=torch.ones(4, 4)), r"allowed must be a bool tensor .*\[2, 4, 4, 4\], got torch.float32"),
+    (dict(allowed=torch.ones(4, 5, dtype=torch.bool)), r"allowed must be broadcastable to .*got shape \[4, 5\]"),
+])
+def test_rejects_bad_call_arguments(kwargs, match):
+    layer = make_layer("gqa")  # E = 32, Hq = 4, Hkv = 2, D = 8
+    with pytest.raises(ValueError, match=match):
+        layer(**(dict(x=X) | kwargs))
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(allowed=torch.ones(4, 4, dtype=torch.bool)), r"\[2, 4, 4, 7\], got shape \[4, 4\]"),  # S = 3 + 4
+    (dict(positions=torch.arange(4.0)), "positions must have an integer dtype"),
+    (dict(valid=torch.ones(2, 4, dtype=torch.int64)), "valid must be a bool tensor"),
+])
+def test_a_refused_call_leaves_the_cache_unchanged(bad, match):
+    layer = make_layer("gqa", torch.float64)
+    cache = layer.new_cache(2, 10)
+    with torch.no_grad():
+        layer(torch.randn(2, 3, E, dtype=torch.float64), cache=cache)
+        before = [x.clone() for x in cache.view()]
+        with pytest.raises(ValueError, match=match):
+            layer(torch.randn(2, 4, E, dtype=torch.float64), cache=cache, **bad)
+    assert cache.length == 3 and all(torch.equal(a, b) for a, b in zip(cache.view(), before))
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_zero_new_tokens_give_an_empty_output_and_leave_the_cache_alone(window):
+    layer = make_layer("gqa", torch.float64, window=window)
+    cache = layer.new_cache(2, 4)
+    with torch.no_grad():
+        out = layer(torch.zeros(2, 0, E, dtype=torch.float64), cache=cache)
+        assert out.shape == (2, 0, E) and out.dtype == torch.float64 and cache.length == 0
+        assert layer(torch.zeros(2, 0, E, dtype=torch.float64)).shape == (2, 0, E)
+
+
+def test_under_autocast_a_bf16_input_is_accepted_like_its_fp32_copy():
+    # Autocast casts x and the weights to bf16 inside each projection, so x in bf16 and the same values in
+    # fp32 run the same bf16 computation.
     layer = make_layer("gqa")
-    x = torch.randn(2, 4, E)
-    with pytest.raises(ValueError, match="positions"):
-        layer(x, positions=torch.arange(5))
-    with pytest.raises(ValueError, match="valid"):
-        layer(x, valid=torch.ones(2, 4))
-    with pytest.raises(ValueError, match=r"\[B, T, E\]"):
-        layer(x[0])
+    x = torch.randn(2, 4, E).bfloat16()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(layer(x), layer(x.float()))
 
 
 @settings(max_examples=25, deadline=None)

@@ -164,3 +164,10 @@ def test_composing_with_a_mask_of_too_many_dims_names_the_dims():
         causal_mask(torch.arange(3), torch.arange(3)) & torch.ones(1, 1, 1, 3, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=r"got dtype torch.float32"):
         causal_mask(torch.arange(3), torch.arange(3)) & torch.ones(3, 3)
+
+
+@pytest.mark.parametrize("make", [window_mask, lambda q, k, w: causal_mask(q, k)], ids=["window", "causal"])
+def test_masks_over_zero_queries_or_keys_have_empty_shapes(make):
+    assert make(torch.arange(0), torch.arange(5), 2).to_dense().shape == (0, 5)
+    assert make(torch.arange(3), torch.arange(0), 2).to_dense().shape == (3, 0)
+    assert make(torch.zeros(2, 0, dtype=torch.long), torch.arange(4), 2).to_dense().shape == (2, 1, 0, 4)

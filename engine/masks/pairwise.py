@@ -16,8 +16,10 @@ from engine.masks.structured import StructuredMask, _tile_reduce
 
 def _rows(values: torch.Tensor) -> torch.Tensor:
     """``[L]`` or ``[B, L]`` as ``[1|B, L]``; rows that are one expanded row (stride 0) count once."""
-    if values.dim() == 1 or (values.shape[0] > 1 and values.stride(0) == 0):
-        return values.reshape(-1, values.shape[-1])[:1]  # [1, L]
+    if values.dim() == 1:
+        return values[None]  # [1, L]
+    if values.shape[0] > 1 and values.stride(0) == 0:
+        return values[:1]  # [1, L]
     return values  # [B, L]
 
 

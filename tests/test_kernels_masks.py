@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from engine.attention import causal_attention, prepare_inputs
+from engine.kernels.sdpa_tiles import sdpa_tiles_attention
+from engine.kernels.tiled import tiled_attention
 from engine.masks import (
     StructuredMask,
     as_structured,
     causal_mask,
     document_mask,
+    document_positions,
     key_padding_mask,
     padding_mask,
     window_mask,
@@ -89,18 +93,31 @@ def _check_bounds(mask, batch, t, s, block_q, block_k):
                     assert bool(tile.all())  # "no False here" must be true
 
 
+MASK_KINDS = ["causal", "window", "document", "padding", "key_padding", "dense", "combo"]
+
+
+def _sorted_values(draw, rows: int, length: int, low: int, high: int) -> torch.Tensor:
+    """Int64 ``[rows, length]`` of values sorted along each row (positions, or ids of contiguous documents)."""
+    return torch.tensor([sorted(draw(st.lists(st.integers(low, high), min_size=length, max_size=length)))
+                         for _ in range(rows)])
+
+
 @st.composite
-def masks(draw):
+def masks(draw, kind: str):
+    """``(mask, batch, T, S)`` of one kind; T, S, batch, positions, ids and lengths drawn."""
     t, s = draw(st.integers(1, 24)), draw(st.integers(1, 24))
     batch = draw(st.integers(1, 2))
-    kind = draw(st.sampled_from(["causal", "window", "document", "padding", "key_padding", "dense", "combo"]))
-    qp = torch.tensor(sorted(draw(st.lists(st.integers(-3, 30), min_size=t, max_size=t))))
-    kp = torch.tensor(sorted(draw(st.lists(st.integers(0, 30), min_size=s, max_size=s))))
+    rows = batch if draw(st.booleans()) else 1  # [B, L] values that differ by row, or one [L] row for all
+    qp = _sorted_values(draw, rows, t, -3, 30).squeeze(0)  # [T] or [B, T]
+    kp = _sorted_values(draw, rows, s, 0, 30).squeeze(0)  # [S] or [B, S]
     if kind == "causal":
         return causal_mask(qp, kp), batch, t, s
     if kind == "window":
         return window_mask(qp, kp, draw(st.integers(1, 8))), batch, t, s
     if kind == "document":
+        if draw(st.booleans()):  # packed documents: contiguous ids, the same for queries and keys (T = S)
+            ids = _sorted_values(draw, rows, s, 0, 4).squeeze(0)  # [S] or [B, S]
+            return document_mask(ids), batch, s, s
         ids_q = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=t, max_size=t)))  # not even sorted
         ids_k = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=s, max_size=s)))
         return document_mask(ids_q, ids_k), batch, t, s
@@ -117,10 +134,49 @@ def masks(draw):
     return (window_mask(qp, kp, 4) | ~causal_mask(qp, kp)) & dense, batch, t, s
 
 
-@given(masks(), st.integers(1, 9), st.integers(1, 9))
-def test_tile_bounds_are_sound_and_blocks_exact(case, block_q, block_k):
-    mask, batch, t, s = case
+@pytest.mark.parametrize("kind", MASK_KINDS)  # every kind is drawn; the rest of each mask is up to hypothesis
+@given(data=st.data(), block_q=st.integers(1, 9), block_k=st.integers(1, 9))
+def test_tile_bounds_are_sound_and_blocks_exact(kind, data, block_q, block_k):
+    mask, batch, t, s = data.draw(masks(kind))
     _check_bounds(mask, batch, t, s, block_q, block_k)
+
+
+@given(lengths=st.lists(st.integers(1, 30), min_size=2, max_size=5), block_q=st.integers(4, 16),
+       block_k=st.integers(4, 16), kernel=st.sampled_from(["tiled", "sdpa_tiles"]),
+       rule=st.sampled_from(["causal", "restart", "bidirectional"]), seed=st.integers(0, 1000))
+def test_kernels_with_tiles_straddling_documents_equal_the_reference(lengths, block_q, block_k, kernel, rule, seed):
+    # Packed documents in small tiles, so query and key tiles straddle document boundaries: a tile that mixes
+    # documents must be masked (a too-generous "every" bound would run it unmasked), and row 1 has the mirrored
+    # boundaries of row 0 (per-row plans). rule: causal with global positions; causal with positions that
+    # restart at 0 in each document; or no causal rule (a packed encoder: only the documents mask tiles).
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))  # [L]
+    ids = torch.stack([ids, ids.max() - ids.flip(0)])  # [B, L]: row 1 mirrored
+    length = ids.shape[1]
+    assume(any(len(set(ids[0, i0:i0 + block_q].tolist())) > 1 for i0 in range(0, length, block_q)))
+    pos = document_positions(ids) if rule == "restart" else None  # [B, L] or default 0..L-1
+    causal = rule != "bidirectional"
+    allowed = document_mask(ids)  # [B, 1, L, L]
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 4, length, 8, generator=g, dtype=torch.float64)  # [B, Hq, T, D]
+    k, v = (torch.randn(2, 2, length, 8, generator=g, dtype=torch.float64) for _ in range(2))  # [B, Hkv, S, D]
+    grad_out = torch.randn(2, 4, length, 8, generator=g, dtype=torch.float64)  # [B, Hq, T, Dv]
+    results = []
+    for run in ("reference", kernel):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        if run == "reference":
+            out, lse = causal_attention(*leaves, pos, pos, allowed, causal=causal, kernel="reference",
+                                        return_lse=True)
+        else:
+            inputs = prepare_inputs(*leaves, pos, pos, allowed, None, causal=causal)
+            out, lse = {"tiled": tiled_attention, "sdpa_tiles": sdpa_tiles_attention}[run](inputs, True, block_q,
+                                                                                             block_k)
+        results.append([out, lse, *torch.autograd.grad(out, leaves, grad_out)])
+    expected, got = results
+    for name, a, e in zip(["out", "lse", "dq", "dk", "dv"], got, expected):
+        if name == "lse":  # fp32 or fp64 lse: compare within fp32 rounding
+            torch.testing.assert_close(a.double(), e.double(), rtol=1e-6, atol=1e-6, msg=name)
+        else:
+            torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=name)
 
 
 def test_sorted_structures_skip_most_tiles():

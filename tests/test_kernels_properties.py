@@ -10,7 +10,7 @@ from engine.attention import causal_attention, prepare_inputs
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.sdpa_tiles import sdpa_tiles_attention
 from engine.kernels.tiled import tiled_attention
-from engine.masks import document_mask, key_padding_mask, window_mask
+from engine.masks import StructuredMask, document_mask, key_padding_mask, window_mask
 
 
 @st.composite
@@ -47,6 +47,24 @@ def test_tiled_kernels_equal_the_reference_for_any_tile_size(problem, block_q, b
     ref, ref_lse = causal_attention(q, k, v, allowed=allowed, causal=causal, kernel="reference", return_lse=True)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    # lse values, against the reference and an independent float64 logsumexp; the lse may be fp32 or fp64,
+    # so both are compared within fp32 rounding.
+    exact = _float64_lse(q, k, allowed, causal)  # [B, Hq, T]
+    torch.testing.assert_close(lse.double(), exact, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ref_lse.double(), exact, rtol=1e-6, atol=1e-6)
+
+
+def _float64_lse(q, k, allowed, causal):
+    """``[B, Hq, T]`` logsumexp of each row's visible scores (default positions), -inf where none is visible."""
+    t, s, d = q.shape[2], k.shape[2], q.shape[3]
+    k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq, S, D]
+    scores = (q.double() @ k.transpose(-2, -1)) / d ** 0.5  # [B, Hq, T, S]
+    visible = torch.ones(t, s, dtype=torch.bool)  # [T, S]
+    if causal:  # queries at positions S-T .. S-1, keys at 0 .. S-1
+        visible = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]
+    if allowed is not None:
+        visible = visible & (allowed.to_dense() if isinstance(allowed, StructuredMask) else allowed)
+    return scores.masked_fill(~visible, float("-inf")).logsumexp(dim=-1)
 
 
 @given(st.integers(2, 60), st.integers(1, 4), st.integers(0, 1000))

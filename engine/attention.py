@@ -21,16 +21,13 @@ The rule, stated once:
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
-from engine.kernels.dispatch import AttentionInputs, run_attention
-from engine.masks.structured import StructuredMask
+from engine.inputs import prepare_inputs
+from engine.kernels.dispatch import run_attention
 from engine.masks.window import window_mask
 
-__all__ = ["causal_attention", "split_heads", "merge_heads", "window_mask", "resolve_positions"]
+__all__ = ["causal_attention", "split_heads", "merge_heads", "window_mask"]
 
 
 def causal_attention(
@@ -81,124 +78,6 @@ def causal_attention(
                             causal=causal, softcap=softcap)
     out, lse = run_attention(inputs, kernel=kernel, return_lse=return_lse)
     return (out, lse) if return_lse else out
-
-
-def prepare_inputs(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    query_positions: torch.Tensor | None,
-    key_positions: torch.Tensor | None,
-    allowed: torch.Tensor | None,
-    scale: float | None,
-    *,
-    causal: bool = True,
-    softcap: float | None = None,
-) -> AttentionInputs:
-    """Validate the arguments of causal_attention and resolve their defaults (no copies of q, k, v)."""
-    _check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise ValueError(f"causal must be a bool (True: the position rule applies), got {causal!r} "
-                         f"({type(causal).__name__})")
-    batch, q_heads, t, d = q.shape
-    s = k.shape[2]
-    qp = resolve_positions(query_positions, batch, t, s - t, q.device, "query_positions")  # [B, T]
-    kp = resolve_positions(key_positions, batch, s, 0, q.device, "key_positions")  # [B, S]
-    if allowed is not None:
-        check_allowed(allowed, (batch, q_heads, t, s))
-    if scale is None:
-        if d == 0:
-            raise ValueError("head dim D = 0: the default scale 1 / sqrt(D) is undefined; pass scale explicitly")
-        scale = 1.0 / math.sqrt(d)
-    scale = _real_number(scale, "scale")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
-    if softcap is not None:
-        softcap = _real_number(softcap, "softcap")
-        if not (softcap > 0 and math.isfinite(softcap)):
-            raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
-    return AttentionInputs(q, k, v, qp, kp, allowed, scale, causal, softcap)
-
-
-def _real_number(value: object, name: str) -> float:
-    """A Python float from a real number (int, float, numpy scalar or 0-d tensor); bools are refused."""
-    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex():
-        if value.requires_grad:
-            raise ValueError(f"{name} is a tensor that requires grad: a learned {name} is not supported "
-                             f"(its gradient would be dropped); fold it into q or pass a number")
-        if value.device.type == "meta":
-            raise ValueError(f"{name} is a meta tensor: it has no value; pass a number")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    return float(value)
-
-
-# The dtypes every kernel computes exactly (scores in fp32, fp64 for fp64); fp8 and others are refused.
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            layout = "[B, Hq, T, D]" if name == "q" else "[B, Hkv, S, D]" if name == "k" else "[B, Hkv, S, Dv]"
-            raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(x.shape)}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            supported = ", ".join(str(dtype).removeprefix("torch.") for dtype in SUPPORTED_DTYPES)
-            raise ValueError(f"{name} must have dtype {supported}, got {x.dtype} (cast fp8 or integer inputs first)")
-        if x.device.type == "meta":
-            raise ValueError(f"{name} is a meta tensor: attention needs its values (got device {x.device})")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    batch, q_heads, _, d = q.shape
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise ValueError(f"batch size mismatch: q has B={batch}, k has B={k.shape[0]}, v has B={v.shape[0]}")
-    kv_heads, s = k.shape[1], k.shape[2]
-    if v.shape[1] != kv_heads:
-        raise ValueError(f"k and v must have the same number of heads, got Hkv={kv_heads} and {v.shape[1]}")
-    if kv_heads == 0 or q_heads % kv_heads:
-        raise ValueError(f"Query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
-    if k.shape[3] != d:
-        raise ValueError(f"head dim mismatch: q has D={d}, k has D={k.shape[3]}")
-    if v.shape[2] != s:
-        raise ValueError(f"key length mismatch: k has S={s}, v has S={v.shape[2]}")
-
-
-def resolve_positions(
-    positions: torch.Tensor | None, batch: int, length: int, start: int, device: torch.device, name: str
-) -> torch.Tensor:
-    """Return int64 positions of shape ``[B, length]``; ``None`` means ``start .. start+length-1``."""
-    if positions is None:
-        return torch.arange(start, start + length, device=device).expand(batch, length)  # [B, L]
-    if not isinstance(positions, torch.Tensor):
-        raise ValueError(f"{name} must be an integer tensor of shape [{length}] or [{batch}, {length}], "
-                         f"got {type(positions).__name__}")
-    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-        raise ValueError(f"{name} must have an integer dtype, got {positions.dtype}")
-    if positions.dim() == 1 and positions.shape[0] == length:
-        return positions.to(device=device, dtype=torch.long).expand(batch, length)  # [B, L]
-    if positions.dim() == 2 and tuple(positions.shape) == (batch, length):
-        return positions.to(device=device, dtype=torch.long)  # [B, L]
-    raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got {tuple(positions.shape)}")
-
-
-def check_allowed(allowed: torch.Tensor | StructuredMask, full: tuple[int, int, int, int]) -> None:
-    """ValueError unless ``allowed`` is a bool tensor or StructuredMask broadcastable to ``full`` = [B, Hq, T, S]."""
-    if not isinstance(allowed, (torch.Tensor, StructuredMask)) or allowed.dtype != torch.bool:
-        kind = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
-        raise ValueError(f"allowed must be a bool tensor broadcastable to [B, Hq, T, S] = {list(full)}, "
-                         f"got {kind}")
-    try:
-        ok = allowed.dim() <= 4 and torch.broadcast_shapes(tuple(allowed.shape), full) == torch.Size(full)
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"allowed must be broadcastable to [B, Hq, T, S] = {list(full)}, "
-                         f"got shape {list(allowed.shape)}")
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -23,7 +23,8 @@ import numbers
 import torch
 from torch import nn
 
-from engine.attention import causal_attention, check_allowed, merge_heads, resolve_positions, split_heads
+from engine.attention import causal_attention, merge_heads, split_heads
+from engine.inputs import check_allowed, resolve_positions
 from engine.kv_cache import KVCache
 from engine.masks.window import window_mask
 from engine.rope import PAIRINGS, apply_rope

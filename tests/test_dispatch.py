@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import engine.kernels.dispatch as dispatch
-from engine.attention import causal_attention, prepare_inputs
+from engine.attention import causal_attention
+from engine.inputs import prepare_inputs
 from engine.kernels.dispatch import SlowPathWarning, explain, select_kernel
 from engine.masks import key_padding_mask, window_mask
 

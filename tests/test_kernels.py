@@ -203,8 +203,8 @@ def test_kernels_on_a_bigger_window_with_every_kind_of_tile(kernel):
 def test_a_window_plan_reads_only_the_band():
     # Every fused call stays within [i0 - w, i1); all calls together cover 1.5x the visible pairs (the two
     # half-empty 256 x 256 triangles at the band's edges), not T x S.
-    from engine.attention import prepare_inputs
-    from engine.kernels.sdpa_tiles import BLOCK_K, BLOCK_Q, plan_calls
+    from engine.inputs import prepare_inputs
+    from engine.kernels.flash_plan import BLOCK_K, BLOCK_Q, plan_calls
 
     t, w = 4096, 512
     pos = torch.arange(t)
@@ -215,21 +215,21 @@ def test_a_window_plan_reads_only_the_band():
     area = sum((i1 - i0) * (j1 - j0) for _, i0, i1, j0, j1, _ in calls)
     visible = sum(min(i + 1, w) for i in range(t))
     assert visible <= area < 1.55 * visible
-    assert {kind for *_, kind in calls} == {"full", "masked", "causal"}  # the diagonal needs no mask
+    assert {kind for *_, kind in calls} == {"full", "partial", "causal"}  # the diagonal needs no mask
 
 
 def test_decode_splits_the_keys_when_few_heads_would_leave_cores_idle(monkeypatch):
     # B * Hkv = 1: the cache is cut into 4 chunks of 2,048 keys merged by lse. Head 0 sees only keys < 100,
     # so three of its chunks see nothing (lse -inf parts); head 1 sees only the last chunk.
-    import engine.kernels.decode as decode
+    import engine.kernels.flash as flash
 
-    shapes, fused = [], decode.FLASH
+    shapes, fused = [], flash.FLASH
 
     def spy(q, k, v, *args, **kwargs):
         shapes.append(tuple(k.shape))
         return fused(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(decode, "FLASH", spy)
+    monkeypatch.setattr(flash, "FLASH", spy)
     s = 8192
     q, k, v = qkv(1, 4, 1, 1, s, 16, dtype=torch.float32)
     allowed = torch.ones(1, 4, 1, s, dtype=torch.bool)

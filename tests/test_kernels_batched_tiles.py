@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import causal_attention, prepare_inputs
-from engine.kernels.sdpa_tiles import BLOCK_K, BLOCK_Q, _batches, plan_calls
-from engine.kernels.tiles import visibility_mask
+from engine.attention import causal_attention
+from engine.inputs import prepare_inputs
+from engine.kernels.flash_plan import BLOCK_K, BLOCK_Q, batches, plan_calls
+from engine.kernels.visibility import visibility_mask
 from engine.masks import window_mask
 
 
@@ -40,9 +41,9 @@ def test_a_window_batches_its_middle_tiles_and_per_row_masks_do_not_mix():
     pos = torch.arange(t)
     q, k, v = _qkv(1, 2, 2, t)
     inputs = prepare_inputs(q, k, v, None, None, window_mask(pos, pos, w), None)
-    joined = _batches(visibility_mask(inputs), plan_calls(inputs, BLOCK_Q, BLOCK_K))
+    joined = batches(visibility_mask(inputs), plan_calls(inputs, BLOCK_Q, BLOCK_K))
     assert [(batched, len(group)) for batched, group in joined] == [(False, 1), (True, 6)]  # tiles 2..7: one batch
-    assert {call[5] for call in joined[1][1]} == {"masked"}
+    assert {call.kind for call in joined[1][1]} == {"partial"}
     assert {call[4] - call[3] for call in joined[1][1]} == {w + BLOCK_Q}  # band start .. tile end
 
     # Two batch rows with different positions: each row's tiles batch apart, and results stay exact.
@@ -59,8 +60,8 @@ def test_groups_without_a_masked_span_are_not_folded_nor_batched():
     q, k, v = _qkv(1, 2, 2, 1024)
     query_positions = torch.arange(768, 1024)[None]  # [1, T]: 256 queries after 768 cached keys
     inputs = prepare_inputs(q[:, :, 768:], k, v, query_positions, None, None, None)
-    joined = _batches(visibility_mask(inputs), plan_calls(inputs, BLOCK_Q, BLOCK_K))
-    assert [(batched, [call[5] for call in group]) for batched, group in joined] == [(False, ["full", "causal"])]
+    joined = batches(visibility_mask(inputs), plan_calls(inputs, BLOCK_Q, BLOCK_K))
+    assert [(batched, [call.kind for call in group]) for batched, group in joined] == [(False, ["full", "causal"])]
     out = causal_attention(q[:, :, 768:], k, v, query_positions, kernel="sdpa_tiles")
     ref = causal_attention(q[:, :, 768:], k, v, query_positions, kernel="reference")
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

@@ -106,15 +106,15 @@ def test_fused_tile_gradients_match_with_masked_non_finite_values():
 
 def _rounded_grads(run, shape, kwargs, rounded_to, dtype):
     """Gradients of ``run(q, k, v, mask, scale)`` on inputs rounded to ``rounded_to``, then cast to ``dtype``."""
-    from engine.attention import prepare_inputs
-    from engine.kernels.reference import visibility
+    from engine.inputs import prepare_inputs
+    from engine.kernels.visibility import dense_visibility
 
     b, hq, hkv, t, s, d, dv = shape
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(*size, generator=g).to(rounded_to).to(dtype).requires_grad_()
                for size in ((b, hq, t, d), (b, hkv, s, d), (b, hkv, s, dv)))
     inputs = prepare_inputs(q, k, v, None, None, kwargs.get("allowed"), None)
-    mask = visibility(inputs)
+    mask = dense_visibility(inputs)
     mask = mask if isinstance(mask, torch.Tensor) else mask.to_dense()
     out = run(q, k, v, mask, inputs.scale)
     (out * torch.randn(out.shape, generator=g).to(rounded_to).to(dtype)).sum().backward()

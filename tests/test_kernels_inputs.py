@@ -15,7 +15,7 @@ import engine
 from engine import KVCache, causal_attention, window_mask
 from engine.kernels.decode import _heads_fold
 from engine.kernels.dispatch import KERNELS
-from engine.kernels.sdpa_tiles import flash_operands
+from engine.kernels.flash import flash_operands
 from engine.reference.loops import per_query_attention
 from tests.precision import plain_attention
 

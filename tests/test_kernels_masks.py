@@ -7,7 +7,8 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from engine.attention import causal_attention, prepare_inputs
+from engine.attention import causal_attention
+from engine.inputs import prepare_inputs
 from engine.kernels.sdpa_tiles import sdpa_tiles_attention
 from engine.kernels.tiled import tiled_attention
 from engine.masks import (

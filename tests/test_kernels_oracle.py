@@ -18,8 +18,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from engine.attention import causal_attention, prepare_inputs
-from engine.kernels.sdpa_tiles import BLOCK_K, BLOCK_Q, plan_calls, sdpa_tiles_attention
+from engine.attention import causal_attention
+from engine.inputs import prepare_inputs
+from engine.kernels.flash_plan import BLOCK_K, BLOCK_Q, plan_calls
+from engine.kernels.sdpa_tiles import sdpa_tiles_attention
 from engine.masks import document_mask, window_mask
 
 KERNELS = ["reference", "tiled", "sdpa", "sdpa_tiles", "decode"]  # decode with gradients hands off to tiled

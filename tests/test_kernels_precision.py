@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import causal_attention, prepare_inputs
+from engine.attention import causal_attention
+from engine.inputs import prepare_inputs
 from engine.kernels.dispatch import KERNELS
-from engine.kernels.reference import visibility
+from engine.kernels.visibility import dense_visibility
 from engine.masks import document_mask, window_mask
 from tests.precision import assert_within_precision, plain_attention
 
@@ -45,7 +46,7 @@ def test_low_precision_error_is_at_most_twice_a_plain_run(kernel, case, dtype):
     v = torch.randn(b, hkv, s, d, generator=g).to(dtype)
     oracle = causal_attention(q.double(), k.double(), v.double(), kernel="reference", **kwargs)  # fp64
     inputs = prepare_inputs(q, k, v, None, None, kwargs.get("allowed"), None)
-    mask = visibility(inputs)
+    mask = dense_visibility(inputs)
     if not isinstance(mask, torch.Tensor):
         mask = mask.to_dense()
     plain = plain_attention(q, k, v, mask, inputs.scale, dtype)

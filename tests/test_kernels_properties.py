@@ -6,7 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.attention import causal_attention, prepare_inputs
+from engine.attention import causal_attention
+from engine.inputs import prepare_inputs
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.sdpa_tiles import sdpa_tiles_attention
 from engine.kernels.tiled import tiled_attention

@@ -1,13 +1,22 @@
-"""Attention kernels. Each takes resolved ``AttentionInputs`` and returns ``(out, lse)``.
+"""Attention kernels. Each takes validated ``AttentionInputs`` (engine.inputs) and returns ``(out, lse)``.
 
-- ``reference``: the dense, materialising path (the seed's listing, made safe); the oracle for the rest.
+Data flows one way: inputs -> ``dispatch`` (which kernel, and the one fallback order) -> a kernel -> merge.
+A kernel is one module with a ``fits`` and a ``run``; it imports building blocks, never another kernel.
+
+Kernels (fastest first), each beside its readable twin:
+- ``decode``: few queries against a long cache, GQA groups as rows, split-KV merged by log-sum-exp (twin: tiled).
+- ``sdpa``: one call of PyTorch's fused CPU flash op where its semantics fit exactly (twin: reference).
+- ``sdpa_tiles``: that fused op on the tiles the mask leaves, merged by log-sum-exp (twin: tiled).
 - ``tiled``: online softmax over query x key tiles in torch ops, skipping empty tiles; handles everything
   (softcap, Dv != D, per-head masks, NaN/inf, any device) and trains with a tiled backward.
-- ``sdpa``: one call of PyTorch's fused CPU flash kernel where its semantics fit exactly.
-- ``sdpa_tiles``: that fused kernel on the tiles the mask leaves, merged by log-sum-exp.
-- ``decode``: few queries against a long cache, GQA groups as rows, split-KV merged by log-sum-exp.
-- ``tiles``: which tiles a mask leaves (empty / full / partial); ``merge``: ``merge_attention_states``.
-- ``dispatch``: picks a kernel for the inputs and says why (``explain``).
+- ``reference``: the dense, materialising path (the seed's listing, made safe); the oracle for the rest.
+
+Building blocks:
+- ``visibility``: the rule ``key_pos <= query_pos & allowed`` as one structured mask;
+- ``plan``: which tiles it leaves (EMPTY / FULL / PARTIAL); ``flash_plan``: the fused calls covering them;
+- ``flash``: the fused CPU op, wrapped once; ``flash_run``: runs a call plan forward and backward;
+- ``tiled_backward``: the backward by tiles from the lse; ``nonfinite``: NaN/inf in K/V never leak;
+- ``merge``: ``merge_attention_states``; ``common``: compute dtype, GQA rows, empty-row fix-up.
 """
 
 from engine.kernels.dispatch import KERNELS, KernelChoice, SlowPathWarning, explain, select_kernel

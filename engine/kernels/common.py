@@ -30,3 +30,28 @@ def head_mask(mask: torch.Tensor, kv_heads: int, q_heads: int) -> torch.Tensor:
     if mask.dim() == 3 and mask.shape[0] == q_heads and q_heads > 1:
         return mask.reshape(kv_heads, q_heads // kv_heads, *mask.shape[1:])  # [Hkv, G, tq, tk]
     return mask  # [tq, tk] or [1, tq, tk]: broadcasts over heads
+
+
+class DoesNotFit(Exception):
+    """Raised by a kernel that finds, while running, that its fast path cannot compute these inputs exactly
+    (NaN/inf in q, ...): dispatch catches it and runs the next kernel of its fallback order."""
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """True when autograd will want gradients of any of these tensors."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the fused kernel's additive mask: 0 where visible, -inf elsewhere (same shape)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, NEG_INF)
+
+
+def clear_unseen(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows that see no key: output 0 and lse -inf (a fused masked call says lse 0 and averages the values).
+
+    ``out [..., R, Dv]``, ``lse [..., R]``, ``seen`` bool broadcastable to ``lse``.
+    """
+    if bool(seen.all()):
+        return out, lse
+    return out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, NEG_INF)

@@ -16,52 +16,49 @@ layout choices keep those bytes read once:
        k [B, Hkv, S, D] -> view [B*Hkv, n, S/n, D];   q rows repeated per chunk;   merge over n
 
 Masks (positions, windows, padding) enter as an additive mask over the rows; key chunks that no row
-sees are cut off. Inputs the fused kernel cannot take exactly (softcap, Dv != D, gradients)
-run the ``tiled`` kernel with one query tile and long key tiles, which shares K/V across the group too;
-more than ``MAX_QUERIES`` queries (a prefill shape, when the kernel is forced) run ``sdpa_tiles``.
+sees are cut off. Inputs the fused op cannot take exactly (softcap, Dv != D), gradients and more than
+``MAX_QUERIES`` queries do not fit: dispatch runs the next kernel (the ``tiled`` kernel takes few queries as
+one query tile against long key tiles, which shares K/V across the group too). Readable twin: ``tiled``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from engine.kernels.common import NEG_INF, compute_dtype
-from engine.kernels.dispatch import AttentionInputs
+from engine.inputs import AttentionInputs
+from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, needs_grad
+from engine.kernels.flash import flash_call, flash_fits, flash_operands
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
-from engine.kernels.sdpa_tiles import FLASH, flash_fits, flash_operands
-from engine.kernels.tiles import visibility_mask
+from engine.kernels.visibility import causal_pattern, visibility_mask
 
 MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row
 MIN_KEYS = 512  # ... against at least this many cached keys
 BUSY_ITEMS = 16  # split keys until B * Hkv * n reaches this many independent work items
 MIN_SPLIT_KEYS = 2048  # never split the keys into chunks shorter than this
-FALLBACK_BLOCK_K = 2048
 
 
 def decode_fits(inputs: AttentionInputs) -> str | None:
-    t, s = inputs.q.shape[2], inputs.k.shape[2]
+    """Why the decode kernel cannot compute these inputs exactly (None: it can)."""
+    t = inputs.q.shape[2]
     if t > MAX_QUERIES:
         return f"T = {t} queries: decode serves T <= {MAX_QUERIES}"
-    if s < MIN_KEYS:
-        return f"S = {s} keys: decode pays off from S >= {MIN_KEYS}"
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (inputs.q, inputs.k, inputs.v)):
+    if needs_grad(inputs.q, inputs.k, inputs.v):
         return "gradients are needed: training runs the tiled kernels"
-    return None
+    return flash_fits(inputs)
+
+
+def decode_pays_off(inputs: AttentionInputs) -> str | None:
+    """Why ``auto`` would not pick decode for inputs it fits (None: it pays off)."""
+    s = inputs.k.shape[2]
+    return None if s >= MIN_KEYS else f"S = {s} keys: decode pays off from S >= {MIN_KEYS}"
 
 
 def decode_attention(inputs: AttentionInputs, return_lse: bool = False):
     """Kernel ``"decode"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] in the compute dtype or None)``."""
-    q, k, v = inputs.q, inputs.k, inputs.v
-    if q.shape[2] > MAX_QUERIES:  # a prefill shape: its additive row mask would be [G*T, S]
-        from engine.kernels.sdpa_tiles import sdpa_tiles_attention
-
-        return sdpa_tiles_attention(inputs, return_lse)
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
-    if needs_grad or flash_fits(inputs) is not None:
-        from engine.kernels.tiled import tiled_attention
-
-        return tiled_attention(inputs, return_lse, block_q=max(q.shape[2], 1), block_k=FALLBACK_BLOCK_K)
+    why_not = decode_fits(inputs)
+    if why_not is not None:
+        raise DoesNotFit(why_not)
     return run_guarded(inputs, return_lse, _grouped_flash)
 
 
@@ -80,8 +77,8 @@ def _visible_span(mask, batch: int, t: int, s: int) -> tuple[int, int]:
     return int(hits[0]) * block, min(int(hits[-1] + 1) * block, s)
 
 
-def _row_mask(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: int, dtype: torch.dtype):
-    """Additive mask ``[B|1, Hkv|1, G*T, j1-j0]``: 0 where the row sees the key, -inf where it does not."""
+def _row_visible(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: int) -> torch.Tensor:
+    """Bool ``[B|1, Hkv|1, G*T, j1-j0]``: which keys each query row sees."""
     blocks = []
     for b in range(batch if mask.batched() else 1):
         visible = mask.block(b, 0, t, j0, j1)  # [T, n] or [Hq|1, T|1, n|1]
@@ -91,8 +88,7 @@ def _row_mask(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: 
         else:  # shared by every head: [T, n] -> [1, G*T, n]
             visible = visible.reshape(t, j1 - j0).repeat(group, 1)[None]
         blocks.append(visible)
-    visible = torch.stack(blocks)  # [B|1, Hkv|1, G*T, n]
-    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, NEG_INF)
+    return torch.stack(blocks)  # [B|1, Hkv|1, G*T, n]
 
 
 def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
@@ -110,47 +106,36 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
         # cache to fp32 first would triple the bytes moved)
         q_rows = q.reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D]; a view when contiguous
         kc, vc = k[:, :, j0:j1], v[:, :, j0:j1]  # views
-        additive = None
-        if mask is not None:
-            from engine.kernels.sdpa import causal_pattern
-
-            if inputs.allowed is not None or causal_pattern(inputs) != "none":
-                additive = _row_mask(mask, batch, kv_heads, group, t, j0, j1, q.dtype)
-        out, lse = _split_kv(q_rows, kc, vc, additive, inputs.scale)
+        visible = None
+        if mask is not None and (inputs.allowed is not None or causal_pattern(inputs) != "none"):
+            visible = _row_visible(mask, batch, kv_heads, group, t, j0, j1)  # [B|1, Hkv|1, G*T, n]
+        out, lse = _split_kv(q_rows, kc, vc, visible, inputs.scale)
     out = out.reshape(batch, q_heads, t, d).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
     return out, lse.reshape(batch, q_heads, t)
 
 
-def _fused(q, k, v, additive, scale):
-    """One fused call; rows the mask hides entirely get out 0 and lse -inf (the fused kernel says lse 0)."""
-    o, part_lse = FLASH(q, k, v, 0.0, False, attn_mask=additive, scale=scale)
-    part_lse = part_lse.to(compute_dtype(o.dtype))
-    if additive is not None:
-        seen = (additive == 0).any(dim=-1)  # [B|1, H|1, R]
-        part_lse = part_lse.masked_fill(~seen, NEG_INF)
-        o = o.masked_fill(~seen[..., None], 0.0)
-    return o, part_lse
-
-
-def _split_kv(q_rows, k, v, additive, scale):
+def _split_kv(q_rows, k, v, visible, scale):
     """One fused call over ``n`` key chunks seen as heads, merged by lse: ``[B, Hkv, R, Dv]``, ``[B, Hkv, R]``."""
     batch, kv_heads, rows, d = q_rows.shape
     s = k.shape[2]
     n = 1
     while batch * kv_heads * n < BUSY_ITEMS and s % (2 * n) == 0 and s // (2 * n) >= MIN_SPLIT_KEYS:
         n *= 2
+    ct = compute_dtype(q_rows.dtype)
     if n == 1 or not (_heads_fold(k) and _heads_fold(v)):
-        return _fused(q_rows, k, v, additive, scale)
+        o, lse = flash_call(q_rows, k, v, scale, visible=visible)
+        return o, lse.to(ct)
     chunk = s // n
     k_split = k.flatten(0, 1).unflatten(1, (n, chunk))  # [B*Hkv, n, S/n, D]: a view, chunk c of (b, h) is head c
     v_split = v.flatten(0, 1).unflatten(1, (n, chunk))  # [B*Hkv, n, S/n, Dv]
     q_split = q_rows.reshape(batch * kv_heads, 1, rows, d).expand(-1, n, rows, d)  # [B*Hkv, n, R, D]
-    mask_split = None
-    if additive is not None:  # [B|1, Hkv|1, R, S] -> [B*Hkv|1, n, R, S/n]
-        if additive.shape[0] > 1 or additive.shape[1] > 1:
-            additive = additive.expand(batch, kv_heads, rows, s)
-        mask_split = additive.flatten(0, 1).unflatten(2, (n, chunk)).transpose(1, 2).contiguous()
-    o, part_lse = _fused(q_split, k_split, v_split, mask_split, scale)  # [B*Hkv, n, R, Dv], [B*Hkv, n, R]
+    visible_split = None
+    if visible is not None:  # [B|1, Hkv|1, R, S] -> [B*Hkv|1, n, R, S/n]
+        if visible.shape[0] > 1 or visible.shape[1] > 1:
+            visible = visible.expand(batch, kv_heads, rows, s)
+        visible_split = visible.flatten(0, 1).unflatten(2, (n, chunk)).transpose(1, 2)
+    o, part_lse = flash_call(q_split, k_split, v_split, scale, visible=visible_split)  # [B*Hkv, n, R, *]
+    part_lse = part_lse.to(ct)
     o = o.view(batch, kv_heads, n, rows, -1)  # [B, Hkv, n, R, Dv]
     part_lse = part_lse.expand(batch * kv_heads, n, rows).reshape(batch, kv_heads, n, rows)  # [B, Hkv, n, R]
     return merge_attention_states(list(o.unbind(2)), list(part_lse.unbind(2)))

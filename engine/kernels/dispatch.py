@@ -1,20 +1,24 @@
-"""Choose the kernel that runs a causal_attention call, and say why.
+"""Choose the kernel that runs a causal_attention call, say why, and hold the one fallback order.
 
-Every kernel computes the same thing (the reference's results) for every input; they differ in speed.
-A kernel whose fast path does not fit some input (softcap for the fused kernel, NaN in K/V, ...) hands
-the call to an exact fallback, so a forced kernel never changes a result. ``select_kernel`` walks the
-kernels fastest-first and takes the first whose fast path fits the inputs exactly; ``explain(...)``
-(same arguments as causal_attention) shows that walk; the logger ``engine.kernels`` logs each choice
-at DEBUG level; forcing the materialising reference at a size where
-it is slow warns with ``SlowPathWarning``.
+Every kernel computes the same thing (the reference's results) for every input it fits; they differ in
+speed. ``KERNELS`` lists them fastest first. Each says, through its ``fits``, whether it can compute the
+inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it can:
 
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
-| decode       | few queries against a long cache: split-KV, merged by lse   | T <= 16, S >= 512, no gradients |
-| sdpa         | one call of PyTorch's fused CPU flash kernel                | no mask beyond top-left causal  |
-| sdpa_tiles   | that fused kernel on the tiles the mask leaves, lse-merged  | no softcap, Dv == D, CPU        |
+| decode       | few queries against a long cache: split-KV, merged by lse   | T <= 16, no gradients, CPU op   |
+|              |                                                             | (pays off from S >= 512)        |
+| sdpa         | one call of PyTorch's fused CPU flash op                    | no mask beyond top-left causal  |
+| sdpa_tiles   | that fused op on the tiles the mask leaves, lse-merged      | no softcap, Dv == D, CPU        |
 | tiled        | online softmax over tiles in torch ops, skips empty tiles   | everything                      |
 | reference    | dense scores ``[B, Hq, T, S]`` (the oracle)                 | everything, small sizes only    |
+
+``auto`` takes the first kernel that fits and pays off (never the reference). A forced kernel runs when it
+fits; otherwise, and when a kernel finds while running that its fast path cannot be exact (NaN/inf in q:
+``DoesNotFit``), the call goes down the same order to the next kernel that fits, so a forced kernel never
+changes a result. No kernel calls another. ``explain(...)`` (same arguments as causal_attention) shows the
+walk; the logger ``engine.kernels`` logs each choice at DEBUG level; forcing the materialising reference at a
+size where it is slow warns with ``SlowPathWarning``.
 """
 
 from __future__ import annotations
@@ -23,39 +27,56 @@ import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from engine.kernels.common import compute_dtype
+from engine.inputs import AttentionInputs, prepare_inputs
+from engine.kernels.common import DoesNotFit, compute_dtype
+from engine.kernels.decode import decode_attention, decode_fits, decode_pays_off
+from engine.kernels.reference import dense_attention
+from engine.kernels.sdpa import sdpa_attention, sdpa_fits
+from engine.kernels.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
+from engine.kernels.tiled import tiled_attention
 
 logger = logging.getLogger("engine.kernels")
 
-
-@dataclass(frozen=True)
-class AttentionInputs:
-    """Validated arguments of causal_attention with defaults resolved.
-
-    q ``[B, Hq, T, D]``, k ``[B, Hkv, S, D]``, v ``[B, Hkv, S, Dv]``; query_positions ``[B, T]`` and
-    key_positions ``[B, S]`` (int64, possibly expanded views); allowed is None, a bool tensor
-    broadcastable to ``[B, Hq, T, S]``, or a StructuredMask (engine.masks) of such a shape.
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    query_positions: torch.Tensor
-    key_positions: torch.Tensor
-    allowed: torch.Tensor | None
-    scale: float
-    causal: bool
-    softcap: float | None
-
-
 # A kernel: (inputs, return_lse) -> (out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] or None);
 # the lse is in the compute dtype (fp32, fp64 for fp64 inputs).
-Kernel = Callable[[AttentionInputs, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
-# Why a kernel cannot run these inputs exactly (None: it can)
-Fit = Callable[[AttentionInputs], "str | None"]
+Run = Callable[[AttentionInputs, bool], tuple[torch.Tensor, "torch.Tensor | None"]]
+# Why a kernel cannot (fits) or should not (pays_off) run these inputs; None: it can / it should.
+Check = Callable[[AttentionInputs], "str | None"]
+
+
+def _always(inputs: AttentionInputs) -> str | None:
+    return None
+
+
+def _never_auto(inputs: AttentionInputs) -> str | None:
+    return "the reference materialises the [B, Hq, T, S] scores: only run when forced"
+
+
+class Kernel(NamedTuple):
+    """One kernel: how to run it, when it is exact, when auto takes it, and what it is for."""
+
+    run: Run
+    fits: Check
+    pays_off: Check
+    why: str
+
+
+# Fastest first: the order auto walks and the fallback order of a forced kernel.
+KERNELS: dict[str, Kernel] = {
+    "decode": Kernel(decode_attention, decode_fits, decode_pays_off,
+                     "few queries against a long cache: reads each K/V byte once, split across chunks"),
+    "sdpa": Kernel(sdpa_attention, sdpa_fits, _always,
+                   "PyTorch's fused flash kernel fits exactly (no mask beyond top-left causal)"),
+    "sdpa_tiles": Kernel(sdpa_tiles_attention, sdpa_tiles_fits, _always,
+                         "the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp"),
+    "tiled": Kernel(tiled_attention, _always, _always,
+                    "the general tiled kernel (softcap, Dv != D, per-head masks, any device)"),
+    "reference": Kernel(dense_attention, _always, _never_auto, "the dense reference (the oracle)"),
+}
 
 
 class SlowPathWarning(UserWarning):
@@ -63,86 +84,6 @@ class SlowPathWarning(UserWarning):
 
 
 SLOW_REFERENCE_SCORES = 1 << 26  # B * Hq * T * S above this (256 MiB of fp32 scores) warns
-
-
-def _reference(inputs: AttentionInputs, return_lse: bool):
-    from dataclasses import replace
-
-    from engine.kernels.reference import dense_attention
-
-    allowed = inputs.allowed
-    if allowed is not None and not isinstance(allowed, torch.Tensor):
-        inputs = replace(inputs, allowed=allowed.to_dense())  # a StructuredMask, materialised
-    return dense_attention(inputs, return_lse=return_lse)
-
-
-def _tiled(inputs: AttentionInputs, return_lse: bool):
-    from engine.kernels.tiled import tiled_attention
-
-    return tiled_attention(inputs, return_lse)
-
-
-def _sdpa(inputs: AttentionInputs, return_lse: bool):
-    from engine.kernels.sdpa import sdpa_attention
-
-    return sdpa_attention(inputs, return_lse)
-
-
-def _sdpa_tiles(inputs: AttentionInputs, return_lse: bool):
-    from engine.kernels.sdpa_tiles import sdpa_tiles_attention
-
-    return sdpa_tiles_attention(inputs, return_lse)
-
-
-def _decode(inputs: AttentionInputs, return_lse: bool):
-    from engine.kernels.decode import decode_attention
-
-    return decode_attention(inputs, return_lse)
-
-
-def _fits_sdpa(inputs: AttentionInputs) -> str | None:
-    from engine.kernels.sdpa import sdpa_fits
-
-    return sdpa_fits(inputs)
-
-
-def _fits_sdpa_tiles(inputs: AttentionInputs) -> str | None:
-    from engine.kernels.sdpa_tiles import sdpa_tiles_fits
-
-    return sdpa_tiles_fits(inputs)
-
-
-def _fits_decode(inputs: AttentionInputs) -> str | None:
-    from engine.kernels.decode import decode_fits
-
-    return decode_fits(inputs)
-
-
-def _fits_always(inputs: AttentionInputs) -> str | None:
-    return None
-
-
-# Every kernel by name; `causal_attention(..., kernel=name)` forces one.
-KERNELS: dict[str, Kernel] = {
-    "decode": _decode,
-    "sdpa": _sdpa,
-    "sdpa_tiles": _sdpa_tiles,
-    "tiled": _tiled,
-    "reference": _reference,
-}
-# When each kernel's fast path fits exactly; "auto" tries them in this order (fastest first), first fit wins.
-FITS: dict[str, Fit] = {
-    "decode": _fits_decode,
-    "sdpa": _fits_sdpa,
-    "sdpa_tiles": _fits_sdpa_tiles,
-    "tiled": _fits_always,
-}
-WHY = {
-    "decode": "few queries against a long cache: reads each K/V byte once, split across chunks",
-    "sdpa": "PyTorch's fused flash kernel fits exactly (no mask beyond top-left causal)",
-    "sdpa_tiles": "the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp",
-    "tiled": "the general tiled kernel (softcap, Dv != D, per-head masks, any device)",
-}
 
 
 @dataclass
@@ -159,13 +100,17 @@ class KernelChoice:
         return "\n".join(lines)
 
 
-def choose_kernel(inputs: AttentionInputs) -> KernelChoice:
-    """Walk FITS fastest-first; the first kernel whose semantics fit the inputs exactly wins."""
+def choose_kernel(inputs: AttentionInputs, start: str | None = None, forced: bool = False) -> KernelChoice:
+    """Walk ``KERNELS`` from ``start`` (default: the fastest): the first kernel that fits (and, unless forced,
+    pays off) wins; the others are listed with the reason they were passed over. Forced, only exactness
+    counts: the forced kernel runs where it fits, and the fallbacks after it are exact too."""
+    names = list(KERNELS)
     passed_over: dict[str, str] = {}
-    for name, fits in FITS.items():
-        why_not = fits(inputs)
+    for name in names[names.index(start) if start else 0:]:
+        kernel = KERNELS[name]
+        why_not = kernel.fits(inputs) or (None if forced else kernel.pays_off(inputs))
         if why_not is None:
-            return KernelChoice(name, WHY[name], passed_over)
+            return KernelChoice(name, kernel.why, passed_over)
         passed_over[name] = why_not
     raise AssertionError("the tiled kernel fits every input")
 
@@ -174,6 +119,15 @@ def select_kernel(inputs: AttentionInputs) -> tuple[str, str]:
     """Return ``(kernel name, reason)`` for inputs under ``kernel="auto"``."""
     choice = choose_kernel(inputs)
     return choice.kernel, choice.reason
+
+
+def _forced(inputs: AttentionInputs, kernel: str) -> KernelChoice:
+    """The forced kernel if it fits, else the next one down the order that fits."""
+    choice = choose_kernel(inputs, start=kernel, forced=True)
+    if choice.kernel == kernel:
+        return KernelChoice(kernel, f"forced by kernel={kernel!r}")
+    return KernelChoice(choice.kernel, f"forced kernel={kernel!r} does not fit ({choice.passed_over[kernel]}); "
+                                       f"the next exact kernel runs", choice.passed_over)
 
 
 def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, *,
@@ -186,19 +140,19 @@ def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
         kernel: sdpa_tiles (the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp)
           not decode: T = 4096 queries: decode serves T <= 16
           not sdpa: a mask is given (allowed): its semantics need the tiled kernels
-    """
-    from engine.attention import prepare_inputs
 
+    NaN/inf in q (or in K/V when gradients are needed) is found only while running: such a call runs the
+    ``tiled`` kernel whatever this says.
+    """
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap)
     auto = choose_kernel(inputs)
-    if kernel != "auto":
-        _check_name(kernel)
-        note = "" if kernel == auto.kernel else f"; auto would pick {auto.kernel}: {auto.reason}"
-        why_not = FITS.get(kernel, _fits_always)(inputs)
-        if why_not is not None and kernel != "reference":
-            note += f"; its fast path does not apply ({why_not}), it hands the call to an exact fallback"
-        return KernelChoice(kernel, f"forced by kernel={kernel!r}{note}")
-    return auto
+    if kernel == "auto":
+        return auto
+    _check_name(kernel)
+    choice = _forced(inputs, kernel)
+    if choice.kernel != auto.kernel:
+        choice.reason += f"; auto would pick {auto.kernel}: {auto.reason}"
+    return choice
 
 
 def _check_name(kernel: str) -> None:
@@ -207,25 +161,38 @@ def _check_name(kernel: str) -> None:
 
 
 def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: bool = False):
-    """Run the chosen kernel; returns ``(out [B, Hq, T, Dv], lse [B, Hq, T] or None)``."""
-    if kernel == "auto":
-        kernel, reason = select_kernel(inputs)
-    else:
+    """Run the chosen kernel, or the next exact one down the order; ``(out [B, Hq, T, Dv], lse [B, Hq, T] or None)``."""
+    if kernel != "auto":
         _check_name(kernel)
-        reason = "forced"
     batch, q_heads, t, _ = inputs.q.shape
     if batch * q_heads * t == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
         return _empty_result(inputs, return_lse)
+    choice = choose_kernel(inputs) if kernel == "auto" else _forced(inputs, kernel)
+    name = choice.kernel
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("causal_attention: kernel=%s (%s), q %s, k %s", kernel, reason,
+        logger.debug("causal_attention: kernel=%s (%s), q %s, k %s", name, choice.reason,
                      tuple(inputs.q.shape), tuple(inputs.k.shape))
-    if kernel == "reference":
-        batch, q_heads, t, _ = inputs.q.shape
-        if batch * q_heads * t * inputs.k.shape[2] > SLOW_REFERENCE_SCORES:
-            warnings.warn(f"the materialising reference kernel builds a [B, Hq, T, S] = "
-                          f"{[batch, q_heads, t, inputs.k.shape[2]]} score tensor; use kernel='auto'",
-                          SlowPathWarning, stacklevel=3)
-    return KERNELS[kernel](inputs, return_lse)
+    if name == "reference":
+        _warn_if_slow(inputs)
+    while True:
+        try:
+            return KERNELS[name].run(inputs, return_lse)
+        except DoesNotFit as why_not:  # found while running (NaN/inf): the next kernel that fits
+            name = choose_kernel(inputs, start=_next(name), forced=True).kernel
+            logger.debug("causal_attention: %s, falling back to kernel=%s", why_not, name)
+
+
+def _next(name: str) -> str:
+    names = list(KERNELS)
+    return names[names.index(name) + 1]
+
+
+def _warn_if_slow(inputs: AttentionInputs) -> None:
+    batch, q_heads, t, _ = inputs.q.shape
+    if batch * q_heads * t * inputs.k.shape[2] > SLOW_REFERENCE_SCORES:
+        warnings.warn(f"the materialising reference kernel builds a [B, Hq, T, S] = "
+                      f"{[batch, q_heads, t, inputs.k.shape[2]]} score tensor; use kernel='auto'",
+                      SlowPathWarning, stacklevel=4)
 
 
 def _empty_result(inputs: AttentionInputs, return_lse: bool):

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.common import NEG_INF, compute_dtype, head_mask
-from engine.kernels.dispatch import AttentionInputs
-from engine.kernels.tiles import plan_tiles, visibility_mask
+from engine.inputs import AttentionInputs
+from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, head_mask, needs_grad
+from engine.kernels.plan import plan_tiles
+from engine.kernels.visibility import visibility_mask
 
 POISON_BLOCK_Q, POISON_BLOCK_K = 256, 256
 
@@ -136,20 +137,20 @@ def run_guarded(inputs: AttentionInputs, return_lse: bool, fast):
     Finite K goes straight through, and a finite output proves q and V were finite wherever the kernel
     looked (a NaN/inf value meets ``p = 0`` or ``p > 0``: both give NaN/inf), so only K, whose bad entries
     could hide behind a ``-inf`` score, is checked up front. Otherwise the exact path: NaN/inf in K or V
-    are zeroed, the kernel runs, the outputs are poisoned; NaN/inf in q, or in K/V when gradients are
-    needed, go to the ``tiled`` kernel, which handles both inline.
+    are zeroed, the kernel runs, the outputs are poisoned. NaN/inf in q, or in K/V when gradients are
+    needed, do not fit a fused kernel: ``DoesNotFit`` lets dispatch run the ``tiled`` kernel, which handles both
+    inline.
     """
     q, k, v = inputs.q, inputs.k, inputs.v
     if all_finite(k):  # NaN/inf in q or V always shows in the output (0 * NaN is NaN): check it there
         out, lse = fast(inputs, return_lse)
         if all_finite(out):
             return out, lse
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     clean, guard = sanitized(inputs)
-    if not all_finite(q) or (guard is not None and needs_grad):
-        from engine.kernels.tiled import tiled_attention
-
-        return tiled_attention(inputs, return_lse)
+    if not all_finite(q):
+        raise DoesNotFit("NaN/inf in q: only the tiled kernel keeps it to the rows it belongs to")
+    if guard is not None and needs_grad(q, k, v):
+        raise DoesNotFit("NaN/inf in K/V with gradients: only the tiled kernel differentiates around them")
     if guard is None:
         return fast(inputs, return_lse)
     out, lse = fast(clean, True)

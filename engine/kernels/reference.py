@@ -1,27 +1,16 @@
 """The dense reference kernel: seed 000's listing, made safe for empty rows and non-finite masked keys.
 
-It materialises the ``[B, Hq, T, S]`` score matrix, so it is the oracle, not the fast path.
+It materialises the ``[B, Hq, T, S]`` score matrix, so it is the oracle, not the fast path: the readable
+twin of ``sdpa`` (one fused call) and the kernel every other one is tested against.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.inputs import AttentionInputs
 from engine.kernels.common import compute_dtype
-from engine.kernels.dispatch import AttentionInputs
-
-
-def visibility(inputs: AttentionInputs) -> torch.Tensor:
-    """Bool ``[B, 1 or Hq, T, S]``: the position rule (when causal) combined with ``allowed``."""
-    qp, kp = inputs.query_positions, inputs.key_positions  # [B, T], [B, S]
-    batch, t, s = qp.shape[0], qp.shape[1], kp.shape[1]
-    if inputs.causal:
-        mask = kp[:, None, None, :] <= qp[:, None, :, None]  # [B, 1, T, S]
-    else:
-        mask = torch.ones(batch, 1, t, s, dtype=torch.bool, device=qp.device)  # [B, 1, T, S]
-    if inputs.allowed is not None:
-        mask = mask & inputs.allowed  # [B, 1 or Hq, T, S]
-    return mask
+from engine.kernels.visibility import dense_visibility
 
 
 def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
@@ -29,7 +18,7 @@ def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
     q, k, v = inputs.q, inputs.k, inputs.v
     ct = compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
-    mask = visibility(inputs)  # [B, 1 or Hq, T, S]
+    mask = dense_visibility(inputs)  # [B|1, Hq|1, T, S]
     kf, vf = k.to(ct), v.to(ct)
     key_bad = val_bad = None
     if not bool(torch.isfinite(kf).all()):

@@ -1,39 +1,22 @@
-"""Kernel ``sdpa``: one call of PyTorch's fused CPU flash kernel, where its semantics fit exactly.
+"""Kernel ``sdpa``: one call of PyTorch's fused CPU flash op, where its semantics fit exactly.
 
-The fused kernel knows two visibility patterns: none (every key visible) and ``is_causal``, which is
-aligned to the *top-left* corner (query i sees keys j <= i). The engine's rule ``key_pos <= query_pos``
-equals one of them when:
-
-    every key is visible           max(key_pos) <= min(query_pos) in each row, or causal=False
-                                   (e.g. one-token decode with default positions)
-    top-left causal                T == S, query_pos == key_pos and strictly increasing in each row
-                                   (plain prefill with default positions)
-
-    chunked prefill  T=2, S=4:  queries at 2, 3 see keys 0..2 / 0..3 (bottom-right): neither pattern,
-    so such calls go to sdpa_tiles, which splits them into a full span and a causal-square span.
-
-Anything else (a mask, softcap, Dv != D) goes to ``sdpa_tiles`` / ``tiled``.
+The op knows two visibility patterns, none and top-left ``is_causal``; ``causal_pattern``
+(engine.kernels.visibility) says when the engine's rule equals one of them: all-visible (decode with default
+positions, ``causal=False``) or plain prefill (T == S, equal increasing positions). Anything else (a mask,
+chunked prefill, softcap, Dv != D) does not fit, and dispatch runs the next kernel (``sdpa_tiles``).
+Readable twin: the ``reference`` kernel.
 """
 
 from __future__ import annotations
 
-import torch
-
-from engine.kernels.dispatch import AttentionInputs
+from engine.inputs import AttentionInputs
+from engine.kernels.common import DoesNotFit
+from engine.kernels.flash import causal_call_fits, flash_fits
+from engine.kernels.flash_plan import Call
+from engine.kernels.flash_run import run_calls
 from engine.kernels.nonfinite import run_guarded
-from engine.kernels.sdpa_tiles import causal_call_fits, flash_fits, run_calls
-
-
-def causal_pattern(inputs: AttentionInputs) -> str | None:
-    """``"none"`` (every key visible), ``"causal"`` (top-left) or None (the rule needs a mask)."""
-    if not inputs.causal:
-        return "none"
-    qp, kp = inputs.query_positions, inputs.key_positions  # [B, T], [B, S]
-    if bool((kp.amax(dim=-1) <= qp.amin(dim=-1)).all()):
-        return "none"
-    if qp.shape[1] == kp.shape[1] and torch.equal(qp, kp) and bool((kp.diff(dim=-1) > 0).all()):
-        return "causal"
-    return None
+from engine.kernels.plan import CAUSAL, FULL
+from engine.kernels.visibility import causal_pattern
 
 
 def sdpa_fits(inputs: AttentionInputs) -> str | None:
@@ -61,9 +44,7 @@ def sdpa_attention(inputs: AttentionInputs, return_lse: bool = False):
     """Kernel ``"sdpa"``: ``(out [B, Hq, T, Dv], lse [B, Hq, T] in the compute dtype or None)``."""
     pattern, why_not = _pattern(inputs)
     if why_not is not None:
-        from engine.kernels.sdpa_tiles import sdpa_tiles_attention
-
-        return sdpa_tiles_attention(inputs, return_lse)
+        raise DoesNotFit(why_not)
     batch, _, t, _ = inputs.q.shape
-    call = (slice(0, batch), 0, t, 0, inputs.k.shape[2], "full" if pattern == "none" else "causal")
+    call = Call(slice(0, batch), 0, t, 0, inputs.k.shape[2], FULL if pattern == "none" else CAUSAL)
     return run_guarded(inputs, return_lse, lambda x, lse: run_calls(x, [[call]], lse))

@@ -24,20 +24,29 @@ import dataclasses
 
 import torch
 
-from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
-from engine.kernels.dispatch import AttentionInputs
+from engine.inputs import AttentionInputs
+from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask, needs_grad
 from engine.kernels.nonfinite import guard_non_finite
-from engine.kernels.tiles import batch_query_tiles, visibility_mask
+from engine.kernels.plan import batch_query_tiles
+from engine.kernels.tiled_backward import BLOCK_K, BLOCK_Q, tiled_backward
+from engine.kernels.visibility import visibility_mask
 
-BLOCK_Q = 128  # queries per tile (times every head of the KV group)
-BLOCK_K = 256  # keys per tile
+FEW_QUERIES = 16  # T <= this (decode shapes): one query tile against long key tiles
+FEW_QUERIES_BLOCK_K = 2048
 
 
-def tiled_attention(inputs: AttentionInputs, return_lse: bool = False, block_q: int = BLOCK_Q,
-                    block_k: int = BLOCK_K) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Kernel ``"tiled"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] in the compute dtype or None)``."""
+def tiled_attention(inputs: AttentionInputs, return_lse: bool = False, block_q: int | None = None,
+                    block_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Kernel ``"tiled"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] in the compute dtype or None)``.
+
+    Tiles default to ``BLOCK_Q x BLOCK_K``; a decode shape (T <= FEW_QUERIES) runs as one query tile against
+    ``FEW_QUERIES_BLOCK_K``-key tiles, so each K/V tile is read once for every query of its KV head.
+    """
     q, k, v = inputs.q, inputs.k, inputs.v
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    t = q.shape[2]
+    block_q = block_q or (max(t, 1) if t <= FEW_QUERIES else BLOCK_Q)
+    block_k = block_k or (FEW_QUERIES_BLOCK_K if t <= FEW_QUERIES else BLOCK_K)
+    if needs_grad(q, k, v):
         out, lse = _TiledAttention.apply(q, k, v, inputs, block_q, block_k)
     else:
         out, lse = tiled_forward(inputs, block_q, block_k)
@@ -58,8 +67,6 @@ class _TiledAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        from engine.kernels.tiled_backward import tiled_backward
-
         q, k, v, out, lse = ctx.saved_tensors
         inputs = dataclasses.replace(ctx.inputs, q=q, k=k, v=v)
         if grad_out is None and grad_lse is None:

@@ -1,4 +1,7 @@
-"""Backward of the tiled kernel: recompute each tile's weights from the saved log-sum-exp.
+"""Attention backward by tiles: recompute each tile's weights from the saved log-sum-exp.
+
+The ``tiled`` kernel's backward, and ``sdpa_tiles``' when a gradient reaches the lse (the fused op's own
+backward has no lse input); it needs only the inputs, the output and the lse, not the kernel that made them.
 
 With ``p = exp(s - lse)`` (exact softmax weights, no second normalisation pass) and
 ``delta_i = sum_c dout_ic * out_ic - dlse_i`` per query row, one tile contributes::
@@ -19,14 +22,18 @@ from __future__ import annotations
 
 import torch
 
+from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
-from engine.kernels.dispatch import AttentionInputs
 from engine.kernels.nonfinite import guard_non_finite
-from engine.kernels.tiles import batch_query_tiles, visibility_mask
+from engine.kernels.plan import batch_query_tiles
+from engine.kernels.visibility import visibility_mask
+
+BLOCK_Q = 128  # queries per tile (times every head of the KV group): the tiled kernel's forward and backward
+BLOCK_K = 256  # keys per tile
 
 
 def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor, grad_out: torch.Tensor | None,
-                   grad_lse: torch.Tensor | None, block_q: int, block_k: int):
+                   grad_lse: torch.Tensor | None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):
     """Gradients ``(dq, dk, dv)`` in the dtypes of q, k, v from ``out [B, Hq, T, Dv]`` and ``lse [B, Hq, T]``."""
     q, k, v = inputs.q, inputs.k, inputs.v
     batch, q_heads, t, d = q.shape

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.attention import causal_attention, prepare_inputs
+from engine.attention import causal_attention
+from engine.inputs import prepare_inputs
 from engine.kernels.dispatch import select_kernel
 from engine.masks import document_mask, key_padding_mask, padding_positions, window_mask
 

@@ -53,13 +53,13 @@ def why_not_fast(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     fallback, not the kernel), or None when it applies or the dispatcher states no condition for it."""
     if not name.startswith("engine:") or name == "engine:auto":
         return None
-    from engine.attention import prepare_inputs
-    from engine.kernels import dispatch
+    from engine.inputs import prepare_inputs
+    from engine.kernels.dispatch import KERNELS
 
-    fits = getattr(dispatch, "FITS", {}).get(name.split(":", 1)[1])
-    if fits is None:
+    kernel = KERNELS.get(name.split(":", 1)[1])
+    if kernel is None:
         return None
-    return fits(prepare_inputs(q, k, v, None, None, None, None))
+    return kernel.fits(prepare_inputs(q, k, v, None, None, None, None))
 
 
 def select(names: str | None, extra: dict[str, Attention] | None = None) -> dict[str, Attention]:

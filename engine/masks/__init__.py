@@ -17,11 +17,10 @@ inspection and plots.
 """
 
 from engine.masks.causal import causal_mask
-from engine.masks.combine import AllOf, AnyOf, Not
 from engine.masks.documents import document_mask, document_positions
 from engine.masks.padding import key_padding_mask, padding_mask, padding_positions
 from engine.masks.pairwise import PairwiseMask
-from engine.masks.structured import DenseMask, StructuredMask, as_structured
+from engine.masks.structured import AllOf, AnyOf, DenseMask, Not, StructuredMask, as_structured
 from engine.masks.window import window_mask
 
 __all__ = [

@@ -11,7 +11,8 @@ import math
 
 import torch
 
-from engine.masks.structured import StructuredMask, _tile_reduce
+from engine.masks.structured import StructuredMask
+from engine.masks.tile_reduce import tile_reduce
 
 
 def _rows(values: torch.Tensor) -> torch.Tensor:
@@ -125,15 +126,15 @@ class PairwiseMask(StructuredMask):
         k = self._kv[b if self._kv.shape[0] > 1 else 0]  # [S]
         nq = math.ceil(t / block_q)
         if self.relation == "padding":
-            k_some, k_every = _tile_reduce(k, block_k, "any")[None, :], _tile_reduce(k, block_k, "all")[None, :]
+            k_some, k_every = tile_reduce(k, block_k, "any")[None, :], tile_reduce(k, block_k, "all")[None, :]
             if self._qv is None:
                 return k_some.expand(nq, -1), k_every.expand(nq, -1)
             q = self._qv[b if self._qv.shape[0] > 1 else 0]  # [T]
-            q_some, q_every = _tile_reduce(q, block_q, "any")[:, None], _tile_reduce(q, block_q, "all")[:, None]
+            q_some, q_every = tile_reduce(q, block_q, "any")[:, None], tile_reduce(q, block_q, "all")[:, None]
             return q_some & k_some, q_every & k_every  # [nq, nk]
         q = self._qv[b if self._qv.shape[0] > 1 else 0]  # [T]
-        q_lo, q_hi = _tile_reduce(q, block_q, "min")[:, None], _tile_reduce(q, block_q, "max")[:, None]  # [nq, 1]
-        k_lo, k_hi = _tile_reduce(k, block_k, "min")[None, :], _tile_reduce(k, block_k, "max")[None, :]  # [1, nk]
+        q_lo, q_hi = tile_reduce(q, block_q, "min")[:, None], tile_reduce(q, block_q, "max")[:, None]  # [nq, 1]
+        k_lo, k_hi = tile_reduce(k, block_k, "min")[None, :], tile_reduce(k, block_k, "max")[None, :]  # [1, nk]
         if self.relation == "causal":  # every key of the tile <= every query; some key <= some query
             return k_lo <= q_hi, k_hi <= q_lo
         if self.relation == "window":

@@ -1,7 +1,7 @@
 """Structured masks: a bool mask kept as a predicate over per-token values, so kernels can skip tiles.
 
 A mask helper (``window_mask``, ``document_mask``, ...) returns a ``StructuredMask``: a ``PairwiseMask``
-(engine.masks.pairwise), or ``AllOf`` / ``AnyOf`` / ``Not`` of masks (engine.masks.combine), or a plain
+(engine.masks.pairwise), or ``AllOf`` / ``AnyOf`` / ``Not`` of masks (below), or a plain
 bool tensor wrapped as ``DenseMask`` (below). Wherever a bool
 tensor is expected it behaves as the dense ``[T, S]`` (or ``[B, 1, T, S]``) tensor it describes: torch
 functions, indexing, ``torch.equal`` and ``==`` materialise it on demand, and ``&``, ``|``, ``~`` build a
@@ -31,21 +31,7 @@ from typing import Any
 
 import torch
 
-
-def _tile_reduce(x: torch.Tensor, tile: int, op: str, dim: int = 0) -> torch.Tensor:
-    """Reduce axis ``dim`` of x over consecutive tiles of ``tile`` entries (min/max/any/all).
-
-    ``[L] -> [ceil(L / tile)]``; along ``dim`` of a 2-D tensor the other axis is kept.
-    """
-    x = x.movedim(dim, 0)
-    length = x.shape[0]
-    n = math.ceil(length / tile)
-    pad = n * tile - length
-    if pad:  # repeating the last entry leaves every reduction unchanged
-        x = torch.cat([x, x[-1:].expand(pad, *x.shape[1:])])
-    x = x.reshape(n, tile, *x.shape[1:])  # [n, tile, ...]
-    reduced = {"min": x.amin, "max": x.amax, "any": x.any, "all": x.all}[op](dim=1)  # [n, ...]
-    return reduced.movedim(0, dim)
+from engine.masks.tile_reduce import tile_reduce
 
 
 class StructuredMask:
@@ -98,28 +84,18 @@ class StructuredMask:
         return math.prod(self._shape)
 
     def __and__(self, other: Any) -> StructuredMask:
-        from engine.masks.combine import AllOf
-
         return AllOf([self, as_structured(other)])
 
     def __rand__(self, other: Any) -> StructuredMask:
-        from engine.masks.combine import AllOf
-
         return AllOf([as_structured(other), self])
 
     def __or__(self, other: Any) -> StructuredMask:
-        from engine.masks.combine import AnyOf
-
         return AnyOf([self, as_structured(other)])
 
     def __ror__(self, other: Any) -> StructuredMask:
-        from engine.masks.combine import AnyOf
-
         return AnyOf([as_structured(other), self])
 
     def __invert__(self) -> StructuredMask:
-        from engine.masks.combine import Not
-
         return Not(self)
 
     def __eq__(self, other: Any) -> torch.Tensor:  # type: ignore[override]
@@ -159,8 +135,6 @@ class StructuredMask:
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from engine.masks.combine import AllOf, AnyOf, Not
-
         kwargs = kwargs or {}
         if not kwargs and len(args) == 2:
             if func in _AND:
@@ -234,11 +208,101 @@ class DenseMask(StructuredMask):
         for op, heads in (("any", m.any(dim=0)), ("all", m.all(dim=0))):  # [T|1, S|1], over heads
             x = heads
             if x.shape[0] > 1:
-                x = _tile_reduce(x, block_q, op, dim=0)  # [nq, S|1]
+                x = tile_reduce(x, block_q, op, dim=0)  # [nq, S|1]
             if x.shape[1] > 1:
-                x = _tile_reduce(x, block_k, op, dim=1)  # [nq|1, nk]
+                x = tile_reduce(x, block_k, op, dim=1)  # [nq|1, nk]
             bounds.append(x.expand(nq, nk))
         return bounds[0], bounds[1]
 
     def _describe(self) -> str:
         return "dense"
+
+
+# --- combinators: what &, | and ~ build ---------------------------------------------------------------
+
+
+class _Combined(StructuredMask):
+    """Parts joined by one elementwise operator (``&`` or ``|``); nested joins of the same kind flatten."""
+
+    symbol = ""
+
+    @staticmethod
+    def op(a, b):
+        raise NotImplementedError
+
+    def __init__(self, parts: Sequence[StructuredMask]) -> None:
+        flat: list[StructuredMask] = []
+        for part in parts:
+            flat += part.parts if isinstance(part, type(self)) else [part]
+        self.parts = flat
+        super().__init__(torch.broadcast_shapes(*(p.shape for p in flat)), flat[0].device)
+
+    def _fold(self, get):
+        out = get(self.parts[0])
+        for part in self.parts[1:]:
+            out = self.op(out, get(part))
+        return out
+
+    def to_dense(self) -> torch.Tensor:
+        return self._fold(lambda p: p.to_dense())
+
+    def batched(self) -> bool:
+        return any(p.batched() for p in self.parts)
+
+    def block(self, b, i0, i1, j0, j1):
+        return self._fold(lambda p: p.block(b, i0, i1, j0, j1))
+
+    def tile_bounds(self, b, block_q, block_k, t, s):
+        # "some visible" and "every visible" per tile combine with the same operator as the masks.
+        bounds = [p.tile_bounds(b, block_q, block_k, t, s) for p in self.parts]
+        some, every = bounds[0]
+        for p_some, p_every in bounds[1:]:
+            some, every = self.op(some, p_some), self.op(every, p_every)
+        return some, every
+
+    def _describe(self) -> str:
+        return f" {self.symbol} ".join(repr(p) for p in self.parts)
+
+
+class AllOf(_Combined):
+    """``parts[0] & parts[1] & ...``: a tile is empty if any part's is, full if every part's is."""
+
+    symbol = "&"
+
+    @staticmethod
+    def op(a, b):
+        return a & b
+
+
+class AnyOf(_Combined):
+    """``parts[0] | parts[1] | ...``: a tile is full if any part's is, empty if every part's is."""
+
+    symbol = "|"
+
+    @staticmethod
+    def op(a, b):
+        return a | b
+
+
+class Not(StructuredMask):
+    """``~part``: empty where the part is full, full where it is empty."""
+
+    def __init__(self, part: StructuredMask) -> None:
+        self.part = part
+        super().__init__(part.shape, part.device)
+
+    def to_dense(self) -> torch.Tensor:
+        return ~self.part.to_dense()
+
+    def batched(self) -> bool:
+        return self.part.batched()
+
+    def block(self, b, i0, i1, j0, j1):
+        return ~self.part.block(b, i0, i1, j0, j1)
+
+    def tile_bounds(self, b, block_q, block_k, t, s):
+        some, every = self.part.tile_bounds(b, block_q, block_k, t, s)
+        return ~every, ~some
+
+    def _describe(self) -> str:
+        return repr(self.part)

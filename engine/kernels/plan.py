@@ -1,7 +1,7 @@
 """Tile plans: which (query tile, key tile) pairs a kernel must compute, and which need a mask.
 
-The visibility of a call is one structured mask, the position rule ``key_pos <= query_pos`` (when
-causal) ``&`` the ``allowed`` mask. Its per-tile bounds sort every tile into one of three kinds::
+The visibility of a call is one structured mask (engine.kernels.visibility). Its per-tile bounds sort
+every tile into one of three kinds::
 
     keys ->   tile 0    tile 1    tile 2          EMPTY    skipped: its K/V are never read
     q tile 0  PARTIAL   EMPTY     EMPTY           FULL     computed without a mask
@@ -17,24 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.dispatch import AttentionInputs
-from engine.masks.combine import AllOf
-from engine.masks.pairwise import PairwiseMask
-from engine.masks.structured import StructuredMask, as_structured
+from engine.masks.structured import StructuredMask
 
-EMPTY, FULL, PARTIAL = 0, 1, 2
-
-
-def visibility_mask(inputs: AttentionInputs) -> StructuredMask | None:
-    """The call's visibility as one structured mask (None: every key is visible to every query)."""
-    parts: list[StructuredMask] = []
-    if inputs.causal:
-        parts.append(PairwiseMask("causal", inputs.query_positions, inputs.key_positions))  # [B, 1, T, S]
-    if inputs.allowed is not None:
-        parts.append(as_structured(inputs.allowed))
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else AllOf(parts)
+# The tile kinds, one vocabulary for every kernel. CAUSAL refines PARTIAL for the fused op: a square span whose
+# mask is exactly the top-left triangle, which the op computes with its own ``is_causal`` (engine.kernels.flash_plan).
+EMPTY, FULL, PARTIAL, CAUSAL = "empty", "full", "partial", "causal"
+_KINDS = (EMPTY, FULL, PARTIAL)  # indexed by the codes plan_tiles computes: 0, 1, 2
 
 
 @dataclass
@@ -45,7 +33,7 @@ class TilePlan:
     block_k: int
     t: int
     s: int
-    kinds: list[list[int]]
+    kinds: list[list[str]]  # EMPTY, FULL or PARTIAL
 
     def query_tiles(self):
         """Yield ``(i0, i1, [(j0, j1, full), ...])`` for every query tile, listing its non-empty key tiles."""
@@ -65,20 +53,15 @@ class TilePlan:
                 spans.append((j0, j1, full))
         return spans
 
-    def counts(self) -> dict[str, int]:
-        flat = [kind for row in self.kinds for kind in row]
-        return {"empty": flat.count(EMPTY), "full": flat.count(FULL), "partial": flat.count(PARTIAL)}
-
 
 def plan_tiles(mask: StructuredMask | None, b: int, t: int, s: int, block_q: int, block_k: int) -> TilePlan:
     """Sort the tiles of batch row b into EMPTY / FULL / PARTIAL from the mask's per-tile bounds."""
     nq, nk = -(-t // block_q), -(-s // block_k)
     if mask is None or t == 0 or s == 0:
-        kinds = torch.full((nq, nk), FULL if s and t else EMPTY, dtype=torch.int8)
-    else:
-        some, every = mask.tile_bounds(b, block_q, block_k, t, s)  # [nq, nk] each
-        kinds = torch.where(every, FULL, torch.where(some, PARTIAL, EMPTY)).to(torch.int8)
-    return TilePlan(block_q, block_k, t, s, kinds.tolist())
+        return TilePlan(block_q, block_k, t, s, [[FULL if s and t else EMPTY] * nk for _ in range(nq)])
+    some, every = mask.tile_bounds(b, block_q, block_k, t, s)  # [nq, nk] each
+    codes = torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8)  # indexes of _KINDS
+    return TilePlan(block_q, block_k, t, s, [[_KINDS[code] for code in row] for row in codes.tolist()])
 
 
 def batch_query_tiles(mask: StructuredMask | None, batch: int, t: int, s: int, block_q: int, block_k: int):

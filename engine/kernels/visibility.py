@@ -1,0 +1,62 @@
+"""The visibility rule, stated once for every kernel: which keys each query sees.
+
+    key j is visible to query i  <=>  key_positions[j] <= query_positions[i]   (when causal)
+                                      and allowed[..., i, j]                     (when given)
+
+``visibility_mask`` builds it as one structured mask (kernels ask it for tile bounds and exact blocks, or
+materialise it); ``causal_pattern`` says when it equals one of the fused kernel's two built-in patterns, so
+no mask needs to be built at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.inputs import AttentionInputs
+from engine.masks.pairwise import PairwiseMask
+from engine.masks.structured import AllOf, StructuredMask, as_structured
+
+
+def visibility_mask(inputs: AttentionInputs) -> StructuredMask | None:
+    """The call's visibility as one structured mask (None: every key is visible to every query)."""
+    parts: list[StructuredMask] = []
+    if inputs.causal:
+        parts.append(PairwiseMask("causal", inputs.query_positions, inputs.key_positions))  # [B, 1, T, S]
+    if inputs.allowed is not None:
+        parts.append(as_structured(inputs.allowed))
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else AllOf(parts)
+
+
+def dense_visibility(inputs: AttentionInputs) -> torch.Tensor:
+    """The rule as a bool ``[B|1, Hq|1, T, S]`` tensor (materialised: for the dense kernel)."""
+    mask = visibility_mask(inputs)
+    if mask is None:
+        t, s = inputs.q.shape[2], inputs.k.shape[2]
+        return torch.ones(1, 1, t, s, dtype=torch.bool, device=inputs.q.device)  # [1, 1, T, S]
+    dense = mask.to_dense()
+    return dense.reshape((1,) * (4 - dense.dim()) + tuple(dense.shape))  # [B|1, Hq|1, T|1, S|1]
+
+
+def causal_pattern(inputs: AttentionInputs) -> str | None:
+    """``"none"`` (every key visible), ``"causal"`` (top-left) or None (the rule needs a mask), ignoring ``allowed``.
+
+    The fused kernel knows two visibility patterns: none, and ``is_causal`` aligned to the *top-left* corner
+    (query i sees keys j <= i). The rule equals one of them when:
+
+        every key is visible           max(key_pos) <= min(query_pos) in each row, or causal=False
+                                       (e.g. one-token decode with default positions)
+        top-left causal                T == S, query_pos == key_pos and strictly increasing in each row
+                                       (plain prefill with default positions)
+
+        chunked prefill  T=2, S=4:  queries at 2, 3 see keys 0..2 / 0..3 (bottom-right): neither pattern.
+    """
+    if not inputs.causal:
+        return "none"
+    qp, kp = inputs.query_positions, inputs.key_positions  # [B, T], [B, S]
+    if bool((kp.amax(dim=-1) <= qp.amin(dim=-1)).all()):
+        return "none"
+    if qp.shape[1] == kp.shape[1] and torch.equal(qp, kp) and bool((kp.diff(dim=-1) > 0).all()):
+        return "causal"
+    return None

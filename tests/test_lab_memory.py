@@ -6,12 +6,12 @@ import argparse
 
 import pytest
 
+from engine.kv_cache import kv_cache_bytes
 from engine.lab import memory
 from engine.lab.memory import (
     PRESETS,
     crossover_context,
     decode_intensity,
-    kv_cache_bytes,
     model_kv_bytes,
     score_matrix_bytes,
     seed_figures,
@@ -85,7 +85,7 @@ def test_every_seed_figure_matches_and_a_wrong_unit_would_not():
 
 
 def test_kv_cache_formula_counts_k_and_v_per_layer():
-    assert kv_cache_bytes(layers=1, kv_heads=1, head_dim=1, context=1, batch=1, bytes_per_element=1) == 2
+    assert kv_cache_bytes(layers=1, batch=1, kv_heads=1, tokens=1, head_dim=1, dtype_bytes=1) == 2
 
 
 @pytest.mark.parametrize("text, expected", [("80GiB", 80 * GiB), ("80 GB", 80 * GB), ("512mib", 512 * MiB),

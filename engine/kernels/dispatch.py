@@ -100,7 +100,7 @@ class KernelChoice:
         return "\n".join(lines)
 
 
-def choose_kernel(inputs: AttentionInputs, start: str | None = None, forced: bool = False) -> KernelChoice:
+def _walk(inputs: AttentionInputs, start: str | None = None, forced: bool = False) -> KernelChoice:
     """Walk ``KERNELS`` from ``start`` (default: the fastest): the first kernel that fits (and, unless forced,
     pays off) wins; the others are listed with the reason they were passed over. Forced, only exactness
     counts: the forced kernel runs where it fits, and the fallbacks after it are exact too."""
@@ -117,13 +117,13 @@ def choose_kernel(inputs: AttentionInputs, start: str | None = None, forced: boo
 
 def select_kernel(inputs: AttentionInputs) -> tuple[str, str]:
     """Return ``(kernel name, reason)`` for inputs under ``kernel="auto"``."""
-    choice = choose_kernel(inputs)
+    choice = _walk(inputs)
     return choice.kernel, choice.reason
 
 
 def _forced(inputs: AttentionInputs, kernel: str) -> KernelChoice:
     """The forced kernel if it fits, else the next one down the order that fits."""
-    choice = choose_kernel(inputs, start=kernel, forced=True)
+    choice = _walk(inputs, start=kernel, forced=True)
     if choice.kernel == kernel:
         return KernelChoice(kernel, f"forced by kernel={kernel!r}")
     return KernelChoice(choice.kernel, f"forced kernel={kernel!r} does not fit ({choice.passed_over[kernel]}); "
@@ -145,7 +145,7 @@ def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
     ``tiled`` kernel whatever this says.
     """
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap)
-    auto = choose_kernel(inputs)
+    auto = _walk(inputs)
     if kernel == "auto":
         return auto
     _check_name(kernel)
@@ -167,7 +167,7 @@ def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: boo
     batch, q_heads, t, _ = inputs.q.shape
     if batch * q_heads * t == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
         return _empty_result(inputs, return_lse)
-    choice = choose_kernel(inputs) if kernel == "auto" else _forced(inputs, kernel)
+    choice = _walk(inputs) if kernel == "auto" else _forced(inputs, kernel)
     name = choice.kernel
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("causal_attention: kernel=%s (%s), q %s, k %s", name, choice.reason,
@@ -178,7 +178,7 @@ def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: boo
         try:
             return KERNELS[name].run(inputs, return_lse)
         except DoesNotFit as why_not:  # found while running (NaN/inf): the next kernel that fits
-            name = choose_kernel(inputs, start=_next(name), forced=True).kernel
+            name = _walk(inputs, start=_next(name), forced=True).kernel
             logger.debug("causal_attention: %s, falling back to kernel=%s", why_not, name)
 
 

@@ -18,6 +18,7 @@ import argparse
 import math
 from dataclasses import asdict, dataclass
 
+from engine.kv_cache import kv_cache_bytes
 from engine.lab.measure import format_table, save_results
 from engine.lab.units import DTYPE_BYTES, UNITS, dtype_bytes, format_bytes
 
@@ -71,17 +72,11 @@ def score_matrix_bytes(heads: int, q_len: int, k_len: int | None = None, batch: 
     return batch * heads * q_len * k_len * bytes_per_element
 
 
-def kv_cache_bytes(layers: int, kv_heads: int, head_dim: int, context: int, batch: int = 1,
-                   bytes_per_element: int = 2) -> int:
-    """Bytes of K and V for every layer: ``2 * L * Hkv * D * S * B * bytes``."""
-    return 2 * layers * kv_heads * head_dim * context * batch * bytes_per_element
-
-
 def model_kv_bytes(model: ModelShape, context: int, batch: int = 1, bytes_per_element: int = 2,
                    kv_heads: int | None = None) -> int:
     """KV-cache bytes of a model; ``kv_heads`` overrides the model's (``q_heads`` gives the MHA baseline)."""
     heads = model.kv_heads if kv_heads is None else kv_heads
-    return kv_cache_bytes(model.layers, heads, model.head_dim, context, batch, bytes_per_element)
+    return kv_cache_bytes(model.layers, batch, heads, context, model.head_dim, bytes_per_element)
 
 
 def crossover_context(model: ModelShape, bytes_per_element: int = 2, batch: int = 1) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.masks.pairwise import PairwiseMask
+from engine.masks.causal import CausalMask
 from engine.masks.structured import AllOf, StructuredMask, as_structured
 
 
@@ -21,7 +21,7 @@ def visibility_mask(inputs: AttentionInputs) -> StructuredMask | None:
     """The call's visibility as one structured mask (None: every key is visible to every query)."""
     parts: list[StructuredMask] = []
     if inputs.causal:
-        parts.append(PairwiseMask("causal", inputs.query_positions, inputs.key_positions))  # [B, 1, T, S]
+        parts.append(CausalMask(inputs.query_positions, inputs.key_positions))  # [B, 1, T, S]
     if inputs.allowed is not None:
         parts.append(as_structured(inputs.allowed))
     if not parts:

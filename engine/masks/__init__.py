@@ -16,12 +16,12 @@ inspection and plots.
 | none       | causal_attention(..., causal=False)      | nothing (encoders, cross-attention)      |
 """
 
-from engine.masks.causal import causal_mask
-from engine.masks.documents import document_mask, document_positions
-from engine.masks.padding import key_padding_mask, padding_mask, padding_positions
+from engine.masks.causal import CausalMask, causal_mask
+from engine.masks.documents import DocumentMask, document_mask, document_positions
+from engine.masks.padding import PaddingMask, key_padding_mask, padding_mask, padding_positions
 from engine.masks.pairwise import PairwiseMask
 from engine.masks.structured import AllOf, AnyOf, DenseMask, Not, StructuredMask, as_structured
-from engine.masks.window import window_mask
+from engine.masks.window import WindowMask, window_mask
 
 __all__ = [
     "causal_mask",
@@ -33,6 +33,10 @@ __all__ = [
     "document_positions",
     "StructuredMask",
     "PairwiseMask",
+    "CausalMask",
+    "WindowMask",
+    "DocumentMask",
+    "PaddingMask",
     "DenseMask",
     "AllOf",
     "AnyOf",

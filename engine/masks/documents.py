@@ -13,19 +13,30 @@ from __future__ import annotations
 
 import torch
 
-from engine.masks._shape import pairwise
 from engine.masks.pairwise import PairwiseMask
 
 
-def document_mask(query_document_ids: torch.Tensor, key_document_ids: torch.Tensor | None = None) -> PairwiseMask:
+class DocumentMask(PairwiseMask):
+    """``query_id == key_id``. Per tile: some pair may match if the id ranges overlap; every pair matches if
+    both sides hold one and the same id."""
+
+    name = "document"
+
+    def relate(self, q, k):
+        return q == k
+
+    def bounds(self, q_lo, q_hi, k_lo, k_hi):
+        return (q_lo <= k_hi) & (k_lo <= q_hi), (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+
+
+def document_mask(query_document_ids: torch.Tensor, key_document_ids: torch.Tensor | None = None) -> DocumentMask:
     """Bool ``[T, S]`` (``[B, 1, T, S]`` for ``[B, L]`` ids): True where the two tokens share a document.
 
     A StructuredMask: with contiguous documents, kernels skip every tile that spans two different ones.
     """
     if key_document_ids is None:
         key_document_ids = query_document_ids
-    pairwise(query_document_ids, key_document_ids, "document_mask")  # validates shapes
-    return PairwiseMask("document", query_document_ids, key_document_ids)
+    return DocumentMask(query_document_ids, key_document_ids)
 
 
 def document_positions(document_ids: torch.Tensor) -> torch.Tensor:

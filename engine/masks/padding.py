@@ -18,6 +18,20 @@ from engine.masks.pairwise import PairwiseMask
 _SIDES = ("left", "right")
 
 
+class PaddingMask(PairwiseMask):
+    """``query_valid & key_valid`` (bool flags; a key-only mask has no query side). Per tile the flags' min is
+    "all valid" and their max "any valid": some pair may be visible if both sides have a valid token, every
+    pair is if both sides are all valid."""
+
+    name = "padding"
+
+    def relate(self, q, k):
+        return q & k
+
+    def bounds(self, q_lo, q_hi, k_lo, k_hi):
+        return q_hi & k_hi, q_lo & k_lo
+
+
 def _valid(lengths: torch.Tensor, total: int, side: str) -> torch.Tensor:
     if side not in _SIDES:
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
@@ -31,22 +45,22 @@ def _valid(lengths: torch.Tensor, total: int, side: str) -> torch.Tensor:
     return index[None, :] >= (total - lengths)[:, None]  # [B, L]
 
 
-def key_padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> PairwiseMask:
+def key_padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> PaddingMask:
     """Bool ``[B, 1, 1, S]``: True at real keys. Queries are not masked (decode, cross-attention).
 
     A StructuredMask: kernels skip key tiles made only of padding.
     """
-    return PairwiseMask("padding", None, _valid(lengths, total, side))  # [B, 1, 1, S]
+    return PaddingMask(None, _valid(lengths, total, side))  # [B, 1, 1, S]
 
 
-def padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> PairwiseMask:
+def padding_mask(lengths: torch.Tensor, total: int, side: str = "right") -> PaddingMask:
     """Bool ``[B, 1, T, T]`` for self-attention: real queries see real keys; pad queries see nothing.
 
     A pad query row is all False, so causal_attention returns zeros there (never NaN). A StructuredMask:
     kernels skip tiles of padding.
     """
     valid = _valid(lengths, total, side)  # [B, L]
-    return PairwiseMask("padding", valid, valid)  # [B, 1, T, T]
+    return PaddingMask(valid, valid)  # [B, 1, T, T]
 
 
 def padding_positions(lengths: torch.Tensor, total: int, side: str = "right") -> torch.Tensor:

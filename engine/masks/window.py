@@ -16,16 +16,54 @@ from __future__ import annotations
 
 import torch
 
-from engine.masks._shape import pairwise
 from engine.masks.pairwise import PairwiseMask
 
+# q - k < window on int64: positions in [-2^62, 2^62) keep q - k exact.
+POSITION_LIMIT = 1 << 62
 
-def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> PairwiseMask:
+
+class WindowMask(PairwiseMask):
+    """``k <= q`` and ``q - k < window``. Per tile: some key may be visible if the tiles' position ranges come
+    within the band; every key is if the whole key range lies in every query's band."""
+
+    name = "window"
+
+    def __init__(self, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive int (number of keys seen, own included), got {window!r}")
+        if window > POSITION_LIMIT:
+            raise ValueError(f"window must be at most 2^62 = {POSITION_LIMIT} keys, got {window} "
+                             f"(for an unbounded window use the causal rule alone)")
+        super().__init__(query_positions, key_positions)
+        for values in (self.query_values, self.key_values):
+            _check_range(values)
+        self.window = window
+
+    def relate(self, q, k):
+        return (k <= q) & (q - k < self.window)
+
+    def bounds(self, q_lo, q_hi, k_lo, k_hi):
+        some = (k_lo <= q_hi) & (q_lo - k_hi < self.window)
+        every = (k_hi <= q_lo) & (q_hi - k_lo < self.window)
+        return some, every
+
+    def _describe(self) -> str:
+        return f"window={self.window}"
+
+
+def _check_range(positions: torch.Tensor) -> None:
+    """Refuse positions so large that ``q - k`` could overflow int64."""
+    if positions.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(positions))
+    if low < -POSITION_LIMIT or high >= POSITION_LIMIT:
+        raise ValueError(f"window masks need positions in [-2^62, 2^62) so that q - k cannot overflow int64, "
+                         f"got positions from {low} to {high}")
+
+
+def window_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> WindowMask:
     """Bool ``[T, S]`` (``[B, 1, T, S]`` for per-row positions): ``p - window < key_pos <= p``.
 
     A StructuredMask: kernels skip the key tiles outside the band, so a window costs O(T * window).
     """
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int (number of keys seen, own included), got {window!r}")
-    pairwise(query_positions, key_positions, "window_mask")  # validates shapes
-    return PairwiseMask("window", query_positions, key_positions, window=window)
+    return WindowMask(query_positions, key_positions, window)

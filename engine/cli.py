@@ -12,7 +12,7 @@ import sys
 
 # (command words, module, one-line help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("attention",), "engine.demo", "run the seeds' worked examples and check every stated number"),
+    (("attention",), "engine.examples", "run the seeds' worked examples and check every stated number"),
     (("generate",), "engine.generate", "run a small model end to end with the engine's layer and KV cache"),
     (("memory",), "engine.lab.memory", "score-matrix and KV-cache memory calculator with model presets"),
     (("bench", "kernels"), "engine.lab.bench_kernels", "engine kernels vs PyTorch SDPA and FlexAttention"),

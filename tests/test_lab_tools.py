@@ -7,8 +7,7 @@ import torch
 
 from engine.attention import causal_attention
 from engine.lab.fitting import fit_power_law, solve_power_law
-from engine.lab.gqa import grouped_decode
-from engine.lab.implementations import select, torch_sdpa
+from engine.lab.implementations import grouped_decode, select, torch_sdpa
 from engine.lab.measure import peak_allocated_bytes
 from engine.lab.traffic import TrafficCounter, distinct_bytes
 

@@ -23,30 +23,12 @@ import torch
 
 from engine.lab import implementations, plots
 from engine.lab.fitting import fit_power_law
+from engine.lab.implementations import grouped_decode
 from engine.lab.measure import format_table, machine_info, median_ms, progress, save_results
-from engine.lab.memory import parse_counts
-from engine.lab.options import add_common, apply_threads, positive_float, positive_int
+from engine.lab.options import add_common, apply_threads, parse_counts, positive_float, positive_int
 from engine.lab.traffic import TrafficCounter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One-token decode that reads each KV head once; equals ``causal_attention`` for T = 1.
-
-    q ``[B, Hq, 1, D]``, k ``[B, Hkv, S, D]``, v ``[B, Hkv, S, Dv]`` -> ``[B, Hq, 1, Dv]`` in q's dtype.
-    Query head ``h = kvh * G + g`` reads KV head ``h // G = kvh``: the reshape below groups exactly those heads.
-    """
-    batch, q_heads, t, d = q.shape
-    kv_heads = k.shape[1]
-    if t != 1:
-        raise ValueError(f"grouped_decode handles one query per head (decode), got T={t}")
-    group = q_heads // kv_heads
-    qg = q.reshape(batch, kv_heads, group, d)  # [B, Hkv, G, D]
-    scores = (qg @ k.transpose(-2, -1)) * d**-0.5  # [B, Hkv, G, S]
-    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(v.dtype)  # [B, Hkv, G, S], fp32 softmax
-    return (weights @ v).reshape(batch, q_heads, 1, v.shape[-1])  # [B, Hq, 1, Dv]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

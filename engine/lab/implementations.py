@@ -75,3 +75,21 @@ def select(names: str | None, extra: dict[str, Attention] | None = None) -> dict
     if unknown:
         raise ValueError(f"unknown implementation(s) {', '.join(unknown)}; available: {', '.join(impls)}")
     return {n: impls[n] for n in wanted}
+
+
+def grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One-token decode that reads each KV head once; equals ``causal_attention`` for T = 1.
+
+    q ``[B, Hq, 1, D]``, k ``[B, Hkv, S, D]``, v ``[B, Hkv, S, Dv]`` -> ``[B, Hq, 1, Dv]`` in q's dtype.
+    Query head ``h = kvh * G + g`` reads KV head ``h // G = kvh``: the reshape below groups exactly those heads.
+    """
+    batch, q_heads, t, d = q.shape
+    kv_heads = k.shape[1]
+    if t != 1:
+        raise ValueError(f"grouped_decode handles one query per head (decode), got T={t}")
+    group = q_heads // kv_heads
+    qg = q.reshape(batch, kv_heads, group, d)  # [B, Hkv, G, D]
+    scores = (qg @ k.transpose(-2, -1)) * d**-0.5  # [B, Hkv, G, S]
+    softmax_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    weights = torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(v.dtype)  # [B, Hkv, G, S], fp32 softmax
+    return (weights @ v).reshape(batch, q_heads, 1, v.shape[-1])  # [B, Hq, 1, Dv]

@@ -15,11 +15,11 @@ precision, and exits 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
-import math
 from dataclasses import asdict, dataclass
 
 from engine.kv_cache import kv_cache_bytes
 from engine.lab.measure import format_table, save_results
+from engine.lab.options import parse_count, parse_counts
 from engine.lab.units import DTYPE_BYTES, UNITS, dtype_bytes, format_bytes
 
 
@@ -169,27 +169,6 @@ def check_seeds() -> int:
     print(f"\n{len(rows) - len(bad)} of {len(rows)} seed figures reproduced"
           + ("" if not bad else f"; MISMATCH: {', '.join(r['figure'] for r in bad)}"))
     return 1 if bad else 0
-
-
-def parse_count(text: str) -> int:
-    """A count such as ``8192``, ``128k`` (x1024, as the seeds write contexts), ``8e9`` or ``70.6B`` (x1e9)."""
-    suffixes = {"k": 1024, "m": 10**6, "b": 10**9}
-    raw = str(text).strip().lower().replace("_", "").replace(",", "")
-    scale = suffixes.get(raw[-1:], 1)
-    number = raw[:-1] if scale != 1 else raw
-    try:
-        value = float(number) * scale
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value) or value < 1 or value != int(value):
-        raise argparse.ArgumentTypeError(f"expected a positive whole count like 8192, 128k, 8e9 or 70.6B, "
-                                         f"got {text!r}")
-    return int(value)
-
-
-def parse_counts(text: str) -> list[int]:
-    """Comma-separated counts: ``"8192,32k,128k"`` -> ``[8192, 32768, 131072]``."""
-    return [parse_count(part) for part in str(text).split(",") if part.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,11 +1,34 @@
-"""Flags every bench shares: ``--quick``, ``--out``, ``--impl``, ``--repeats``, ``--seed``, ``--threads``, ``--quiet``.
+"""Option parsing every command shares: argparse types for counts and numbers, and the flags every bench
+shares (``--quick``, ``--out``, ``--impl``, ``--repeats``, ``--seed``, ``--threads``, ``--quiet``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 from engine.lab.units import parse_bytes
+
+
+def parse_count(text: str) -> int:
+    """A count such as ``8192``, ``128k`` (x1024, as the seeds write contexts), ``8e9`` or ``70.6B`` (x1e9)."""
+    suffixes = {"k": 1024, "m": 10**6, "b": 10**9}
+    raw = str(text).strip().lower().replace("_", "").replace(",", "")
+    scale = suffixes.get(raw[-1:], 1)
+    number = raw[:-1] if scale != 1 else raw
+    try:
+        value = float(number) * scale
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"expected a positive whole count like 8192, 128k, 8e9 or 70.6B, "
+                                         f"got {text!r}")
+    return int(value)
+
+
+def parse_counts(text: str) -> list[int]:
+    """Comma-separated counts: ``"8192,32k,128k"`` -> ``[8192, 32768, 131072]``."""
+    return [parse_count(part) for part in str(text).split(",") if part.strip()]
 
 
 def positive_int(text: str) -> int:

@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from engine.lab import implementations, plots
-from engine.lab.gqa import grouped_decode
+from engine.lab.implementations import grouped_decode
 from engine.lab.measure import format_table, machine_info, median_ms, progress, save_results
 from engine.lab.options import add_common, apply_threads, positive_int
 

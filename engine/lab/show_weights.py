@@ -18,11 +18,10 @@ import argparse
 import torch
 
 from engine.attention import causal_attention
-from engine.demo import SEED_CAUSAL_TABLE, SIX_TOKENS, WORDS
 from engine.lab import plots
-from engine.lab.memory import parse_counts
-from engine.lab.options import positive_int
+from engine.lab.options import parse_counts, positive_int
 from engine.masks import document_mask, padding_mask, window_mask
+from engine.seeds import SEED_CAUSAL_TABLE, SIX_TOKENS, WORDS
 
 FAMILIES = ("causal", "window", "documents", "padding", "none")
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import demo
+from engine import examples
 from engine.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("impl", sorted(demo.implementations()))
+@pytest.mark.parametrize("impl", sorted(examples.implementations()))
 def test_every_implementation_reproduces_the_seeds(impl, capsys):
     assert cli_main(["attention", "--impl", impl]) == 0
     out = capsys.readouterr().out
@@ -24,7 +24,7 @@ def test_every_implementation_reproduces_the_seeds(impl, capsys):
 
 
 def test_an_off_by_one_mask_fails_the_demo(capsys):
-    good = demo.implementations()["loops"]
+    good = examples.implementations()["loops"]
 
     def off_by_one(q, k, v, causal, scale, valid):  # query i also sees key i+1
         if not causal:
@@ -34,7 +34,7 @@ def test_an_off_by_one_mask_fails_the_demo(capsys):
         qpos = torch.arange(k.shape[0] - q.shape[0], k.shape[0]) + 1
         return causal_attention(q[None, None], k[None, None], v[None, None], qpos, scale=scale)[0, 0].double()
 
-    report = demo.run_examples(off_by_one)
+    report = examples.run_examples(off_by_one)
     assert report.failures >= 6
     assert "FAIL" in capsys.readouterr().out
 

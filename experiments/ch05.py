@@ -21,7 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.attention import causal_attention  # noqa: E402
 from engine.inputs import prepare_inputs
 from engine.kernels.dispatch import select_kernel  # noqa: E402
+from engine.lab.fitting import fit_power_law, solve_power_law  # noqa: E402
 from engine.lab.measure import format_table, median_ms, peak_allocated_bytes, progress, save_results  # noqa: E402
+from engine.lab.units import machine_memory_bytes  # noqa: E402
 from engine.seeds import SEED_CAUSAL_TABLE, SIX_TOKENS, WORDS  # noqa: E402
 
 
@@ -34,22 +36,6 @@ def six_token_table() -> torch.Tensor:
     x = SIX_TOKENS.float()[None, None]  # [1, 1, 6, 3]
     eye = torch.eye(6)[None, None]  # [1, 1, 6, 6]
     return causal_attention(x, x, eye, scale=1.0)[0, 0]  # [6, 6]
-
-
-def fit_power(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares fit of ``y = a * x**p`` on log-log axes; returns ``(p, a)``."""
-    lx, ly = [math.log(x) for x in xs], [math.log(y) for y in ys]
-    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
-    p = sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sum((a - mx) ** 2 for a in lx)
-    return p, math.exp(my - p * mx)
-
-
-def machine_memory_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemTotal not found in /proc/meminfo")
 
 
 def measure(lengths: list[int], heads: int, head_dim: int, kernel: str, repeats: int) -> list[dict]:
@@ -119,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     for kernel in ("reference", "auto"):
         sub = [r for r in rows if r["kernel"] == kernel]
         ts = [r["T"] for r in sub]
-        p_time, _ = fit_power(ts, [r["median_ms"] for r in sub])
-        p_mem, a_mem = fit_power(ts, [max(r["peak_extra_MiB"], 1e-3) * 2**20 for r in sub])
-        t_limit = (memory / a_mem) ** (1 / p_mem) if p_mem > 0.1 else float("inf")
+        p_time, _ = fit_power_law(ts, [r["median_ms"] for r in sub])
+        p_mem, a_mem = fit_power_law(ts, [max(r["peak_extra_MiB"], 1e-3) * 2**20 for r in sub])
+        t_limit = solve_power_law(p_mem, a_mem, memory) if p_mem > 0.1 else float("inf")
         summary.append({"kernel": kernel, "time_exponent": p_time, "memory_exponent": p_mem,
                         "T_that_fills_memory": t_limit})
     # The seed's quadratic model: one fp32 score matrix per head, plus its exp and weights copies (x3).

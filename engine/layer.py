@@ -26,6 +26,7 @@ from torch import nn
 from engine.attention import causal_attention, merge_heads, split_heads
 from engine.inputs import check_allowed, resolve_positions
 from engine.kv_cache import KVCache
+from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
 from engine.rope import PAIRINGS, apply_rope
 
@@ -168,12 +169,10 @@ class MultiHeadAttention(nn.Module):
         mask = None
         if self.window is not None:
             mask = window_mask(positions, key_positions, self.window)  # [B, 1, T, S]
-        if key_valid is not None and not bool(key_valid.all()):
-            keys_ok = key_valid[:, None, None, :]  # [B, 1, 1, S]
-            mask = keys_ok if mask is None else mask & keys_ok
-        if valid is not None and not bool(valid.all()):
-            queries_ok = valid[:, None, :, None]  # [B, 1, T, 1]: pad queries see nothing
-            mask = queries_ok if mask is None else mask & queries_ok
+        queries_padded = valid is not None and not bool(valid.all())  # pad queries see nothing
+        if queries_padded or (key_valid is not None and not bool(key_valid.all())):
+            padding = PaddingMask(valid if queries_padded else None, key_valid)  # [B, 1, T|1, S]
+            mask = padding if mask is None else mask & padding
         if allowed is not None:
             mask = allowed if mask is None else mask & allowed
         return mask

@@ -96,11 +96,11 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
     batch, q_heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    ct = compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     mask = visibility_mask(inputs)
     j0, j1 = _visible_span(mask, batch, t, s)
     out = torch.zeros(batch, kv_heads, group * t, d, dtype=q.dtype)  # [B, Hkv, G*T, Dv]
-    lse = torch.full((batch, kv_heads, group * t), NEG_INF, dtype=ct)  # [B, Hkv, G*T]
+    lse = torch.full((batch, kv_heads, group * t), NEG_INF, dtype=compute)  # [B, Hkv, G*T]
     if j1 > j0:
         # bf16/fp16 stay as they are: the fused kernel accumulates scores and sums in fp32 (converting the
         # cache to fp32 first would triple the bytes moved)
@@ -121,10 +121,10 @@ def _split_kv(q_rows, k, v, visible, scale):
     n = 1
     while batch * kv_heads * n < BUSY_ITEMS and s % (2 * n) == 0 and s // (2 * n) >= MIN_SPLIT_KEYS:
         n *= 2
-    ct = compute_dtype(q_rows.dtype)
+    compute = compute_dtype(q_rows.dtype)
     if n == 1 or not (_heads_fold(k) and _heads_fold(v)):
         o, lse = flash_call(q_rows, k, v, scale, visible=visible)
-        return o, lse.to(ct)
+        return o, lse.to(compute)
     chunk = s // n
     k_split = k.flatten(0, 1).unflatten(1, (n, chunk))  # [B*Hkv, n, S/n, D]: a view, chunk c of (b, h) is head c
     v_split = v.flatten(0, 1).unflatten(1, (n, chunk))  # [B*Hkv, n, S/n, Dv]
@@ -135,7 +135,7 @@ def _split_kv(q_rows, k, v, visible, scale):
             visible = visible.expand(batch, kv_heads, rows, s)
         visible_split = visible.flatten(0, 1).unflatten(2, (n, chunk)).transpose(1, 2)
     o, part_lse = flash_call(q_split, k_split, v_split, scale, visible=visible_split)  # [B*Hkv, n, R, *]
-    part_lse = part_lse.to(ct)
+    part_lse = part_lse.to(compute)
     o = o.view(batch, kv_heads, n, rows, -1)  # [B, Hkv, n, R, Dv]
     part_lse = part_lse.expand(batch * kv_heads, n, rows).reshape(batch, kv_heads, n, rows)  # [B, Hkv, n, R]
     return merge_attention_states(list(o.unbind(2)), list(part_lse.unbind(2)))

@@ -68,17 +68,17 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
     """
     q, v = inputs.q, inputs.v
     batch, q_heads, t, _ = q.shape
-    ct = compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     qc, kc, vc = flash_operands(q, inputs.k, v)
     only = single_call(groups, batch, t, inputs.k.shape[2])
     if only is not None:  # one call: no merging
         o, part_lse = FLASH(qc, kc, vc, 0.0, only.kind == CAUSAL, scale=inputs.scale)
-        return o.to(q.dtype), part_lse.to(ct), o
+        return o.to(q.dtype), part_lse.to(compute), o
     mask = visibility_mask(inputs)
     covered = sum((g[0].rows.stop - g[0].rows.start) * (g[0].i1 - g[0].i0) for g in groups) == batch * t  # disjoint
     alloc = torch.empty if covered else torch.zeros  # rows no call covers stay 0
-    out = alloc(batch, q_heads, t, v.shape[3], dtype=ct, device=q.device)  # [B, Hq, T, Dv]
-    lse = torch.full((batch, q_heads, t), NEG_INF, dtype=ct, device=q.device)  # [B, Hq, T]
+    out = alloc(batch, q_heads, t, v.shape[3], dtype=compute, device=q.device)  # [B, Hq, T, Dv]
+    lse = torch.full((batch, q_heads, t), NEG_INF, dtype=compute, device=q.device)  # [B, Hq, T]
     for batched, group in batches(mask, groups):
         if batched:  # query tiles sharing one masked call shape and mask
             _run_batch(qc, kc, vc, mask, group, inputs.scale, out, lse)
@@ -89,8 +89,8 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
             o, part_lse = flash_call(qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1], inputs.scale,
                                      causal=kind == CAUSAL, visible=span_visible(mask, call) if kind == PARTIAL
                                      else None)  # [b, Hq, tq, Dv], [b, Hq, tq]
-            parts_out.append(o.to(ct))  # merged in fp32: only each part's output is rounded
-            parts_lse.append(part_lse.to(ct))
+            parts_out.append(o.to(compute))  # merged in fp32: only each part's output is rounded
+            parts_lse.append(part_lse.to(compute))
         o, part_lse = (parts_out[0], parts_lse[0]) if len(group) == 1 else merge_attention_states(parts_out, parts_lse)
         first = group[0]
         out[first.rows, :, first.i0:first.i1] = o
@@ -116,19 +116,19 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
                    grad_out: torch.Tensor | None):
     """Each call's share of ``(dq, dk, dv)`` from the fused backward, fed the merged out and lse."""
     q, k, v = inputs.q, inputs.k, inputs.v
-    ct = compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     qc, kc, vc = flash_operands(q, k, v)
     kt = qc.dtype  # the dtype the fused op runs in; its out and grad inputs must match it
     grad = torch.zeros_like(out_ct, dtype=kt) if grad_out is None else grad_out.to(kt)  # [B, Hq, T, Dv]
     out_k = out_ct.to(kt)  # [B, Hq, T, Dv]
     only = single_call(groups, q.shape[0], q.shape[2], k.shape[2])
     if only is not None:
-        g_q, g_k, g_v = FLASH_BACKWARD(grad.contiguous(), qc, kc, vc, out_k, lse.to(ct), 0.0, only.kind == CAUSAL,
+        g_q, g_k, g_v = FLASH_BACKWARD(grad.contiguous(), qc, kc, vc, out_k, lse.to(compute), 0.0, only.kind == CAUSAL,
                                         scale=inputs.scale)
         return g_q.to(q.dtype), g_k.to(k.dtype), g_v.to(v.dtype)
-    lse_use = lse.to(ct).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: weights exp(s - inf) = 0
+    lse_use = lse.to(compute).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: weights exp(s - inf) = 0
     mask = visibility_mask(inputs)
-    dq, dk, dv = (torch.zeros_like(x, dtype=ct) for x in (qc, kc, vc))  # spans' shares summed in fp32
+    dq, dk, dv = (torch.zeros_like(x, dtype=compute) for x in (qc, kc, vc))  # spans' shares summed in fp32
     for group in groups:
         for call in group:
             rows, i0, i1, j0, j1, kind = call

@@ -36,15 +36,15 @@ def merge_attention_states(outputs: Iterable[torch.Tensor], lses: Iterable[torch
     Raises ValueError, naming what was expected and what was given, on any other input.
     """
     outputs, lses = _check_parts(outputs, lses)
-    ct = compute_dtype(outputs[0].dtype)
-    lse_all = torch.stack([lse.to(ct) for lse in lses])  # [P, ...]
+    compute = compute_dtype(outputs[0].dtype)
+    lse_all = torch.stack([lse.to(compute) for lse in lses])  # [P, ...]
     top = lse_all.amax(dim=0)  # [...]
     top = top.masked_fill(top == NEG_INF, 0.0)  # every part empty: weights exp(-inf) = 0, no NaN
     weights = torch.exp(lse_all - top)  # [P, ...]
     total = weights.sum(dim=0)  # [...]
-    merged = torch.zeros(outputs[0].shape, dtype=ct, device=outputs[0].device)  # [..., Dv]
+    merged = torch.zeros(outputs[0].shape, dtype=compute, device=outputs[0].device)  # [..., Dv]
     for w, out in zip(weights, outputs):
-        merged += w[..., None] * out.to(ct)  # an empty part (out 0, weight 0) adds exactly 0
+        merged += w[..., None] * out.to(compute)  # an empty part (out 0, weight 0) adds exactly 0
     seen = total > 0
     merged = merged / torch.where(seen, total, 1.0)[..., None]  # [..., Dv]
     lse = torch.where(seen, top + torch.log(total), NEG_INF)  # [...]

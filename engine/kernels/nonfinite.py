@@ -95,7 +95,7 @@ def poison(inputs: AttentionInputs, guard: NonFinite, out: torch.Tensor, lse: to
     """Mark the outputs that see a bad key (row NaN, lse -inf) or a bad value (channel NaN)."""
     batch, q_heads, t, _ = inputs.q.shape
     kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
-    ct = compute_dtype(out.dtype)
+    compute = compute_dtype(out.dtype)
     bad_columns = torch.zeros(batch, s, dtype=torch.bool, device=out.device)  # [B, S] keys holding a bad entry
     if guard.key_bad is not None:
         bad_columns |= guard.key_bad.any(dim=1)
@@ -109,8 +109,8 @@ def poison(inputs: AttentionInputs, guard: NonFinite, out: torch.Tensor, lse: to
         plan = plan_tiles(mask, b, t, s, POISON_BLOCK_Q, POISON_BLOCK_K)
         for i0, i1, tiles in plan.query_tiles():
             rows = (q_heads // kv_heads) * (i1 - i0)
-            hit_key = torch.zeros(kv_heads, rows, 1, dtype=ct, device=out.device)  # [Hkv, G*tq, 1]
-            hit_value = torch.zeros(kv_heads, rows, out.shape[-1], dtype=ct, device=out.device)  # [Hkv, G*tq, Dv]
+            hit_key = torch.zeros(kv_heads, rows, 1, dtype=compute, device=out.device)  # [Hkv, G*tq, 1]
+            hit_value = torch.zeros(kv_heads, rows, out.shape[-1], dtype=compute, device=out.device)  # [Hkv, G*tq, Dv]
             for j0, j1, full in tiles:
                 if not bool(bad_columns[b, j0:j1].any()):
                     continue
@@ -118,11 +118,11 @@ def poison(inputs: AttentionInputs, guard: NonFinite, out: torch.Tensor, lse: to
                 if not full:
                     visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
                 visible = visible.expand(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0)
-                visible = visible.reshape(kv_heads, rows, j1 - j0).to(ct)  # [Hkv, G*tq, tk]
+                visible = visible.reshape(kv_heads, rows, j1 - j0).to(compute)  # [Hkv, G*tq, tk]
                 if guard.key_bad is not None:
-                    hit_key += torch.bmm(visible, guard.key_bad[b, :, j0:j1, None].to(ct))
+                    hit_key += torch.bmm(visible, guard.key_bad[b, :, j0:j1, None].to(compute))
                 if guard.value_bad is not None:
-                    hit_value += torch.bmm(visible, guard.value_bad[b, :, j0:j1].to(ct))
+                    hit_value += torch.bmm(visible, guard.value_bad[b, :, j0:j1].to(compute))
             row_hit = (hit_key > 0).reshape(q_heads, i1 - i0)  # [Hq, tq]
             channel_hit = (hit_value > 0).reshape(q_heads, i1 - i0, -1) | row_hit[..., None]  # [Hq, tq, Dv]
             out[b, :, i0:i1] = out[b, :, i0:i1].masked_fill(channel_hit, float("nan"))

@@ -16,10 +16,10 @@ from engine.kernels.visibility import dense_visibility
 def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
     """Materialise scores, mask before the softmax, return ``(out [B, Hq, T, Dv], lse [B, Hq, T])``."""
     q, k, v = inputs.q, inputs.k, inputs.v
-    ct = compute_dtype(q.dtype)
+    compute = compute_dtype(q.dtype)
     group = q.shape[1] // k.shape[1]
     mask = dense_visibility(inputs)  # [B|1, Hq|1, T, S]
-    kf, vf = k.to(ct), v.to(ct)
+    kf, vf = k.to(compute), v.to(compute)
     key_bad = val_bad = None
     if not bool(torch.isfinite(kf).all()):
         key_bad = ~torch.isfinite(kf).all(-1)  # [B, Hkv, S] keys whose vector holds NaN/inf
@@ -30,7 +30,7 @@ def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
     if group > 1:  # query head h reads KV head h // G: [K0, K0, K1, K1] for G = 2
         kf = kf.repeat_interleave(group, dim=1)  # [B, Hq, S, D]
         vf = vf.repeat_interleave(group, dim=1)  # [B, Hq, S, Dv]
-    scores = (q.to(ct) @ kf.transpose(-2, -1)) * inputs.scale  # [B, Hq, T, S]
+    scores = (q.to(compute) @ kf.transpose(-2, -1)) * inputs.scale  # [B, Hq, T, S]
     if inputs.softcap is not None:
         scores = inputs.softcap * torch.tanh(scores / inputs.softcap)
     if key_bad is not None:  # a *visible* non-finite key poisons its row, as it would without masking
@@ -44,8 +44,8 @@ def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
     weights = exp / torch.where(denom > 0, denom, 1.0)  # empty rows stay 0, never 0/0
     out = weights @ vf  # [B, Hq, T, Dv]
     if val_bad is not None:  # visible non-finite values give non-finite outputs; masked ones do not leak
-        bad_v = val_bad.repeat_interleave(group, dim=1).to(ct)  # [B, Hq, S, Dv]
-        reached = (mask.to(ct) @ bad_v) > 0  # [B, Hq, T, Dv]
+        bad_v = val_bad.repeat_interleave(group, dim=1).to(compute)  # [B, Hq, S, Dv]
+        reached = (mask.to(compute) @ bad_v) > 0  # [B, Hq, T, Dv]
         out = torch.where(reached, float("nan"), out)
     lse = None
     if return_lse:

@@ -80,18 +80,18 @@ def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int 
     q, k, v = inputs.q, inputs.k, inputs.v
     batch, q_heads, t, _ = q.shape
     kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[3]
-    ct = compute_dtype(q.dtype)
-    kc, vc = k.to(ct), v.to(ct)  # [B, Hkv, S, D], [B, Hkv, S, Dv]; no copy when already ct
+    compute = compute_dtype(q.dtype)
+    kc, vc = k.to(compute), v.to(compute)  # [B, Hkv, S, D], [B, Hkv, S, Dv]; no copy when already compute
     guard = guard_non_finite(kc, vc)
     if guard is not None:
         kc, vc = guard.k, guard.v
     mask = visibility_mask(inputs)
     out = torch.zeros(batch, q_heads, t, dv, dtype=q.dtype, device=q.device)  # rows left alone stay 0
-    lse = torch.full((batch, q_heads, t), NEG_INF, dtype=ct, device=q.device)
+    lse = torch.full((batch, q_heads, t), NEG_INF, dtype=compute, device=q.device)
     for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
         if not tiles:
             continue  # no visible key: out 0, lse -inf
-        q_rows = group_rows(q[b, :, i0:i1].to(ct) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+        q_rows = group_rows(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
         o, part_lse = _query_tile(q_rows, kc[b], vc[b], tiles, mask, b, i0, i1, inputs.softcap, guard)
         out[b, :, i0:i1] = o.view(q_heads, i1 - i0, dv).to(q.dtype)
         lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)

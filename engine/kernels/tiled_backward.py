@@ -38,8 +38,8 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
     q, k, v = inputs.q, inputs.k, inputs.v
     batch, q_heads, t, d = q.shape
     kv_heads, s = k.shape[1], k.shape[2]
-    ct = compute_dtype(q.dtype)
-    kc, vc = k.to(ct), v.to(ct)
+    compute = compute_dtype(q.dtype)
+    kc, vc = k.to(compute), v.to(compute)
     guard = guard_non_finite(kc, vc)
     grad_out = torch.zeros_like(out) if grad_out is None else grad_out
     if guard is not None:  # differentiate the problem with bad K/V entries zeroed (masked ones change nothing)
@@ -48,20 +48,20 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
         if bool((grad_out[poisoned] != 0).any()):  # the loss depends on a NaN output: its gradient is NaN
             return tuple(torch.full_like(x, float("nan")) for x in (q, k, v))
         out = out.masked_fill(poisoned, 0.0)  # their upstream gradient is 0: they contribute nothing
-    delta = (grad_out.to(ct) * out.to(ct)).sum(dim=-1)  # [B, Hq, T]
+    delta = (grad_out.to(compute) * out.to(compute)).sum(dim=-1)  # [B, Hq, T]
     if grad_lse is not None:
-        delta = delta - grad_lse.to(ct)  # d lse / d s = p folds into the same formula
-    lse_use = lse.to(ct).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: p = exp(s - inf) = 0
-    dq = torch.zeros(q.shape, dtype=ct, device=q.device)  # [B, Hq, T, D]
-    dk = torch.zeros(kc.shape, dtype=ct, device=q.device)  # [B, Hkv, S, D]
-    dv = torch.zeros(vc.shape, dtype=ct, device=q.device)  # [B, Hkv, S, Dv]
+        delta = delta - grad_lse.to(compute)  # d lse / d s = p folds into the same formula
+    lse_use = lse.to(compute).masked_fill(lse == NEG_INF, float("inf"))  # empty rows: p = exp(s - inf) = 0
+    dq = torch.zeros(q.shape, dtype=compute, device=q.device)  # [B, Hq, T, D]
+    dk = torch.zeros(kc.shape, dtype=compute, device=q.device)  # [B, Hkv, S, D]
+    dv = torch.zeros(vc.shape, dtype=compute, device=q.device)  # [B, Hkv, S, Dv]
     mask = visibility_mask(inputs)
     for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
         if not tiles:
             continue
         rows = (q_heads // kv_heads) * (i1 - i0)
-        q_rows = group_rows(q[b, :, i0:i1].to(ct) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
-        do_rows = group_rows(grad_out[b, :, i0:i1].to(ct).contiguous(), kv_heads)  # [Hkv, G*tq, Dv]
+        q_rows = group_rows(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+        do_rows = group_rows(grad_out[b, :, i0:i1].to(compute).contiguous(), kv_heads)  # [Hkv, G*tq, Dv]
         lse_rows = lse_use[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
         delta_rows = delta[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
         dq_rows = torch.zeros_like(q_rows)  # [Hkv, G*tq, D]

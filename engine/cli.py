@@ -14,13 +14,13 @@ import sys
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("attention",), "engine.examples", "run the seeds' worked examples and check every stated number"),
     (("generate",), "engine.generate", "run a small model end to end with the engine's layer and KV cache"),
-    (("memory",), "engine.lab.memory", "score-matrix and KV-cache memory calculator with model presets"),
-    (("bench", "kernels"), "engine.lab.bench_kernels", "engine kernels vs PyTorch SDPA and FlexAttention"),
-    (("bench", "scaling"), "engine.lab.scaling", "time and peak memory vs sequence length, fitted exponents"),
-    (("bench", "roofline"), "engine.lab.roofline", "prefill vs decode on this machine's roofline"),
-    (("bench", "gqa"), "engine.lab.gqa", "decode bytes and FLOPs for several KV-head counts"),
-    (("explain", "scaling"), "engine.lab.explain_scaling", "why scores are divided by sqrt(d_k)"),
-    (("show", "weights"), "engine.lab.show_weights", "heatmaps of attention weights for each mask family"),
+    (("memory",), "engine.lab.calculators.memory", "score-matrix and KV-cache memory calculator with model presets"),
+    (("bench", "kernels"), "engine.lab.bench.kernels", "engine kernels vs PyTorch SDPA and FlexAttention"),
+    (("bench", "scaling"), "engine.lab.bench.scaling", "time and peak memory vs sequence length, fitted exponents"),
+    (("bench", "roofline"), "engine.lab.bench.roofline", "prefill vs decode on this machine's roofline"),
+    (("bench", "gqa"), "engine.lab.bench.gqa", "decode bytes and FLOPs for several KV-head counts"),
+    (("explain", "scaling"), "engine.lab.figures.explain_scaling", "why scores are divided by sqrt(d_k)"),
+    (("show", "weights"), "engine.lab.figures.show_weights", "heatmaps of attention weights for each mask family"),
 ]
 
 

@@ -91,3 +91,13 @@ def test_no_kernel_imports_another_kernel():
 
 def test_inputs_import_no_kernel():
     assert not any(target.startswith("engine.kernels") for target in import_graph()["engine.inputs"])
+
+
+def test_lab_commands_import_shared_modules_never_each_other():
+    graph = import_graph()
+    folders = ("engine.lab.bench.", "engine.lab.figures.", "engine.lab.calculators.")
+    commands = {m for m in graph if m.startswith(folders)}
+    assert len(commands) >= 8
+    sideways = {m: graph[m] & commands for m in commands if graph[m] & commands}
+    allowed = {"engine.lab.bench.kernels": {"engine.lab.bench.kernel_cases"}}  # one command in two files
+    assert sideways == allowed, sideways

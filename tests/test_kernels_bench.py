@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from engine.lab import bench_kernels
-from engine.lab.bench_kernels_cases import Case, Impl, causal_pairs, window_pairs
+from engine.lab.bench import kernels as bench_kernels
+from engine.lab.bench.kernel_cases import Case, Impl, causal_pairs, window_pairs
 
 
 def test_useful_work_counts_visible_pairs():

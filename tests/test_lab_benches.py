@@ -12,7 +12,7 @@ import json
 import pytest
 
 from engine.kernels.dispatch import KERNELS
-from engine.lab import gqa, roofline, scaling
+from engine.lab.bench import gqa, roofline, scaling
 from engine.lab.fitting import fit_power_law
 from engine.lab.implementations import PEER
 

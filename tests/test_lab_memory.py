@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from engine.kv_cache import kv_cache_bytes
-from engine.lab import memory
-from engine.lab.memory import (
+from engine.lab.calculators import memory
+from engine.lab.calculators.memory import (
     PRESETS,
     crossover_context,
     decode_intensity,

@@ -1,6 +1,6 @@
 """``run.py bench kernels``: the engine's kernels against PyTorch SDPA and FlexAttention, in one run.
 
-For each case (see engine.lab.bench_kernels_cases) every implementation runs on the same inputs; timings
+For each case (see engine.lab.bench.kernel_cases) every implementation runs on the same inputs; timings
 interleave the implementations repeat by repeat (so drift on a shared machine hits them alike) and the
 median is reported, with GFLOP/s of useful work, decode GB/s, peak extra memory (first call) and the
 engine's speed-up over each peer. FlexAttention's block mask and compile time are reported apart. The
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.lab import bench_kernels_cases as cases_mod
+from engine.lab.bench import kernel_cases as cases_mod
 from engine.lab.measure import PeakMemory, format_table, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads
 

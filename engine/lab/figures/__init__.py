@@ -1,0 +1,1 @@
+"""Teaching figures (``run.py explain scaling``, ``run.py show weights``): computed, plotted, saved."""

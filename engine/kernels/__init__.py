@@ -9,7 +9,8 @@ Kernels (fastest first), each beside its readable twin:
 - ``sdpa_tiles``: that fused op on the tiles the mask leaves, merged by log-sum-exp (twin: tiled).
 - ``tiled``: online softmax over query x key tiles in torch ops, skipping empty tiles; handles everything
   (softcap, Dv != D, per-head masks, NaN/inf, any device) and trains with a tiled backward.
-- ``reference``: the dense, materialising path (the seed's listing, made safe); the oracle for the rest.
+- ``reference`` (module ``dense``): the dense, materialising path (the seed's listing, made safe); the
+  oracle for the rest.
 
 Building blocks:
 - ``visibility``: the rule ``key_pos <= query_pos & allowed`` as one structured mask;

@@ -34,7 +34,7 @@ import torch
 from engine.inputs import AttentionInputs, prepare_inputs
 from engine.kernels.common import DoesNotFit, compute_dtype
 from engine.kernels.decode import decode_attention, decode_fits, decode_pays_off
-from engine.kernels.reference import dense_attention
+from engine.kernels.dense import dense_attention
 from engine.kernels.sdpa import sdpa_attention, sdpa_fits
 from engine.kernels.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
 from engine.kernels.tiled import tiled_attention

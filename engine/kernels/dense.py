@@ -1,4 +1,6 @@
-"""The dense reference kernel: seed 000's listing, made safe for empty rows and non-finite masked keys.
+"""Kernel ``reference``: seed 000's listing, made safe for empty rows and non-finite masked keys.
+
+(The module is ``dense`` because ``engine.reference`` is the package of oracles: stdlib lists and loops.)
 
 It materialises the ``[B, Hq, T, S]`` score matrix, so it is the oracle, not the fast path: the readable
 twin of ``sdpa`` (one fused call) and the kernel every other one is tested against.

@@ -9,6 +9,9 @@ of one KV head's group are stacked as rows of one matrix and share a single read
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import torch
 
 NEG_INF = float("-inf")
@@ -55,3 +58,33 @@ def clear_unseen(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor) -> tu
     if bool(seen.all()):
         return out, lse
     return out.masked_fill(~seen[..., None], 0.0), lse.masked_fill(~seen, NEG_INF)
+
+
+def differentiable(inputs, forward: Callable, backward: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``forward(inputs) -> (out, lse, saved_out)``, with autograd through ``backward(inputs,
+    saved_out, lse, grad_out, grad_lse) -> (dq, dk, dv)`` when q, k or v need gradients (either grad may be
+    None). ``saved_out`` is the output as the backward wants it (e.g. before the cast to q's dtype)."""
+    if needs_grad(inputs.q, inputs.k, inputs.v):
+        return _Differentiable.apply(inputs.q, inputs.k, inputs.v, inputs, forward, backward)
+    out, lse, _ = forward(inputs)
+    return out, lse
+
+
+class _Differentiable(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, inputs, forward, backward):
+        inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
+        out, lse, saved_out = forward(inputs)
+        ctx.save_for_backward(q, k, v, saved_out, lse)
+        ctx.inputs, ctx.backward = inputs, backward
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, saved_out, lse = ctx.saved_tensors
+        if grad_out is None and grad_lse is None:
+            return None, None, None, None, None, None
+        inputs = dataclasses.replace(ctx.inputs, q=q, k=k, v=v)
+        dq, dk, dv = ctx.backward(inputs, saved_out, lse, grad_out, grad_lse)
+        return dq, dk, dv, None, None, None

@@ -14,12 +14,10 @@ Used by the kernels ``sdpa`` (a plan of one call) and ``sdpa_tiles``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, additive_mask, compute_dtype, needs_grad
+from engine.kernels.common import NEG_INF, additive_mask, compute_dtype, differentiable
 from engine.kernels.flash import FLASH, FLASH_BACKWARD, flash_call, flash_operands
 from engine.kernels.flash_plan import Call, batches, single_call, span_visible
 from engine.kernels.merge import merge_attention_states
@@ -30,34 +28,14 @@ from engine.kernels.visibility import visibility_mask
 
 def run_calls(inputs: AttentionInputs, groups: list[list[Call]], return_lse: bool):
     """Run planned calls, with autograd when q, k or v need gradients."""
-    if needs_grad(inputs.q, inputs.k, inputs.v):
-        out, lse = _FlashTiles.apply(inputs.q, inputs.k, inputs.v, inputs, groups)
-    else:
-        out, lse, _ = flash_forward(inputs, groups)
-    return out, (lse if return_lse else None)
 
-
-class _FlashTiles(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, inputs, groups):
-        inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
-        out, lse, out_ct = flash_forward(inputs, groups)
-        ctx.save_for_backward(q, k, v, out_ct, lse)
-        ctx.inputs, ctx.groups = inputs, groups
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out_ct, lse = ctx.saved_tensors
-        inputs = dataclasses.replace(ctx.inputs, q=q, k=k, v=v)
-        if grad_out is None and grad_lse is None:
-            return None, None, None, None, None
+    def backward(x, out_compute, lse, grad_out, grad_lse):
         if grad_lse is not None and bool((grad_lse != 0).any()):  # the fused backward has no lse input
-            dq, dk, dv = tiled_backward(inputs, out_ct, lse, grad_out, grad_lse)
-        else:
-            dq, dk, dv = flash_backward(inputs, ctx.groups, out_ct, lse, grad_out)
-        return dq, dk, dv, None, None
+            return tiled_backward(x, out_compute, lse, grad_out, grad_lse)
+        return flash_backward(x, groups, out_compute, lse, grad_out)
+
+    out, lse = differentiable(inputs, lambda x: flash_forward(x, groups), backward)
+    return out, (lse if return_lse else None)
 
 
 def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):

@@ -20,12 +20,10 @@ which recomputes each tile's weights from the saved log-sum-exp.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask, needs_grad
+from engine.kernels.common import NEG_INF, compute_dtype, differentiable, group_rows, head_mask
 from engine.kernels.nonfinite import guard_non_finite
 from engine.kernels.plan import batch_query_tiles
 from engine.kernels.tiled_backward import BLOCK_K, BLOCK_Q, tiled_backward
@@ -42,37 +40,19 @@ def tiled_attention(inputs: AttentionInputs, return_lse: bool = False, block_q: 
     Tiles default to ``BLOCK_Q x BLOCK_K``; a decode shape (T <= FEW_QUERIES) runs as one query tile against
     ``FEW_QUERIES_BLOCK_K``-key tiles, so each K/V tile is read once for every query of its KV head.
     """
-    q, k, v = inputs.q, inputs.k, inputs.v
-    t = q.shape[2]
+    t = inputs.q.shape[2]
     block_q = block_q or (max(t, 1) if t <= FEW_QUERIES else BLOCK_Q)
     block_k = block_k or (FEW_QUERIES_BLOCK_K if t <= FEW_QUERIES else BLOCK_K)
-    if needs_grad(q, k, v):
-        out, lse = _TiledAttention.apply(q, k, v, inputs, block_q, block_k)
-    else:
-        out, lse = tiled_forward(inputs, block_q, block_k)
+
+    def forward(x):
+        out, lse = tiled_forward(x, block_q, block_k)
+        return out, lse, out
+
+    def backward(x, out, lse, grad_out, grad_lse):  # by tiles again, weights recomputed from the saved lse
+        return tiled_backward(x, out, lse, grad_out, grad_lse, block_q, block_k)
+
+    out, lse = differentiable(inputs, forward, backward)
     return out, (lse if return_lse else None)
-
-
-class _TiledAttention(torch.autograd.Function):
-    """Forward by tiles; backward by tiles again, recomputing the weights from the saved lse."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, inputs, block_q, block_k):
-        inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
-        out, lse = tiled_forward(inputs, block_q, block_k)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.inputs, ctx.blocks = inputs, (block_q, block_k)
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        inputs = dataclasses.replace(ctx.inputs, q=q, k=k, v=v)
-        if grad_out is None and grad_lse is None:
-            return None, None, None, None, None, None
-        dq, dk, dv = tiled_backward(inputs, out, lse, grad_out, grad_lse, *ctx.blocks)
-        return dq, dk, dv, None, None, None
 
 
 def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int = BLOCK_K):

@@ -86,3 +86,22 @@ def test_auto_gives_the_same_results_as_the_reference_for_every_choice():
         q, k, v = rand(*shape)
         torch.testing.assert_close(causal_attention(q, k, v, **kwargs),
                                    causal_attention(q, k, v, kernel="reference", **kwargs), rtol=1e-5, atol=1e-6)
+
+
+def test_explain_answers_for_empty_queries_or_keys():
+    q, k = torch.randn(1, 4, 0, 16), torch.randn(1, 2, 5, 16)
+    fast = {"decode", "sdpa", "sdpa_tiles", "tiled"}
+    assert explain(q, k, k).kernel in fast
+    assert explain(torch.randn(1, 4, 3, 16), k[:, :, :0], k[:, :, :0]).kernel in fast
+
+
+def test_nan_in_q_found_while_running_goes_straight_to_the_tiled_kernel(caplog):
+    # The fused kernels find NaN in q only after running; dispatch then resumes at the kernel that handles it
+    # (not at every fused kernel in between), and the NaN stays in its own row.
+    q, k, v = rand(1, 4, 2, 1, 1024, 16)
+    q[0, 1, 0, 3] = float("nan")
+    with caplog.at_level(logging.DEBUG, logger="engine.kernels"):
+        out = causal_attention(q, k, v)
+    hops = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
+    assert len(hops) == 1 and hops[0].endswith("kernel=tiled")
+    assert bool(out[0, 1].isnan().all()) and bool(torch.isfinite(out[0, [0, 2, 3]]).all())

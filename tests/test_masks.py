@@ -171,3 +171,21 @@ def test_masks_over_zero_queries_or_keys_have_empty_shapes(make):
     assert make(torch.arange(0), torch.arange(5), 2).to_dense().shape == (0, 5)
     assert make(torch.arange(3), torch.arange(0), 2).to_dense().shape == (3, 0)
     assert make(torch.zeros(2, 0, dtype=torch.long), torch.arange(4), 2).to_dense().shape == (2, 1, 0, 4)
+
+
+def test_only_padding_masks_may_have_no_query_side():
+    from engine.masks import CausalMask, DocumentMask, PaddingMask
+
+    for family in (CausalMask, DocumentMask):
+        with pytest.raises(ValueError, match="relates queries to keys: query_values must be given"):
+            family(None, torch.arange(4))
+    assert PaddingMask(None, torch.tensor([[True, False]])).shape == (1, 1, 1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_expanded_rows_stay_one_shared_row_whatever_the_position_dtype(dtype):
+    # [B, L] positions that are one row expanded (stride 0) plan once, not once per batch row.
+    pos = torch.arange(8, dtype=dtype).expand(3, 8)
+    assert not window_mask(pos, pos, 3).batched() and not causal_mask(pos, pos).batched()
+    plain = pos.long().contiguous()
+    assert torch.equal(window_mask(pos, pos, 3).to_dense(), window_mask(plain, plain, 3).to_dense())

@@ -54,6 +54,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
                       "pip install 'attention-engine[hf]'") from error
 
 from engine.attention import causal_attention
+from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
 
 __all__ = ["NAME", "EngineMask", "engine_attention_forward", "engine_mask", "register"]
@@ -96,7 +97,7 @@ class EngineMask:
         if self.window is not None:
             allowed = window_mask(self.query_positions, self.key_positions, self.window)  # [T, S]
         if self.key_valid is not None:
-            keys_ok = self.key_valid[:, None, None, :]  # [B, 1, 1, S]
+            keys_ok = PaddingMask(None, self.key_valid)  # [B, 1, 1, S], a structured mask: pad tiles are skipped
             allowed = keys_ok if allowed is None else allowed & keys_ok  # [B, 1, T, S]
         return allowed
 

@@ -36,8 +36,13 @@ def head_mask(mask: torch.Tensor, kv_heads: int, q_heads: int) -> torch.Tensor:
 
 
 class DoesNotFit(Exception):
-    """Raised by a kernel that finds, while running, that its fast path cannot compute these inputs exactly
-    (NaN/inf in q, ...): dispatch catches it and runs the next kernel of its fallback order."""
+    """Raised by a kernel that cannot compute these inputs exactly (found while running: NaN/inf in q, ...):
+    dispatch catches it and runs the next kernel of its fallback order that fits, from ``resume`` when given
+    (the first kernel that can, when the kernels in between would only find the same)."""
+
+    def __init__(self, why: str, resume: str | None = None) -> None:
+        super().__init__(why)
+        self.resume = resume
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
@@ -51,7 +56,7 @@ def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def clear_unseen(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows that see no key: output 0 and lse -inf (a fused masked call says lse 0 and averages the values).
+    """Rows that see no key: output 0 and lse -inf (a fused masked call gives them lse 0).
 
     ``out [..., R, Dv]``, ``lse [..., R]``, ``seen`` bool broadcastable to ``lse``.
     """

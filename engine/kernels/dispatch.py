@@ -139,7 +139,7 @@ def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
         >>> print(explain(q, k, v, allowed=window_mask(pos, pos, 512)))
         kernel: sdpa_tiles (the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp)
           not decode: T = 4096 queries: decode serves T <= 16
-          not sdpa: a mask is given (allowed): its semantics need the tiled kernels
+          not sdpa: a mask is given (allowed): its tiles need sdpa_tiles or tiled
 
     NaN/inf in q (or in K/V when gradients are needed) is found only while running: such a call runs the
     ``tiled`` kernel whatever this says.
@@ -178,7 +178,7 @@ def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: boo
         try:
             return KERNELS[name].run(inputs, return_lse)
         except DoesNotFit as why_not:  # found while running (NaN/inf): the next kernel that fits
-            name = _walk(inputs, start=_next(name), forced=True).kernel
+            name = _walk(inputs, start=why_not.resume or _next(name), forced=True).kernel
             logger.debug("causal_attention: %s, falling back to kernel=%s", why_not, name)
 
 

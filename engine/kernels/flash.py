@@ -6,8 +6,8 @@ scores. What the engine relies on, and works around:
 - it knows two patterns on its own: no mask, and ``is_causal`` (top-left: query i sees keys j <= i);
   any other visibility enters as an additive mask (0 where visible, -inf elsewhere);
 - ``is_causal`` scales its own -inf, so it gives NaN for ``scale <= 0``: such squares use an additive mask;
-- a row whose keys are all masked comes back as an average of the values with lse 0: ``flash_call``
-  turns it into the engine's output 0 and lse -inf;
+- a row whose keys are all masked comes back with lse 0 (not -inf): ``flash_call`` makes it the engine's
+  output 0 and lse -inf;
 - it reads each head-dim vector as contiguous memory (it ignores ``stride(-1)``): ``flash_operands``
   copies a tensor whose last axis is strided, and nothing else;
 - bf16/fp16 inputs are accumulated in fp32 and the lse comes back in fp32.

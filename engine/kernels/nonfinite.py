@@ -138,8 +138,8 @@ def run_guarded(inputs: AttentionInputs, return_lse: bool, fast):
     looked (a NaN/inf value meets ``p = 0`` or ``p > 0``: both give NaN/inf), so only K, whose bad entries
     could hide behind a ``-inf`` score, is checked up front. Otherwise the exact path: NaN/inf in K or V
     are zeroed, the kernel runs, the outputs are poisoned. NaN/inf in q, or in K/V when gradients are
-    needed, do not fit a fused kernel: ``DoesNotFit`` lets dispatch run the ``tiled`` kernel, which handles both
-    inline.
+    needed, do not fit a fused kernel: ``DoesNotFit`` sends dispatch straight to the ``tiled`` kernel, which
+    handles both inline.
     """
     q, k, v = inputs.q, inputs.k, inputs.v
     if all_finite(k):  # NaN/inf in q or V always shows in the output (0 * NaN is NaN): check it there
@@ -148,9 +148,10 @@ def run_guarded(inputs: AttentionInputs, return_lse: bool, fast):
             return out, lse
     clean, guard = sanitized(inputs)
     if not all_finite(q):
-        raise DoesNotFit("NaN/inf in q: only the tiled kernel keeps it to the rows it belongs to")
+        raise DoesNotFit("NaN/inf in q: only the tiled kernel keeps it to the rows it belongs to", resume="tiled")
     if guard is not None and needs_grad(q, k, v):
-        raise DoesNotFit("NaN/inf in K/V with gradients: only the tiled kernel differentiates around them")
+        raise DoesNotFit("NaN/inf in K/V with gradients: only the tiled kernel differentiates around them",
+                         resume="tiled")
     if guard is None:
         return fast(inputs, return_lse)
     out, lse = fast(clean, True)

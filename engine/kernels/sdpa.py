@@ -3,7 +3,8 @@
 The op knows two visibility patterns, none and top-left ``is_causal``; ``causal_pattern``
 (engine.kernels.visibility) says when the engine's rule equals one of them: all-visible (decode with default
 positions, ``causal=False``) or plain prefill (T == S, equal increasing positions). Anything else (a mask,
-chunked prefill, softcap, Dv != D) does not fit, and dispatch runs the next kernel (``sdpa_tiles``).
+chunked prefill, softcap, Dv != D) does not fit, and dispatch runs the next kernel that does (``sdpa_tiles``
+for masks and offsets, ``tiled`` for softcap or Dv != D).
 Readable twin: the ``reference`` kernel.
 """
 

@@ -10,6 +10,7 @@ Readable twin: the ``tiled`` kernel (the same tiles, online softmax in plain tor
 from __future__ import annotations
 
 from engine.inputs import AttentionInputs
+from engine.kernels.common import DoesNotFit
 from engine.kernels.flash import flash_fits
 from engine.kernels.flash_plan import BLOCK_K, BLOCK_Q, plan_calls
 from engine.kernels.flash_run import run_calls
@@ -23,4 +24,7 @@ def sdpa_tiles_fits(inputs: AttentionInputs) -> str | None:
 def sdpa_tiles_attention(inputs: AttentionInputs, return_lse: bool = False, block_q: int = BLOCK_Q,
                          block_k: int = BLOCK_K):
     """Kernel ``"sdpa_tiles"``: ``(out [B, Hq, T, Dv], lse [B, Hq, T] in the compute dtype or None)``."""
+    why_not = flash_fits(inputs)
+    if why_not is not None:
+        raise DoesNotFit(why_not)
     return run_guarded(inputs, return_lse, lambda x, lse: run_calls(x, plan_calls(x, block_q, block_k), lse))

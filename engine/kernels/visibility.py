@@ -52,9 +52,9 @@ def causal_pattern(inputs: AttentionInputs) -> str | None:
 
         chunked prefill  T=2, S=4:  queries at 2, 3 see keys 0..2 / 0..3 (bottom-right): neither pattern.
     """
-    if not inputs.causal:
-        return "none"
     qp, kp = inputs.query_positions, inputs.key_positions  # [B, T], [B, S]
+    if not inputs.causal or qp.numel() == 0 or kp.numel() == 0:  # no queries or no keys: nothing to hide
+        return "none"
     if bool((kp.amax(dim=-1) <= qp.amin(dim=-1)).all()):
         return "none"
     if qp.shape[1] == kp.shape[1] and torch.equal(qp, kp) and bool((kp.diff(dim=-1) > 0).all()):

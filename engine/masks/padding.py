@@ -24,6 +24,7 @@ class PaddingMask(PairwiseMask):
     pair is if both sides are all valid."""
 
     name = "padding"
+    key_only = True
 
     def relate(self, q, k):
         return q & k

@@ -63,15 +63,18 @@ class PairwiseMask(StructuredMask):
     """
 
     name = "pairwise"
+    key_only = False  # True for a family whose masks may have no query side (query_values=None)
 
     def __init__(self, query_values: torch.Tensor | None, key_values: torch.Tensor) -> None:
+        if query_values is None and not self.key_only:
+            raise ValueError(f"{type(self).__name__} relates queries to keys: query_values must be given")
         _check_values(query_values, key_values, type(self).__name__)
         # Values are compared after subtraction (q - k < window): widen them to int64 so that a narrow or
-        # unsigned dtype (uint8 wraps around) cannot misplace a tile boundary.
-        query_values, key_values = _widen(query_values), _widen(key_values)
-        self.query_values, self.key_values = query_values, key_values
-        self._qv = None if query_values is None else _rows(query_values)  # [1|B, T]
-        self._kv = _rows(key_values)  # [1|B, S]
+        # unsigned dtype (uint8 wraps around) cannot misplace a tile boundary. Rows are read before widening,
+        # which copies: an expanded [B, L] stays one shared row.
+        self._qv = None if query_values is None else _widen(_rows(query_values))  # [1|B, T]
+        self._kv = _widen(_rows(key_values))  # [1|B, S]
+        self.query_values, self.key_values = _widen(query_values), _widen(key_values)
         super().__init__(self.to_dense_shape(), key_values.device)
 
     # --- what a family states ----------------------------------------------------------------------

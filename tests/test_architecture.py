@@ -101,3 +101,10 @@ def test_lab_commands_import_shared_modules_never_each_other():
     sideways = {m: graph[m] & commands for m in commands if graph[m] & commands}
     allowed = {"engine.lab.bench.kernels": {"engine.lab.bench.kernel_cases"}}  # one command in two files
     assert sideways == allowed, sideways
+
+
+def test_context_parallelism_uses_the_kernels_only_through_the_public_call():
+    graph = import_graph()
+    distributed = {m for m in graph if m.startswith("engine.distributed")}
+    kernel_modules = {kernel.run.__module__ for kernel in KERNELS.values()} | {"engine.kernels.dispatch"}
+    assert all(not (graph[m] & kernel_modules) for m in distributed)

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from engine.inputs import AttentionInputs, prepare_inputs
-from engine.kernels.common import DoesNotFit, compute_dtype
+from engine.kernels.common import DoesNotFit, compute_dtype, differentiable
 from engine.kernels.decode import decode_attention, decode_fits, decode_pays_off
 from engine.kernels.dense import dense_attention
 from engine.kernels.sdpa import sdpa_attention, sdpa_fits
@@ -196,11 +196,18 @@ def _warn_if_slow(inputs: AttentionInputs) -> None:
 
 
 def _empty_result(inputs: AttentionInputs, return_lse: bool):
-    """B, Hq or T of 0 gives an empty output; S = 0 gives rows that see nothing: zeros and lse -inf."""
-    batch, q_heads, t, _ = inputs.q.shape
-    out = inputs.q.new_zeros(batch, q_heads, t, inputs.v.shape[3])  # [B, Hq, T, Dv]
-    lse = None
-    if return_lse:
-        lse = torch.full((batch, q_heads, t), float("-inf"), dtype=compute_dtype(inputs.q.dtype),
-                         device=inputs.q.device)  # [B, Hq, T]
-    return out, lse
+    """B, Hq or T of 0 gives an empty output; S = 0 gives rows that see nothing: zeros and lse -inf. In training
+    the result is still part of the graph (zero gradients), so a loss over it can call backward."""
+
+    def forward(x: AttentionInputs):
+        batch, q_heads, t, _ = x.q.shape
+        out = x.q.new_zeros(batch, q_heads, t, x.v.shape[3])  # [B, Hq, T, Dv]
+        lse = torch.full((batch, q_heads, t), float("-inf"), dtype=compute_dtype(x.q.dtype),
+                         device=x.q.device)  # [B, Hq, T]
+        return out, lse, out
+
+    def backward(x: AttentionInputs, out, lse, grad_out, grad_lse):
+        return torch.zeros_like(x.q), torch.zeros_like(x.k), torch.zeros_like(x.v)
+
+    out, lse = differentiable(inputs, forward, backward)
+    return out, (lse if return_lse else None)

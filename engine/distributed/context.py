@@ -1,0 +1,129 @@
+"""``context_parallel_attention``: one sequence split across processes, every mask exact.
+
+Each rank holds a shard of the queries and a shard of the keys/values, each with its own positions (and
+document ids). The result is ``causal_attention`` over the whole sequence (every rank's shards concatenated
+in rank order, along T and along S, same positions, window and documents), restricted to this rank's query
+rows. Shards need not be contiguous nor of equal length: positions say where each token is, so a load-balanced
+layout (``zigzag_indices``) is a choice of positions, not a special case.
+
+The transport is ``torch.distributed`` (gloo on CPU, nccl on GPU), set up by the caller, usually through
+``torchrun``; always give ``init_process_group`` a ``timeout`` so a dead rank makes the others fail instead of
+waiting 30 minutes. Every rank must make the same calls (forward and backward) in the same order.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.attention import causal_attention
+from engine.distributed.allgather import depends_on_gathered, gather_shards
+from engine.distributed.ring import RingAttention
+from engine.distributed.shard import KeyShard, Queries
+from engine.inputs import prepare_inputs, resolve_positions
+
+METHODS = ("ring", "allgather")
+# Options every rank must pass identically, and the shapes every rank's shard must share.
+_SAME_ON_EVERY_RANK = ("B", "Hq", "Hkv", "D", "Dv", "dtype", "device", "causal", "window", "scale", "softcap",
+                       "method", "documents")
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    *,
+    group=None,
+    window: int | None = None,
+    query_document_ids: torch.Tensor | None = None,
+    key_document_ids: torch.Tensor | None = None,
+    causal: bool = True,
+    softcap: float | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    method: str = "ring",
+    timeout: timedelta | None = None,
+):
+    """Attention of this rank's queries over every rank's keys.
+
+    Args:
+        q, k, v: this rank's shards ``[B, Hq, T_r, D]``, ``[B, Hkv, S_r, D]``, ``[B, Hkv, S_r, Dv]`` (T_r or S_r
+            may be 0: a rank with no queries still passes its keys on).
+        query_positions, key_positions: this rank's global positions, ``[T_r]`` / ``[B, T_r]`` and ``[S_r]`` /
+            ``[B, S_r]`` (required: they are what places the shards in the sequence).
+        group: a ``torch.distributed`` process group (default: the world).
+        window: sliding window (engine convention: ``window`` keys, own included).
+        query_document_ids, key_document_ids: packed documents, this rank's ids (both or neither).
+        causal, softcap, scale: as in ``causal_attention`` (scale defaults to ``1 / sqrt(D)``).
+        return_lse: also return the lse ``[B, Hq, T_r]`` (compute dtype).
+        method: ``"ring"`` (K/V shards travel round, compute overlaps the transfer, invisible shards are skipped)
+            or ``"allgather"`` (K/V gathered once, one local call: fewer, larger messages).
+        timeout: bound on each wait of the ring (default: the process group's timeout).
+
+    Returns ``out [B, Hq, T_r, Dv]`` (and ``lse``), equal to ``causal_attention`` on the whole sequence for these
+    rows; gradients flow to q, k and v of every rank.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("context_parallel_attention needs torch.distributed initialised "
+                         "(torch.distributed.init_process_group(..., timeout=...), e.g. under torchrun)")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if query_positions is None or key_positions is None:
+        raise ValueError("query_positions and key_positions are required: they place this rank's shards in the "
+                         "sequence (see engine.distributed.zigzag_indices)")
+    if (query_document_ids is None) != (key_document_ids is None):
+        raise ValueError("give both query_document_ids and key_document_ids, or neither")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+    inputs = prepare_inputs(q, k, v, query_positions, key_positions, None, scale, causal=causal, softcap=softcap)
+    batch, t, s = q.shape[0], q.shape[2], k.shape[2]
+    queries = Queries(q, inputs.query_positions, _ids(query_document_ids, batch, t, q.device, "query_document_ids"),
+                      window, causal, softcap, inputs.scale)
+    own = KeyShard(k, v, inputs.key_positions.contiguous(),
+                   _ids(key_document_ids, batch, s, q.device, "key_document_ids"))
+    world = dist.get_world_size(group)
+    lengths = _check_ranks(queries, own, method, group)  # S_r of every rank
+    if world == 1:
+        out, lse = causal_attention(q, k, v, queries.positions, own.positions, queries.allowed(own), queries.scale,
+                                    causal=causal, softcap=softcap, return_lse=True)
+    elif method == "ring":
+        out, lse = RingAttention.apply(q, k, v, queries, own, lengths, group, timeout)
+    else:
+        everything = gather_shards(own, k, v, lengths, group)
+        out, lse = causal_attention(q, everything.k, everything.v, queries.positions, everything.positions,
+                                    queries.allowed(everything), queries.scale, causal=causal, softcap=softcap,
+                                    return_lse=True)
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            out, lse = depends_on_gathered(out, lse, everything)
+    return (out, lse) if return_lse else out
+
+
+def _ids(ids: torch.Tensor | None, batch: int, length: int, device, name: str) -> torch.Tensor | None:
+    """Document ids as int64 ``[B, L]`` (validated like positions), or None."""
+    if ids is None:
+        return None
+    return resolve_positions(ids, batch, length, 0, device, name).contiguous()
+
+
+def _check_ranks(queries: Queries, own: KeyShard, method: str, group) -> list[int]:
+    """Every rank's description, compared: a ValueError on every rank names the rank that differs. Returns each
+    rank's number of keys."""
+    q = queries.q
+    mine = {"B": q.shape[0], "Hq": q.shape[1], "Hkv": own.k.shape[1], "D": q.shape[3], "Dv": own.v.shape[3],
+            "dtype": str(q.dtype), "device": q.device.type, "causal": queries.causal, "window": queries.window,
+            "scale": queries.scale, "softcap": queries.softcap, "method": method,
+            "documents": queries.documents is not None, "S": own.k.shape[2]}
+    everyone: list[dict] = [{} for _ in range(dist.get_world_size(group))]
+    dist.all_gather_object(everyone, mine, group=group)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        for key in _SAME_ON_EVERY_RANK:
+            a, b = first[key], theirs[key]
+            if a != b:
+                raise ValueError(f"context_parallel_attention: rank {rank} has {key}={b!r} but rank 0 has {key}={a!r} "
+                                 f"(every rank must pass the same {key})")
+    return [theirs["S"] for theirs in everyone]

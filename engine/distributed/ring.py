@@ -1,0 +1,106 @@
+"""Ring attention: K/V shards travel round the ranks while each rank attends its queries to the one it holds.
+
+Step s of P: rank r holds the shard of rank ``r - s`` (mod P). It posts the send of that shard to ``r + 1`` and
+the receive of the next one from ``r - 1`` (non-blocking), computes its queries' attention against the shard
+it holds (skipped when positions prove that no query sees it), then waits. The P parts are merged by
+log-sum-exp. Only the Hkv heads travel (GQA), with their positions and document ids.
+
+Backward: the shards travel round again with their dK/dV accumulators. At each step a rank adds its queries'
+share of the gradient of the shard it holds (from the merged output and lse, recomputing the weights); after
+P steps every accumulator is back home with the sum over all ranks.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from engine.distributed.shard import KeyShard, Queries
+from engine.kernels.common import compute_dtype
+from engine.kernels.merge import merge_attention_states
+
+
+def _exchange(tensors: list[torch.Tensor], buffers: list[torch.Tensor], group, timeout: timedelta | None):
+    """Post sends of ``tensors`` to the next rank and receives into ``buffers`` from the previous; returns a
+    function that waits for all of them (each wait bounded by ``timeout``, else the group's timeout)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    works = [dist.isend(t.contiguous(), group=group, group_dst=(rank + 1) % world) for t in tensors]
+    works += [dist.irecv(b, group=group, group_src=(rank - 1) % world) for b in buffers]
+
+    def wait() -> list[torch.Tensor]:
+        for work in works:
+            work.wait(timeout) if timeout is not None else work.wait()
+        return buffers
+    return wait
+
+
+def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, timeout: timedelta | None):
+    """``(out [B, Hq, T_r, Dv] in q's dtype, lse [B, Hq, T_r] in the compute dtype)`` over every rank's keys."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    parts_out, parts_lse = [], []
+    shard = own
+    for step in range(world):
+        wait = None
+        if step < world - 1:  # the next shard is on its way while this one is computed
+            incoming = own.like(lengths[(rank - step - 1) % world])
+            wait = _exchange(shard.tensors(), incoming.tensors(), group, timeout)
+        if queries.sees(shard):
+            out, lse = queries.attend(shard)
+            parts_out.append(out)
+            parts_lse.append(lse)
+        if wait is not None:
+            shard = incoming.from_tensors(wait())
+    q = queries.q
+    if not parts_out:  # no query sees any key: zeros and lse -inf
+        b, h, t, _ = q.shape
+        lse = torch.full((b, h, t), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device)
+        return q.new_zeros(b, h, t, own.v.shape[3]), lse
+    return merge_attention_states(parts_out, parts_lse)
+
+
+def ring_backward(queries: Queries, own: KeyShard, out, lse, grad_out, grad_lse, lengths: list[int], group,
+                  timeout: timedelta | None):
+    """``(dq, dk, dv)`` of this rank's q and its own K/V shard, summed over every rank's queries."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    compute = compute_dtype(queries.q.dtype)
+    dq = torch.zeros(queries.q.shape, dtype=compute, device=queries.q.device)  # [B, Hq, T_r, D]
+    shard = own
+    dk = torch.zeros(own.k.shape, dtype=compute, device=own.k.device)  # [B, Hkv, S, D] of the shard held
+    dv = torch.zeros(own.v.shape, dtype=compute, device=own.v.device)  # [B, Hkv, S, Dv]
+    for step in range(world):
+        if queries.sees(shard):
+            g_q, g_k, g_v = queries.gradients(shard, out, lse, grad_out, grad_lse)
+            dq += g_q
+            dk += g_k
+            dv += g_v
+        if world > 1:  # the shard and its accumulators move on; after `world` moves they are home
+            source = (rank - step - 1) % world
+            incoming = own.like(lengths[source])
+            grads_in = [torch.empty(incoming.k.shape, dtype=compute, device=dk.device),
+                        torch.empty(incoming.v.shape, dtype=compute, device=dv.device)]
+            received = _exchange(shard.tensors() + [dk, dv], incoming.tensors() + grads_in, group, timeout)()
+            shard = incoming.from_tensors(received[:-2])
+            dk, dv = received[-2:]
+    return dq.to(queries.q.dtype), dk.to(own.k.dtype), dv.to(own.v.dtype)
+
+
+class RingAttention(torch.autograd.Function):
+    """Autograd through the ring: forward by ``ring_forward``, backward by ``ring_backward``."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, queries: Queries, own: KeyShard, lengths, group, timeout):
+        queries = queries.with_q(q.detach())
+        own = KeyShard(k.detach(), v.detach(), own.positions, own.documents)
+        out, lse = ring_forward(queries, own, lengths, group, timeout)
+        ctx.save_for_backward(out, lse)
+        ctx.queries, ctx.own, ctx.rest = queries, own, (lengths, group, timeout)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(ctx.queries, ctx.own, out, lse, grad_out, grad_lse, *ctx.rest)
+        return dq, dk, dv, None, None, None, None, None

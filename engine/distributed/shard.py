@@ -1,0 +1,98 @@
+"""What one rank holds and what travels: a K/V shard with its positions and document ids, and the attention of
+this rank's queries against one such shard.
+
+Every rank's shard carries its own positions (and document ids), so the engine's rule and masks apply to a
+shard exactly as to the whole sequence: ``key_pos <= query_pos``, the window and the documents are evaluated on
+the shard's own values, and the parts merge exactly by log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from engine.attention import causal_attention
+from engine.inputs import prepare_inputs
+from engine.kernels.tiled_backward import tiled_backward
+from engine.masks.causal import CausalMask
+from engine.masks.documents import document_mask
+from engine.masks.structured import StructuredMask
+from engine.masks.window import window_mask
+
+
+@dataclass(frozen=True)
+class KeyShard:
+    """Keys and values of one rank, as they travel: contiguous, positions and ids per batch row."""
+
+    k: torch.Tensor  # [B, Hkv, S_r, D]
+    v: torch.Tensor  # [B, Hkv, S_r, Dv]
+    positions: torch.Tensor  # [B, S_r] int64
+    documents: torch.Tensor | None  # [B, S_r] int64, or None without packed documents
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.positions] + ([] if self.documents is None else [self.documents])
+
+    def like(self, length: int) -> KeyShard:
+        """Empty buffers shaped as another rank's shard of ``length`` keys (to receive it into)."""
+        b, h, _, d = self.k.shape
+        new = lambda x, *shape: torch.empty(*shape, dtype=x.dtype, device=x.device)  # noqa: E731
+        docs = None if self.documents is None else new(self.documents, b, length)
+        return KeyShard(new(self.k, b, h, length, d), new(self.v, b, h, length, self.v.shape[3]),
+                        new(self.positions, b, length), docs)
+
+    def from_tensors(self, tensors: list[torch.Tensor]) -> KeyShard:
+        return KeyShard(*tensors[:3], tensors[3] if self.documents is not None else None)
+
+
+@dataclass(frozen=True)
+class Queries:
+    """This rank's queries and the call's options (the same on every rank)."""
+
+    q: torch.Tensor  # [B, Hq, T_r, D]
+    positions: torch.Tensor  # [B, T_r] int64
+    documents: torch.Tensor | None  # [B, T_r] int64
+    window: int | None
+    causal: bool
+    softcap: float | None
+    scale: float
+
+    def allowed(self, shard: KeyShard) -> StructuredMask | None:
+        """The window and document masks between these queries and one shard's keys."""
+        mask = None
+        if self.window is not None:
+            mask = window_mask(self.positions, shard.positions, self.window)  # [B, 1, T_r, S_r]
+        if self.documents is not None:
+            docs = document_mask(self.documents, shard.documents)  # [B, 1, T_r, S_r]
+            mask = docs if mask is None else mask & docs
+        return mask
+
+    def sees(self, shard: KeyShard) -> bool:
+        """False when no query here can see any key of ``shard`` (decided from positions and ids alone, by the
+        masks' bounds over the whole shard: one tile of ``T_r x S_r``)."""
+        t, s = self.positions.shape[1], shard.positions.shape[1]
+        if t == 0 or s == 0:
+            return False
+        parts = [] if not self.causal else [CausalMask(self.positions, shard.positions)]
+        allowed = self.allowed(shard)
+        mask = parts + ([] if allowed is None else [allowed])
+        if not mask:
+            return True
+        visibility = mask[0] if len(mask) == 1 else mask[0] & mask[1]
+        rows = range(self.positions.shape[0]) if visibility.batched() else range(1)
+        return any(bool(visibility.tile_bounds(b, t, s, t, s)[0].any()) for b in rows)
+
+    def attend(self, shard: KeyShard) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [B, Hq, T_r, Dv], lse [B, Hq, T_r])`` of these queries against one shard (no autograd)."""
+        return causal_attention(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard),
+                                self.scale, causal=self.causal, softcap=self.softcap, return_lse=True)
+
+    def gradients(self, shard: KeyShard, out, lse, grad_out, grad_lse):
+        """This shard's share of ``(dq, dk, dv)``, from the merged output and lse (exact: the softmax weights
+        are ``exp(s - lse)`` with the global lse)."""
+        inputs = prepare_inputs(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard),
+                                self.scale, causal=self.causal, softcap=self.softcap)
+        return tiled_backward(inputs, out, lse, grad_out, grad_lse)
+
+    def with_q(self, q: torch.Tensor) -> Queries:
+        return replace(self, q=q)

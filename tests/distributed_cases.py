@@ -1,0 +1,181 @@
+"""Multi-process harness for the context-parallel tests: spawn P gloo ranks on loopback, run one function on
+each, collect what each returns. Every process group has a timeout, the parent joins with a deadline and kills
+every child past it, so nothing here can hang."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine import causal_attention, document_mask
+from engine.distributed import context_parallel_attention, zigzag_indices
+
+GROUP_TIMEOUT = datetime.timedelta(seconds=20)
+
+
+def _entry(fn, rank: int, world: int, store_path: str, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=GROUP_TIMEOUT)
+        result = fn(rank, world, *args)
+    except BaseException as error:  # recorded for the parent, which asserts on it
+        result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, deadline_s: float = 120.0) -> list:
+    """``[fn(rank, world, *args) for each rank]``, each in its own process; a rank that has not finished within
+    ``deadline_s`` is killed (with all the others) and this raises TimeoutError."""
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [context.Process(target=_entry, args=(fn, rank, world, store_path, tmp, args)) for rank in range(world)]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + deadline_s
+        for p in procs:
+            p.join(max(0.0, end - time.monotonic()))
+        alive = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        if alive:
+            raise TimeoutError(f"ranks {alive} of {world} still running after {deadline_s} s: killed")
+        results = []
+        for rank in range(world):
+            path = os.path.join(tmp, f"{rank}.pkl")
+            results.append(pickle.load(open(path, "rb")) if os.path.exists(path) else {"error": "no result (died)"})
+        return results
+
+
+# --- the cases -------------------------------------------------------------------------------------------
+
+
+def _inputs(b, hq, hkv, length, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, length, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(b, hkv, length, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, hkv, length, d, generator=g, dtype=torch.float64).to(dtype)
+    return q, k, v
+
+
+def _case(name: str, rank: int, world: int) -> dict:
+    """One case: the full problem (built identically on every rank), this rank's shard of queries and keys, and
+    the keyword arguments of both calls."""
+    length, b, hq, hkv, d, dtype = 101, 1, 4, 2, 8, torch.float64
+    if name == "mqa":
+        hkv = 1
+    if name == "bf16":
+        dtype = torch.bfloat16
+    if name == "ragged_rows":
+        b = 2
+    q, k, v = _inputs(b, hq, hkv, length, d, dtype)
+    pos = torch.arange(length)
+    qpos = kpos = pos
+    full_kwargs, cp_kwargs = {}, {}
+    keys = torch.tensor_split(pos, world)[rank]  # contiguous shards of uneven length
+    queries = keys
+    if name in ("causal_zigzag", "documents", "bf16", "mqa"):
+        keys = queries = zigzag_indices(length, rank, world)
+    if name == "chunked_prefill":  # the last 23 tokens are new: only the ranks that hold them have queries
+        queries = keys[keys >= length - 23]
+    if name == "documents":
+        ids = pos // 30
+        full_kwargs["allowed"] = document_mask(ids)
+        cp_kwargs.update(query_document_ids=ids[queries], key_document_ids=ids[keys])
+    if name == "window":
+        full_kwargs["allowed"] = engine_window(pos, 13)
+        cp_kwargs["window"] = 13
+    if name == "ragged_rows":  # row 1 is a shorter sequence: 20 pads first (their own document), positions per row
+        ids = torch.stack([torch.zeros(length, dtype=torch.long), (pos >= 20).long()])  # [2, L]
+        qpos = kpos = torch.stack([pos, (pos - 20).clamp(min=0)])  # [2, L]
+        full_kwargs["allowed"] = document_mask(ids)
+        cp_kwargs.update(query_document_ids=ids[:, queries], key_document_ids=ids[:, keys])
+    q_index = queries if name != "chunked_prefill" else queries
+    full_q = q if name != "chunked_prefill" else q[:, :, length - 23:]
+    full_qpos = qpos if name != "chunked_prefill" else qpos[..., length - 23:]
+    local_rows = q_index - (length - 23 if name == "chunked_prefill" else 0)  # rows of the full output
+    return dict(q=full_q, k=k, v=v, qpos=full_qpos, kpos=kpos, full_kwargs=full_kwargs, cp_kwargs=cp_kwargs,
+                queries=q_index, keys=keys, rows=local_rows)
+
+
+def engine_window(pos, w):
+    from engine import window_mask
+
+    return window_mask(pos, pos, w)
+
+
+CASES = ["causal_contiguous", "causal_zigzag", "chunked_prefill", "documents", "window", "ragged_rows", "mqa",
+         "bf16"]
+
+
+def compare_with_single_process(rank: int, world: int, method: str) -> dict:
+    """Max |difference| of out, lse, dq, dk, dv between context parallelism and one process, per case."""
+    errors = {}
+    for name in CASES:
+        c = _case(name, rank, world)
+        leaves = [x.clone().requires_grad_(True) for x in (c["q"], c["k"], c["v"])]
+        out, lse = causal_attention(*leaves, c["qpos"], c["kpos"], return_lse=True, **c["full_kwargs"])
+        g = torch.Generator().manual_seed(1)
+        grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+        grad_lse = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.dtype)
+        ((out * grad_out).sum() + (lse.masked_fill(lse.isinf(), 0) * grad_lse).sum()).backward()
+        qpos = c["qpos"][..., c["rows"]]
+        kpos = c["kpos"][..., c["keys"]]
+        shards = [c["q"][:, :, c["rows"]], c["k"][:, :, c["keys"]], c["v"][:, :, c["keys"]]]
+        shards = [x.clone().requires_grad_(True) for x in shards]
+        cp_out, cp_lse = context_parallel_attention(*shards, qpos, kpos, method=method, return_lse=True,
+                                                    **c["cp_kwargs"])
+        rows = c["rows"]
+        ((cp_out * grad_out[:, :, rows]).sum() + (cp_lse.masked_fill(cp_lse.isinf(), 0) * grad_lse[:, :, rows]).sum()
+         ).backward()
+        diff = lambda a, b: float((a.double() - b.double()).abs().max()) if a.numel() else 0.0  # noqa: E731
+        errors[name] = {
+            "out": diff(cp_out, out.detach()[:, :, rows]),
+            "lse_inf_pattern": bool(torch.equal(cp_lse.isinf(), lse.detach()[:, :, rows].isinf())),
+            "lse": diff(cp_lse.masked_fill(cp_lse.isinf(), 0), lse.detach()[:, :, rows].masked_fill(
+                lse.detach()[:, :, rows].isinf(), 0)),
+            "dq": diff(shards[0].grad, leaves[0].grad[:, :, rows]),
+            "dk": diff(shards[1].grad, leaves[1].grad[:, :, c["keys"]]),
+            "dv": diff(shards[2].grad, leaves[2].grad[:, :, c["keys"]]),
+            "dtype": str(c["q"].dtype),
+        }
+    return errors
+
+
+def mismatched_heads(rank: int, world: int) -> dict:
+    """Rank 1 passes a different number of KV heads: every rank must refuse, naming rank 1."""
+    q, k, v = _inputs(1, 4, 2 if rank != 1 else 4, 8, 4, torch.float32)
+    pos = torch.arange(8)
+    context_parallel_attention(q, k, v, pos, pos)
+    return {"error": None}
+
+
+def one_rank_dies(rank: int, world: int) -> dict:
+    """Rank 1 dies before the ring starts; the others must fail within their timeout, not hang."""
+    q, k, v = _inputs(1, 2, 1, 64, 4, torch.float32)
+    pos = torch.arange(64)
+    idx = zigzag_indices(64, rank, world)
+    context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], idx, idx)  # all ranks agree on shapes
+    if rank == 1:
+        os._exit(1)  # dies between two calls, without a word to the others
+    start = time.monotonic()
+    try:
+        context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], pos[idx], pos[idx],
+                                   timeout=datetime.timedelta(seconds=5))
+    except Exception as error:  # the point: an error, within the timeout
+        return {"raised": f"{type(error).__name__}", "seconds": time.monotonic() - start}
+    return {"raised": None, "seconds": time.monotonic() - start}

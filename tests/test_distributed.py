@@ -1,0 +1,43 @@
+"""Context parallelism over real processes (gloo, loopback): every rank's output, lse and gradients equal one
+process's ``causal_attention`` on the whole sequence, for 1 to 4 ranks, both methods; bad calls and dead
+ranks fail on every rank with a clear error, never a hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed_cases import CASES, compare_with_single_process, mismatched_heads, one_rank_dies, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+# float64 cases must agree to rounding; bf16 to its precision (the merge of P parts rounds each part's output)
+TOLERANCE = {"torch.float64": 1e-12, "torch.bfloat16": 5e-2}
+
+
+@pytest.mark.parametrize("world, method", [(1, "ring"), (2, "ring"), (3, "ring"), (4, "ring"), (2, "allgather"),
+                                           (3, "allgather")])
+def test_every_rank_equals_one_process(world, method):
+    results = run_ranks(compare_with_single_process, world, method)
+    for rank, errors in enumerate(results):
+        assert "error" not in errors, errors.get("traceback", errors)
+        assert set(errors) == set(CASES)
+        for case, e in errors.items():
+            tol = TOLERANCE[e["dtype"]]
+            assert e["lse_inf_pattern"], (rank, case)
+            for what in ("out", "lse", "dq", "dk", "dv"):
+                assert e[what] <= tol, (rank, case, what, e[what])
+
+
+def test_a_rank_with_other_shapes_is_named_on_every_rank():
+    results = run_ranks(mismatched_heads, 3)
+    for result in results:
+        assert result["error"] is not None
+        assert "ValueError: context_parallel_attention: rank 1 has Hkv=4 but rank 0 has Hkv=2" in result["error"]
+
+
+def test_a_dead_rank_makes_the_others_fail_within_the_timeout():
+    results = run_ranks(one_rank_dies, 3, deadline_s=90)
+    assert results[1] == {"error": "no result (died)"}
+    for rank in (0, 2):
+        assert results[rank]["raised"] is not None, results[rank]
+        assert results[rank]["seconds"] < 30, results[rank]  # the group's timeout is 20 s

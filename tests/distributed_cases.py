@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine import causal_attention, document_mask
+from engine import causal_attention, document_mask, window_mask
 from engine.distributed import context_parallel_attention, zigzag_indices
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=20)
@@ -97,25 +97,16 @@ def _case(name: str, rank: int, world: int) -> dict:
         full_kwargs["allowed"] = document_mask(ids)
         cp_kwargs.update(query_document_ids=ids[queries], key_document_ids=ids[keys])
     if name == "window":
-        full_kwargs["allowed"] = engine_window(pos, 13)
+        full_kwargs["allowed"] = window_mask(pos, pos, 13)
         cp_kwargs["window"] = 13
     if name == "ragged_rows":  # row 1 is a shorter sequence: 20 pads first (their own document), positions per row
         ids = torch.stack([torch.zeros(length, dtype=torch.long), (pos >= 20).long()])  # [2, L]
         qpos = kpos = torch.stack([pos, (pos - 20).clamp(min=0)])  # [2, L]
         full_kwargs["allowed"] = document_mask(ids)
         cp_kwargs.update(query_document_ids=ids[:, queries], key_document_ids=ids[:, keys])
-    q_index = queries if name != "chunked_prefill" else queries
-    full_q = q if name != "chunked_prefill" else q[:, :, length - 23:]
-    full_qpos = qpos if name != "chunked_prefill" else qpos[..., length - 23:]
-    local_rows = q_index - (length - 23 if name == "chunked_prefill" else 0)  # rows of the full output
-    return dict(q=full_q, k=k, v=v, qpos=full_qpos, kpos=kpos, full_kwargs=full_kwargs, cp_kwargs=cp_kwargs,
-                queries=q_index, keys=keys, rows=local_rows)
-
-
-def engine_window(pos, w):
-    from engine import window_mask
-
-    return window_mask(pos, pos, w)
+    first = length - 23 if name == "chunked_prefill" else 0  # the one-process call's queries: first .. L-1
+    return dict(q=q[:, :, first:], k=k, v=v, qpos=qpos[..., first:], kpos=kpos, full_kwargs=full_kwargs,
+                cp_kwargs=cp_kwargs, keys=keys, rows=queries - first)  # rows: this rank's rows of that call
 
 
 CASES = ["causal_contiguous", "causal_zigzag", "chunked_prefill", "documents", "window", "ragged_rows", "mqa",
@@ -179,3 +170,59 @@ def one_rank_dies(rank: int, world: int) -> dict:
     except Exception as error:  # the point: an error, within the timeout
         return {"raised": f"{type(error).__name__}", "seconds": time.monotonic() - start}
     return {"raised": None, "seconds": time.monotonic() - start}
+
+
+def _tiny_model(seed: int = 0):
+    """Embeddings -> q, k, v projections (GQA: 4 query heads, 2 KV heads) -> attention -> output projection."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, width, heads, kv_heads, d = 11, 16, 4, 2, 4
+    params = {"embed": torch.randn(vocab, width, generator=g) * 0.5,
+              "wq": torch.randn(width, heads * d, generator=g) * 0.3,
+              "wk": torch.randn(width, kv_heads * d, generator=g) * 0.3,
+              "wv": torch.randn(width, kv_heads * d, generator=g) * 0.3,
+              "wo": torch.randn(heads * d, vocab, generator=g) * 0.3}
+    return {name: p.double().requires_grad_(True) for name, p in params.items()}, (heads, kv_heads, d)
+
+
+def _loss(params, shape, tokens, targets, positions, attend):
+    heads, kv_heads, d = shape
+    x = params["embed"][tokens]  # [1, L_r, E]
+    split = lambda y, h: y.view(1, -1, h, d).transpose(1, 2)  # noqa: E731  [1, h, L_r, d]
+    q, k, v = split(x @ params["wq"], heads), split(x @ params["wk"], kv_heads), split(x @ params["wv"], kv_heads)
+    out = attend(q, k, v, positions)  # [1, heads, L_r, d]
+    logits = out.transpose(1, 2).reshape(1, -1, heads * d) @ params["wo"]  # [1, L_r, vocab]
+    return torch.nn.functional.cross_entropy(logits[0], targets, reduction="sum")
+
+
+def tiny_training(rank: int, world: int, steps: int = 5) -> dict:
+    """The same model trained by SGD on one sequence, by one process and by ``world`` ranks (zigzag shards, loss
+    and parameter gradients summed over ranks): the loss curves."""
+    g = torch.Generator().manual_seed(3)
+    length = 48
+    tokens = torch.randint(0, 11, (1, length), generator=g)
+    targets = torch.randint(0, 11, (length,), generator=g)
+    pos = torch.arange(length)
+    curves = {}
+    for mode in ("one process", "context parallel"):
+        params, shape = _tiny_model()
+        losses = []
+        for _ in range(steps):
+            if mode == "one process":
+                loss = _loss(params, shape, tokens, targets, pos, lambda q, k, v, p: causal_attention(q, k, v, p, p))
+                total = loss.detach().clone()
+            else:
+                idx = zigzag_indices(length, rank, world)
+                loss = _loss(params, shape, tokens[:, idx], targets[idx], idx,
+                             lambda q, k, v, p: context_parallel_attention(q, k, v, p, p))
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+            loss.backward()
+            with torch.no_grad():
+                for p in params.values():
+                    if mode == "context parallel":
+                        dist.all_reduce(p.grad)
+                    p -= 0.01 * p.grad
+                    p.grad = None
+            losses.append(float(total) / length)
+        curves[mode] = losses
+    return curves

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed_cases import CASES, compare_with_single_process, mismatched_heads, one_rank_dies, run_ranks
+from tests.distributed_cases import (
+    CASES,
+    compare_with_single_process,
+    mismatched_heads,
+    one_rank_dies,
+    run_ranks,
+    tiny_training,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,3 +48,13 @@ def test_a_dead_rank_makes_the_others_fail_within_the_timeout():
     for rank in (0, 2):
         assert results[rank]["raised"] is not None, results[rank]
         assert results[rank]["seconds"] < 30, results[rank]  # the group's timeout is 20 s
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_training_over_ranks_follows_the_loss_curve_of_one_process(world):
+    results = run_ranks(tiny_training, world)
+    for curves in results:
+        assert "error" not in curves, curves.get("traceback", curves)
+        one, parallel = curves["one process"], curves["context parallel"]
+        assert one[-1] < one[0]  # it trains
+        assert all(abs(a - b) <= 1e-10 * max(1.0, abs(a)) for a, b in zip(one, parallel)), (one, parallel)

@@ -2,8 +2,9 @@
 
 Step s of P: rank r holds the shard of rank ``r - s`` (mod P). It posts the send of that shard to ``r + 1`` and
 the receive of the next one from ``r - 1`` (non-blocking), computes its queries' attention against the shard
-it holds (skipped when positions prove that no query sees it), then waits. The P parts are merged by
-log-sum-exp. Only the Hkv heads travel (GQA), with their positions and document ids.
+it holds (skipped when positions prove that no query sees it), merges it into the running result by
+log-sum-exp (so a rank holds one output, not P), then waits. Only the Hkv heads travel (GQA), with their
+positions and document ids.
 
 Backward: the shards travel round again with their dK/dV accumulators. At each step a rank adds its queries'
 share of the gradient of the shard it holds (from the merged output and lse, recomputing the weights); after
@@ -39,7 +40,11 @@ def _exchange(tensors: list[torch.Tensor], buffers: list[torch.Tensor], group, t
 def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, timeout: timedelta | None):
     """``(out [B, Hq, T_r, Dv] in q's dtype, lse [B, Hq, T_r] in the compute dtype)`` over every rank's keys."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    parts_out, parts_lse = [], []
+    q = queries.q
+    b, h, t, _ = q.shape
+    compute = compute_dtype(q.dtype)
+    out = torch.zeros(b, h, t, own.v.shape[3], dtype=compute, device=q.device)  # merged so far (one output's memory)
+    lse = torch.full((b, h, t), float("-inf"), dtype=compute, device=q.device)  # -inf: nothing seen yet
     shard = own
     for step in range(world):
         wait = None
@@ -47,17 +52,11 @@ def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, tim
             incoming = own.like(lengths[(rank - step - 1) % world])
             wait = _exchange(shard.tensors(), incoming.tensors(), group, timeout)
         if queries.sees(shard):
-            out, lse = queries.attend(shard)
-            parts_out.append(out)
-            parts_lse.append(lse)
+            part_out, part_lse = queries.attend(shard)
+            out, lse = merge_attention_states([out, part_out.to(compute)], [lse, part_lse])  # exact, running
         if wait is not None:
             shard = incoming.from_tensors(wait())
-    q = queries.q
-    if not parts_out:  # no query sees any key: zeros and lse -inf
-        b, h, t, _ = q.shape
-        lse = torch.full((b, h, t), float("-inf"), dtype=compute_dtype(q.dtype), device=q.device)
-        return q.new_zeros(b, h, t, own.v.shape[3]), lse
-    return merge_attention_states(parts_out, parts_lse)
+    return out.to(q.dtype), lse
 
 
 def ring_backward(queries: Queries, own: KeyShard, out, lse, grad_out, grad_lse, lengths: list[int], group,

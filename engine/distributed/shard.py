@@ -20,6 +20,8 @@ from engine.masks.documents import document_mask
 from engine.masks.structured import StructuredMask
 from engine.masks.window import window_mask
 
+SEE_BLOCK = 256  # tile size of the skip decision
+
 
 @dataclass(frozen=True)
 class KeyShard:
@@ -68,8 +70,8 @@ class Queries:
         return mask
 
     def sees(self, shard: KeyShard) -> bool:
-        """False when no query here can see any key of ``shard`` (decided from positions and ids alone, by the
-        masks' bounds over the whole shard: one tile of ``T_r x S_r``)."""
+        """False when no query here can see any key of ``shard``, decided from positions and ids alone by the
+        masks' per-tile bounds (tiles of ``SEE_BLOCK``: a zigzag shard's two distant chunks are judged apart)."""
         t, s = self.positions.shape[1], shard.positions.shape[1]
         if t == 0 or s == 0:
             return False
@@ -80,7 +82,7 @@ class Queries:
             return True
         visibility = mask[0] if len(mask) == 1 else mask[0] & mask[1]
         rows = range(self.positions.shape[0]) if visibility.batched() else range(1)
-        return any(bool(visibility.tile_bounds(b, t, s, t, s)[0].any()) for b in rows)
+        return any(bool(visibility.tile_bounds(b, SEE_BLOCK, SEE_BLOCK, t, s)[0].any()) for b in rows)
 
     def attend(self, shard: KeyShard) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [B, Hq, T_r, Dv], lse [B, Hq, T_r])`` of these queries against one shard (no autograd)."""

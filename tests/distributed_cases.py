@@ -168,7 +168,7 @@ def one_rank_dies(rank: int, world: int) -> dict:
         context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], pos[idx], pos[idx],
                                    timeout=datetime.timedelta(seconds=5))
     except Exception as error:  # the point: an error, within the timeout
-        return {"raised": f"{type(error).__name__}", "seconds": time.monotonic() - start}
+        return {"raised": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}
     return {"raised": None, "seconds": time.monotonic() - start}
 
 

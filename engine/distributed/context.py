@@ -118,7 +118,11 @@ def _check_ranks(queries: Queries, own: KeyShard, method: str, group) -> list[in
             "scale": queries.scale, "softcap": queries.softcap, "method": method,
             "documents": queries.documents is not None, "S": own.k.shape[2]}
     everyone: list[dict] = [{} for _ in range(dist.get_world_size(group))]
-    dist.all_gather_object(everyone, mine, group=group)
+    try:
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as error:  # a rank died or never called: every other rank says so instead of hanging
+        raise RuntimeError(f"context_parallel_attention: rank {dist.get_rank(group)} could not reach every rank of "
+                           f"its group (one died, hung or skipped this call): {error}") from error
     first = everyone[0]
     for rank, theirs in enumerate(everyone):
         for key in _SAME_ON_EVERY_RANK:

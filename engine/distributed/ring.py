@@ -31,8 +31,12 @@ def _exchange(tensors: list[torch.Tensor], buffers: list[torch.Tensor], group, t
     works += [dist.irecv(b, group=group, group_src=(rank - 1) % world) for b in buffers]
 
     def wait() -> list[torch.Tensor]:
-        for work in works:
-            work.wait(timeout) if timeout is not None else work.wait()
+        try:
+            for work in works:
+                work.wait(timeout) if timeout is not None else work.wait()
+        except RuntimeError as error:  # a peer died or hung: say where, keep the transport's reason
+            raise RuntimeError(f"context_parallel_attention: rank {rank} of {world} lost the ring (sending to rank "
+                               f"{(rank + 1) % world}, receiving from rank {(rank - 1) % world}): {error}") from error
         return buffers
     return wait
 

@@ -155,14 +155,26 @@ def mismatched_heads(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def one_rank_dies(rank: int, world: int) -> dict:
-    """Rank 1 dies before the ring starts; the others must fail within their timeout, not hang."""
+def one_rank_dies(rank: int, world: int, mid_ring: bool = False) -> dict:
+    """Rank 1 dies between two calls, or in the middle of the ring (while computing its first shard, after it
+    posted that step's sends, before the next step's); the others must fail within their timeout, not hang."""
     q, k, v = _inputs(1, 2, 1, 64, 4, torch.float32)
     pos = torch.arange(64)
     idx = zigzag_indices(64, rank, world)
     context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], idx, idx)  # all ranks agree on shapes
-    if rank == 1:
+    if rank == 1 and not mid_ring:
         os._exit(1)  # dies between two calls, without a word to the others
+    if rank == 1:
+        from engine.distributed import shard
+
+        attend, calls = shard.Queries.attend, []
+
+        def dies_on_its_first_shard(self, key_shard):
+            calls.append(1)
+            if len(calls) == 1:
+                os._exit(1)
+            return attend(self, key_shard)
+        shard.Queries.attend = dies_on_its_first_shard
     start = time.monotonic()
     try:
         context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], pos[idx], pos[idx],

@@ -42,8 +42,9 @@ def test_a_rank_with_other_shapes_is_named_on_every_rank():
         assert "ValueError: context_parallel_attention: rank 1 has Hkv=4 but rank 0 has Hkv=2" in result["error"]
 
 
-def test_a_dead_rank_makes_the_others_fail_within_the_timeout():
-    results = run_ranks(one_rank_dies, 3, deadline_s=90)
+@pytest.mark.parametrize("mid_ring", [False, True], ids=["between_calls", "mid_ring"])
+def test_a_dead_rank_makes_the_others_fail_within_the_timeout(mid_ring):
+    results = run_ranks(one_rank_dies, 3, mid_ring, deadline_s=90)
     assert results[1] == {"error": "no result (died)"}
     for rank in (0, 2):
         assert results[rank]["raised"] == "RuntimeError", results[rank]

@@ -78,13 +78,15 @@ def ring_backward(queries: Queries, own: KeyShard, out, lse, grad_out, grad_lse,
             dq += g_q
             dk += g_k
             dv += g_v
-        if world > 1:  # the shard and its accumulators move on; after `world` moves they are home
+        if world > 1:  # the shard and its accumulators move on; after `world` moves the accumulators are home
             source = (rank - step - 1) % world
             incoming = own.like(lengths[source])
             grads_in = [torch.empty(incoming.k.shape, dtype=compute, device=dk.device),
                         torch.empty(incoming.v.shape, dtype=compute, device=dv.device)]
-            received = _exchange(shard.tensors() + [dk, dv], incoming.tensors() + grads_in, group, timeout)()
-            shard = incoming.from_tensors(received[:-2])
+            last = step == world - 1  # the last move takes only dK/dV home: the owner has its K/V
+            received = _exchange(([] if last else shard.tensors()) + [dk, dv],
+                                 ([] if last else incoming.tensors()) + grads_in, group, timeout)()
+            shard = shard if last else incoming.from_tensors(received[:-2])
             dk, dv = received[-2:]
     return dq.to(queries.q.dtype), dk.to(own.k.dtype), dv.to(own.v.dtype)
 

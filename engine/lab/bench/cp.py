@@ -24,8 +24,9 @@ positions; a collective counts what the bandwidth-optimal algorithm sends)::
 
     shard(L)        = 2 B Hkv L D e + 8 B L                 K and V with their positions
     ring forward    = sum_{s=0}^{P-2} shard(L_{r-s})        P-1 steps; each passes on the shard it holds
-    ring backward   = sum_{s=0}^{P-1} shard(L_{r-s}) + 2 B Hkv L_{r-s} D 4
-                                                            P steps: the dK/dV accumulators travel home too
+    ring backward   = sum_{s=0}^{P-2} shard(L_{r-s}) + sum_{s=0}^{P-1} 2 B Hkv L_{r-s} D 4
+                                                            the dK/dV accumulators make P moves (the last
+                                                            takes them home), the K/V shards P-1
     allgather fwd   = (P-1) shard(max L)                    every piece padded to the longest, sent to P-1 ranks
     allgather bwd   = 2 x floor(2 (P-1) N / P), N = B Hkv (sum L) D e
                                                             all_reduce of the gathered dK and of dV (ring count)

@@ -208,7 +208,7 @@ def expected_bytes(method: str, rank: int, lengths: list[int], s: dict[str, Any]
     held = [lengths[(rank - step) % world] for step in range(world)]  # the shard rank holds at each step
     if method == "ring":
         forward = sum(shard(n) for n in held[:-1])
-        backward = sum(shard(n) + 2 * b * h * n * d * ACCUMULATOR_BYTES for n in held)
+        backward = sum(shard(n) for n in held[:-1]) + sum(2 * b * h * n * d * ACCUMULATOR_BYTES for n in held)
         return forward, backward
     gathered = b * h * sum(lengths) * d * e  # one of dK, dV over the whole sequence
     return (world - 1) * shard(max(lengths)), 2 * _ring_all_reduce_bytes(gathered, world)

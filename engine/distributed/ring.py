@@ -25,18 +25,26 @@ from engine.kernels.merge import merge_attention_states
 
 def _exchange(tensors: list[torch.Tensor], buffers: list[torch.Tensor], group, timeout: timedelta | None):
     """Post sends of ``tensors`` to the next rank and receives into ``buffers`` from the previous; returns a
-    function that waits for all of them (each wait bounded by ``timeout``, else the group's timeout)."""
+    function that waits for all of them (each wait bounded by ``timeout``, else the group's timeout). A transport
+    error, when posting or waiting, says which rank lost which neighbours."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    works = [dist.isend(t.contiguous(), group=group, group_dst=(rank + 1) % world) for t in tensors]
-    works += [dist.irecv(b, group=group, group_src=(rank - 1) % world) for b in buffers]
+
+    def lost(error: RuntimeError) -> RuntimeError:  # a peer died or hung: say where, keep the transport's reason
+        return RuntimeError(f"context_parallel_attention: rank {rank} of {world} lost the ring (sending to rank "
+                            f"{(rank + 1) % world}, receiving from rank {(rank - 1) % world}): {error}")
+
+    try:
+        works = [dist.isend(t.contiguous(), group=group, group_dst=(rank + 1) % world) for t in tensors]
+        works += [dist.irecv(b, group=group, group_src=(rank - 1) % world) for b in buffers]
+    except RuntimeError as error:
+        raise lost(error) from error
 
     def wait() -> list[torch.Tensor]:
         try:
             for work in works:
                 work.wait(timeout) if timeout is not None else work.wait()
-        except RuntimeError as error:  # a peer died or hung: say where, keep the transport's reason
-            raise RuntimeError(f"context_parallel_attention: rank {rank} of {world} lost the ring (sending to rank "
-                               f"{(rank + 1) % world}, receiving from rank {(rank - 1) % world}): {error}") from error
+        except RuntimeError as error:
+            raise lost(error) from error
         return buffers
     return wait
 

@@ -37,6 +37,15 @@ class AttentionInputs:
     causal: bool
     softcap: float | None
 
+    def options(self) -> frozenset[str]:
+        """The optional parts of this call, by name (``"softcap"``, ...): each kernel lists in ``KERNELS`` the
+        options it computes, and a kernel that does not take every option of a call does not fit it. A new
+        option is one name here and one in the ``takes`` of each kernel that computes it."""
+        names = set()
+        if self.softcap is not None:
+            names.add("softcap")
+        return frozenset(names)
+
 
 def prepare_inputs(
     q: torch.Tensor,

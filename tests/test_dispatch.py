@@ -105,3 +105,20 @@ def test_nan_in_q_found_while_running_goes_straight_to_the_tiled_kernel(caplog):
     hops = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
     assert len(hops) == 1 and hops[0].endswith("kernel=tiled")
     assert bool(out[0, 1].isnan().all()) and bool(torch.isfinite(out[0, [0, 2, 3]]).all())
+
+
+def test_no_kernel_runs_a_call_with_an_option_it_does_not_take(monkeypatch):
+    """Options (softcap, ...) are checked once, in dispatch: a kernel that does not list an option in its
+    ``takes`` never runs a call with it, forced or not, even when its own ``fits`` would accept the call."""
+    q, k, v = rand(1, 4, 2, 4, 1024, 16)
+    inputs = prepare_inputs(q, k, v, None, None, None, None, softcap=5.0)
+    assert inputs.options() == {"softcap"}
+    assert prepare_inputs(q, k, v, None, None, None, None).options() == frozenset()
+    monkeypatch.setitem(dispatch.KERNELS, "decode", dispatch.KERNELS["decode"]._replace(fits=lambda x: None))
+    for name, kernel in dispatch.KERNELS.items():
+        choice = explain(q, k, v, softcap=5.0, kernel=name)
+        assert "softcap" in dispatch.KERNELS[choice.kernel].takes, (name, choice)
+        if "softcap" not in kernel.takes:
+            assert choice.passed_over[name] == "softcap: not computed by this kernel"
+    out = causal_attention(q, k, v, softcap=5.0, kernel="decode")
+    torch.testing.assert_close(out, causal_attention(q, k, v, softcap=5.0, kernel="reference"))

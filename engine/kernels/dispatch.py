@@ -57,12 +57,14 @@ def _never_auto(inputs: AttentionInputs) -> str | None:
 
 
 class Kernel(NamedTuple):
-    """One kernel: how to run it, when it is exact, when auto takes it, and what it is for."""
+    """One kernel: how to run it, when it is exact, when auto takes it, what it is for, and which optional
+    parts of a call (``AttentionInputs.options()``: softcap, ...) it computes; it fits no call with another."""
 
     run: Run
     fits: Check
     pays_off: Check
     why: str
+    takes: frozenset[str] = frozenset()
 
 
 # Fastest first: the order auto walks and the fallback order of a forced kernel.
@@ -74,8 +76,10 @@ KERNELS: dict[str, Kernel] = {
     "sdpa_tiles": Kernel(sdpa_tiles_attention, sdpa_tiles_fits, _always,
                          "the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp"),
     "tiled": Kernel(tiled_attention, _always, _always,
-                    "the general tiled kernel (softcap, Dv != D, per-head masks, any device)"),
-    "reference": Kernel(dense_attention, _always, _never_auto, "the dense reference (the oracle)"),
+                    "the general tiled kernel (softcap, Dv != D, per-head masks, any device)",
+                    takes=frozenset({"softcap"})),
+    "reference": Kernel(dense_attention, _always, _never_auto, "the dense reference (the oracle)",
+                        takes=frozenset({"softcap"})),
 }
 
 
@@ -108,11 +112,17 @@ def _walk(inputs: AttentionInputs, start: str | None = None, forced: bool = Fals
     passed_over: dict[str, str] = {}
     for name in names[names.index(start) if start else 0:]:
         kernel = KERNELS[name]
-        why_not = kernel.fits(inputs) or (None if forced else kernel.pays_off(inputs))
+        why_not = _untaken(kernel, inputs) or kernel.fits(inputs) or (None if forced else kernel.pays_off(inputs))
         if why_not is None:
             return KernelChoice(name, kernel.why, passed_over)
         passed_over[name] = why_not
-    raise AssertionError("the tiled kernel fits every input")
+    raise AssertionError("the tiled kernel fits every input")  # it takes every option
+
+
+def _untaken(kernel: Kernel, inputs: AttentionInputs) -> str | None:
+    """Why ``kernel`` cannot run a call with options it does not compute (None: it takes them all)."""
+    untaken = sorted(inputs.options() - kernel.takes)
+    return f"{', '.join(untaken)}: not computed by this kernel" if untaken else None
 
 
 def select_kernel(inputs: AttentionInputs) -> tuple[str, str]:

@@ -32,8 +32,6 @@ def flash_fits(inputs: AttentionInputs) -> str | None:
         return "this torch build has no fused CPU flash kernel"
     if inputs.q.device.type != "cpu":
         return f"the fused flash kernel used here is the CPU one; inputs are on {inputs.q.device}"
-    if inputs.softcap is not None:
-        return "softcap: the fused kernel has no score cap"
     if inputs.v.shape[3] != inputs.q.shape[3]:
         return f"Dv = {inputs.v.shape[3]} != D = {inputs.q.shape[3]}: the fused kernel needs equal head dims"
     if inputs.q.shape[3] == 0:

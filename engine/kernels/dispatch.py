@@ -9,7 +9,9 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 | decode       | few queries against a long cache: split-KV, merged by lse   | T <= 16, no gradients, CPU op   |
 |              |                                                             | (pays off from S >= 512)        |
 | sdpa         | one call of PyTorch's fused CPU flash op                    | no mask beyond top-left causal  |
+| sdpa_cuda    | one call of PyTorch's fused CUDA SDPA (flash/cuDNN/eff.)    | as sdpa, on CUDA                |
 | sdpa_tiles   | that fused op on the tiles the mask leaves, lse-merged      | no softcap, Dv == D, CPU        |
+| flex         | FlexAttention on a BlockMask from the mask's tile bounds    | CPU (forced; no grad) and CUDA  |
 | tiled        | online softmax over tiles in torch ops, skips empty tiles   | everything                      |
 | reference    | dense scores ``[B, Hq, T, S]`` (the oracle)                 | everything, small sizes only    |
 
@@ -35,7 +37,9 @@ from engine.inputs import AttentionInputs, prepare_inputs
 from engine.kernels.common import DoesNotFit, compute_dtype, differentiable
 from engine.kernels.decode import decode_attention, decode_fits, decode_pays_off
 from engine.kernels.dense import dense_attention
+from engine.kernels.flex import flex_attention, flex_fits, flex_pays_off
 from engine.kernels.sdpa import sdpa_attention, sdpa_fits
+from engine.kernels.sdpa_cuda import sdpa_cuda_attention, sdpa_cuda_fits
 from engine.kernels.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
 from engine.kernels.tiled import tiled_attention
 
@@ -73,8 +77,14 @@ KERNELS: dict[str, Kernel] = {
                      "few queries against a long cache: reads each K/V byte once, split across chunks"),
     "sdpa": Kernel(sdpa_attention, sdpa_fits, _always,
                    "PyTorch's fused flash kernel fits exactly (no mask beyond top-left causal)"),
+    "sdpa_cuda": Kernel(sdpa_cuda_attention, sdpa_cuda_fits, _always,
+                        "PyTorch's fused CUDA attention (flash/cuDNN/efficient) fits exactly (no mask beyond "
+                        "top-left causal)"),
     "sdpa_tiles": Kernel(sdpa_tiles_attention, sdpa_tiles_fits, _always,
                          "the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp"),
+    "flex": Kernel(flex_attention, flex_fits, flex_pays_off,
+                   "FlexAttention, compiled, on a BlockMask from the mask's tile bounds (masks, per-row positions, "
+                   "softcap, GQA)", takes=frozenset({"softcap"})),
     "tiled": Kernel(tiled_attention, _always, _always,
                     "the general tiled kernel (softcap, Dv != D, per-head masks, any device)",
                     takes=frozenset({"softcap"})),

@@ -6,11 +6,9 @@ import pytest
 import torch
 
 from engine.attention import causal_attention
-from engine.kernels.dispatch import KERNELS
 from engine.masks import document_mask, key_padding_mask, padding_mask, padding_positions, window_mask
 from engine.reference.loops import per_query_attention
-
-FAST = [name for name in KERNELS if name != "reference"]
+from tests.kernel_matrix import FAST
 
 
 def qkv(b, hq, hkv, t, s, d, dv=None, dtype=torch.float64, seed=0):

@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from engine.attention import causal_attention
-from engine.kernels.dispatch import KERNELS
 from engine.masks import document_mask, padding_mask, window_mask
-
-FAST = [name for name in KERNELS if name != "reference"]
+from tests.kernel_matrix import FAST
 
 
 def _case(name):

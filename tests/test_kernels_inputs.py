@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 import engine
 from engine import KVCache, causal_attention, window_mask
 from engine.kernels.decode import _heads_fold
-from engine.kernels.dispatch import KERNELS
 from engine.kernels.flash import flash_operands
 from engine.reference.loops import per_query_attention
+from tests.kernel_matrix import MATRIX
 from tests.precision import plain_attention
 
-ALL = sorted(KERNELS)
+ALL = sorted(MATRIX)  # flex and sdpa_cuda: tests/kernel_matrix.py says where they are tested
 
 
 def visible(qpos: torch.Tensor, kpos: torch.Tensor, batch: int, allowed=None) -> torch.Tensor:

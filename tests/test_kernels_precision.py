@@ -11,12 +11,11 @@ import torch
 
 from engine.attention import causal_attention
 from engine.inputs import prepare_inputs
-from engine.kernels.dispatch import KERNELS
 from engine.kernels.visibility import dense_visibility
 from engine.masks import document_mask, window_mask
+from tests.kernel_matrix import FAST
 from tests.precision import assert_within_precision, plain_attention
 
-FAST = [name for name in KERNELS if name != "reference"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 

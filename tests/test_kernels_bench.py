@@ -57,3 +57,40 @@ def test_the_quick_decode_run_writes_json_and_plots(tmp_path, capsys):
     assert any(t["target"].startswith("5 decode") for t in saved["meta"]["targets"])
     assert (tmp_path / "kernels_decode.png").exists()
     assert "5 decode vs sdpa enable_gqa" in capsys.readouterr().out
+
+
+def test_device_cuda_without_a_gpu_says_so_and_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    parser = argparse.ArgumentParser()
+    bench_kernels.add_arguments(parser)
+    assert bench_kernels.main(parser.parse_args(["--device", "cuda", "--out", str(tmp_path), "--quiet"])) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().out
+
+
+def test_the_gpu_cases_are_the_issues_and_build_nothing_until_run():
+    from engine.lab.bench.kernel_cases_cuda import cuda_cases
+
+    cases = cuda_cases(quick=False)  # builds no tensor: every case makes its inputs when it runs
+    names = {(c.group, c.name) for c in cases}
+    assert {("prefill", f"causal T={t}") for t in (4096, 8192, 16384, 32768)} <= names
+    assert ("window", "window 4096, T=32768") in names and ("documents", "64 docs x 512, T=32768") in names
+    assert {("decode", f"B={b} S={s}") for b in (8, 64) for s in (32768, 131072)} <= names
+    assert {"chunked", "ragged", "training"} <= {c.group for c in cases}
+
+
+def test_gpu_targets_compare_with_the_best_sdpa_backend_and_flex_called_directly():
+    def row(group, case, impl, ms, **extra):
+        return {"group": group, "case": case, "impl": impl, "ms": ms, "role": "peer", **extra}
+    rows = [row("prefill", "causal T=4096", "engine (sdpa_cuda)", 10.0),
+            row("prefill", "causal T=4096", "sdpa flash", 12.0),
+            row("prefill", "causal T=4096", "sdpa cudnn", 9.0),  # the best backend is the peer
+            row("window", "window 4096, T=32768", "engine (flex)", 20.0),
+            row("window", "window 4096, T=32768", "flex (direct)", 19.0),
+            row("decode", "B=8 S=32768", "engine (sdpa_cuda)", 1.0, **{"GB/s": 3000.0}),
+            row("decode", "B=8 S=32768", "copy", 1.0, **{"GB/s": 4000.0})]
+    targets = {t["target"]: t for t in bench_kernels.check_cuda_targets(rows)}
+    assert targets["GPU 1 causal vs SDPA's best backend"]["measured"] == 0.9
+    assert not targets["GPU 1 causal vs SDPA's best backend"]["met"]
+    assert targets["GPU 2 masks vs FlexAttention called directly"]["measured"] == 19.0 / 20.0
+    assert targets["GPU 3 decode K/V GB/s / copy GB/s"]["measured"] == 0.75
+    assert targets["GPU 3 decode K/V GB/s / copy GB/s"]["met"]

@@ -6,7 +6,11 @@ A kernel is one module with a ``fits`` and a ``run``; it imports building blocks
 Kernels (fastest first), each beside its readable twin:
 - ``decode``: few queries against a long cache, GQA groups as rows, split-KV merged by log-sum-exp (twin: tiled).
 - ``sdpa``: one call of PyTorch's fused CPU flash op where its semantics fit exactly (twin: reference).
+- ``sdpa_cuda``: PyTorch's fused CUDA attention (flash / cuDNN / efficient) where the rule is one of its two
+  patterns; GQA groups folded into rows for decode (twin: reference).
 - ``sdpa_tiles``: that fused op on the tiles the mask leaves, merged by log-sum-exp (twin: tiled).
+- ``flex``: FlexAttention, compiled, on a BlockMask from the mask's tile bounds, a mask_mod from each mask family's
+  rule, softcap as a score_mod; the CUDA kernel for masks and positions, forced-only on CPU (twin: tiled).
 - ``tiled``: online softmax over query x key tiles in torch ops, skipping empty tiles; handles everything
   (softcap, Dv != D, per-head masks, NaN/inf, any device) and trains with a tiled backward.
 - ``reference`` (module ``dense``): the dense, materialising path (the seed's listing, made safe); the
@@ -16,6 +20,7 @@ Building blocks:
 - ``visibility``: the rule ``key_pos <= query_pos & allowed`` as one structured mask;
 - ``plan``: which tiles it leaves (EMPTY / FULL / PARTIAL); ``flash_plan``: the fused calls covering them;
 - ``flash``: the fused CPU op, wrapped once; ``flash_run``: runs a call plan forward and backward;
+- ``flex_mask``: the rule as FlexAttention takes it (BlockMask + mask_mod), cached by content;
 - ``tiled_backward``: the backward by tiles from the lse; ``nonfinite``: NaN/inf in K/V never leak;
 - ``merge``: ``merge_attention_states``; ``common``: compute dtype, GQA rows, empty-row fix-up.
 """

@@ -82,6 +82,29 @@ def heap_bytes() -> int:
     return int(info.uordblks + info.hblkhd)
 
 
+class CudaPeakMemory:
+    """Context manager: the CUDA allocator's peak above its level at entry (exact: the allocator counts)."""
+
+    def __enter__(self) -> CudaPeakMemory:
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.baseline = torch.cuda.memory_allocated()
+        self.peak = self.baseline
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated()
+
+    @property
+    def extra_bytes(self) -> int:
+        return max(0, self.peak - self.baseline)
+
+
 class PeakMemory:
     """Context manager: peak allocated memory above the level at entry, sampled every ``interval`` s.
 

@@ -8,6 +8,7 @@ closing table checks issue 4's seven targets. Results: ``kernels.json`` / ``kern
 
     python run.py bench kernels --quick            # seconds: small sizes, no FlexAttention
     python run.py bench kernels --threads 2        # the full run of docs/BENCHMARKS.md
+    python run.py bench kernels --device cuda      # the GPU cases (engine.lab.bench.kernel_cases_cuda)
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from typing import Any
 import torch
 
 from engine.lab.bench import kernel_cases as cases_mod
-from engine.lab.measure import PeakMemory, format_table, machine_info, progress, save_results
+from engine.lab.bench import kernel_cases_cuda
+from engine.lab.measure import CudaPeakMemory, PeakMemory, format_table, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads
 
 SLOW_SECONDS = 4.0  # an implementation slower than this per call is timed once (its first call)
@@ -37,14 +39,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "compile takes tens of seconds)")
     parser.add_argument("--groups", default="all",
                         help="comma-separated case groups: prefill, chunked, window, documents, decode, memory, "
-                        "bf16, cache, training (default all; bf16 and cache are outside the targets)")
+                        "bf16, cache, training (default all; bf16 and cache are outside the targets); on CUDA: "
+                        "prefill, chunked, window, documents, ragged, decode, training")
+    parser.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                        help="start no new case after this many seconds; the cases run so far are saved (for a "
+                        "device lease of fixed length)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu (default): the CPU cases; cuda: the GPU cases against SDPA's backends, "
+                        "FlexAttention called directly and flash-attn if installed (bf16, D=128)")
 
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     torch.manual_seed(args.seed)
     flex = (not args.quick) if args.flex is None else args.flex
-    cases = cases_mod.all_cases(args.quick, flex)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but torch.cuda.is_available() is False (no CUDA device or a CPU build of torch)")
+        return 2
+    cases = kernel_cases_cuda.cuda_cases(args.quick) if args.device == "cuda" else cases_mod.all_cases(args.quick, flex)
     if args.groups != "all":
         wanted = {g.strip() for g in args.groups.split(",")}
         cases = [c for c in cases if c.group in wanted]
@@ -52,28 +64,39 @@ def main(args: argparse.Namespace) -> int:
     load_before = _load()
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
+    # Each case compiles FlexAttention for its shapes (the engine's flex and Flex called directly share one
+    # function's compile cache): past torch.compile's default limit of 8, Flex would run unfused.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    skipped = []
     for case in progress(cases, "bench kernels", quiet=args.quiet):
-        rows += run_case(case, 1 if args.quick else args.repeats, wanted_impls)
-    meta = {**machine_info(), "command": "python run.py bench kernels " + _flags(args),
+        if args.stop_after is not None and time.perf_counter() - started > args.stop_after:
+            skipped.append(case.name)
+            continue
+        rows += run_case(case, 1 if args.quick else args.repeats, wanted_impls, args.device)
+    meta = {**machine_info(), "command": "python run.py bench kernels " + _flags(args), "not_run": skipped,
             "load_before": load_before, "load_after": _load(), "seconds": round(time.perf_counter() - started, 1)}
-    targets = check_targets(rows)
+    targets = check_cuda_targets(rows) if args.device == "cuda" else check_targets(rows)
     print(format_table(rows, ["group", "case", "impl", "ms", "GFLOP/s", "GB/s", "peak MiB", "vs sdpa", "vs dense",
                               "vs flex", "setup s", "note"]))
     print()
     print(format_table(targets, ["target", "measured", "threshold", "met", "how"]))
     if args.quick:
         print("\nnote: --quick runs small sizes once each; the targets are meant for the full sizes")
+    if skipped:
+        print(f"\nnote: --stop-after {args.stop_after:g} s: {len(skipped)} case(s) not run: {', '.join(skipped)}")
     if max(load_before) > 1.5:
         print(f"\nnote: the load average was {load_before} at the start: other work shared the CPUs")
     out = Path(args.out)
     paths = save_results(out, "kernels", rows, {**meta, "targets": targets})
-    paths += plot(rows, out)
+    paths += plot(rows, out, args.device)
     print("\nsaved " + ", ".join(str(p) for p in paths))
     return 0
 
 
 def _flags(args: argparse.Namespace) -> str:
     flags = ["--quick"] if args.quick else []
+    flags += ["--device cuda"] if args.device == "cuda" else []
+    flags += [f"--stop-after {args.stop_after:g}"] if args.stop_after is not None else []
     flags += [f"--threads {args.threads}", f"--repeats {args.repeats}"]
     if args.flex is not None:
         flags.append("--flex" if args.flex else "--no-flex")
@@ -89,8 +112,9 @@ def _load() -> list[float]:
         return [0.0, 0.0, 0.0]
 
 
-def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None) -> list[dict[str, Any]]:
-    """Time every implementation of one case; returns one row per implementation."""
+def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None, device: str = "cpu") -> list[dict[str, Any]]:
+    """Time every implementation of one case; returns one row per implementation (peak memory: the C heap on
+    CPU, the CUDA allocator's peak on CUDA)."""
     impls = [i for i in case.build() if wanted is None or i.role != "engine" or any(i.label.startswith(w)
                                                                                      for w in wanted)]
     setup_s: dict[str, float] = {}
@@ -107,7 +131,7 @@ def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None) -> li
     first, peak, times = {}, {}, {i.label: [] for i in runnable}
     for impl in runnable:  # first call: peak memory, and the only timing of very slow peers
         gc.collect()
-        with PeakMemory() as memory:
+        with (CudaPeakMemory() if device == "cuda" else PeakMemory()) as memory:
             start = time.perf_counter()
             impl.run()
             first[impl.label] = time.perf_counter() - start
@@ -127,7 +151,9 @@ def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None) -> li
             row["ms"] = seconds * 1e3
             row["runs"] = max(1, len(times[impl.label]))
             row["peak MiB"] = peak[impl.label] / 2 ** 20
-            if impl.role == "bandwidth":
+            if impl.role == "overhead":  # a step of a call (the block-mask build), not attention: time only
+                pass
+            elif impl.role == "bandwidth":
                 row["GB/s"] = 2 * min(case.kv_bytes / 2, cases_mod.COPY_BYTES) / seconds / 1e9  # read + written
             else:
                 row["GFLOP/s"] = case.flops / seconds / 1e9
@@ -144,14 +170,17 @@ def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None) -> li
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
     """Each peer's time over this row's time (above 1: this row is faster): ``vs sdpa`` against SDPA
     without a mask (is_causal / enable_gqa), ``vs dense`` against SDPA with the dense bool mask."""
-    def peer_ms(prefix: str) -> float | None:
-        return next((r["ms"] for r in rows if r["impl"].startswith(prefix) and "ms" in r), None)
+    def peer_ms(*prefixes: str) -> float | None:  # the fastest peer row of these labels
+        return min((r["ms"] for r in rows if r["impl"].startswith(prefixes) and "ms" in r), default=None)
 
-    peers = {"vs sdpa": peer_ms("sdpa is_causal") or peer_ms("sdpa enable_gqa"), "vs dense": peer_ms("sdpa dense"),
-             "vs flex": peer_ms("flex")}
+    peers = {"vs sdpa": peer_ms("sdpa is_causal", "sdpa enable_gqa", *SDPA_CUDA_BACKENDS),
+             "vs dense": peer_ms("sdpa dense"), "vs flex": peer_ms("flex")}
     for r in rows:
         if r["role"] == "engine" and "ms" in r:
             r.update({column: ms / r["ms"] if ms else None for column, ms in peers.items()})
+
+
+SDPA_CUDA_BACKENDS = ("sdpa flash", "sdpa cudnn", "sdpa efficient")  # on CUDA "vs sdpa" is the best of them
 
 
 def _find(rows, group, impl_prefix, case_part=None):
@@ -204,15 +233,48 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return targets
 
 
-def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+def check_cuda_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 11's GPU targets as measured in this run: the worst case of each, with the threshold."""
+    targets: list[dict[str, Any]] = []
+
+    def add(name, pairs, threshold, how):
+        if pairs:
+            case, value = min(pairs, key=lambda p: p[1])
+            targets.append({"target": name, "measured": value, "threshold": threshold, "met": value >= threshold,
+                            "how": f"{how}; worst: {case}"})
+
+    def vs_best_sdpa(group):
+        out = []
+        for engine in _find(rows, group, "engine ("):
+            peers = [r["ms"] for r in rows if r["case"] == engine["case"] and r["group"] == group
+                     and r["impl"].startswith(SDPA_CUDA_BACKENDS) and "ms" in r]
+            if peers:
+                out.append((engine["case"], min(peers) / engine["ms"]))
+        return out
+
+    add("GPU 1 causal vs SDPA's best backend", vs_best_sdpa("prefill"), 0.95, "throughput ratio")
+    groups = ("chunked", "window", "documents", "ragged")
+    masks = [pair for group in groups for pair in _ratio_rows(rows, group, "flex")]
+    add("GPU 2 masks vs FlexAttention called directly", masks, 0.95, "throughput ratio (block-mask build apart)")
+    copies = {r["case"]: r["GB/s"] for r in _find(rows, "decode", "copy")}
+    add("GPU 3 decode K/V GB/s / copy GB/s",
+        [(r["case"], r["GB/s"] / copies[r["case"]]) for r in _find(rows, "decode", "engine (") if r["case"] in copies],
+        0.7, "bytes of K and V read per second over the measured copy bandwidth")
+    add("GPU training causal vs SDPA's best", vs_best_sdpa("training"), 0.95, "throughput ratio")
+    add("GPU training masks vs Flex direct", _ratio_rows(rows, "training", "flex"), 0.95, "throughput ratio")
+    return targets
+
+
+def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Path]:
     from engine.lab import plots
 
     paths = []
     fig, axes = plots.figure(ncols=2)
     widths = sorted({r["window"] for r in rows if r["group"] == "window" and "window" in r})
     window = f"sliding window {', '.join(map(str, widths))}"
-    for ax, group, title in ((axes[0], "prefill", "causal prefill (fp32, Hq=16, D=64)"),
-                             (axes[1], "window", f"{window} (fp32, Hq=16, D=64)")):
+    shape = "bf16, Hq=32, Hkv=8, D=128, CUDA" if device == "cuda" else "fp32, Hq=16, D=64"
+    for ax, group, title in ((axes[0], "prefill", f"causal prefill ({shape})"),
+                             (axes[1], "window", f"{window} ({shape})")):
         labels = sorted({r["impl"] for r in _find(rows, group, "")}, key=lambda s: (not s.startswith("engine"), s))
         for index, label in enumerate(labels):
             points = sorted((r["T"], r["ms"]) for r in _find(rows, group, label) if r["impl"] == label)

@@ -69,6 +69,7 @@ def test_cuda_kernels_equal_the_float64_reference(kernel, case):
 def test_auto_picks_the_cuda_kernels_and_explain_names_them():
     q, k, v = (x.cuda() for x in qkv(2, 8, 2, 256, 256, 64, dtype=torch.bfloat16))
     assert engine.explain(q, k, v).kernel == "sdpa_cuda"  # plain prefill: is_causal fits
+    assert engine.explain(q[..., :8], k[..., :8], v[..., :8], softcap=30.0).kernel == "tiled"  # D < 16: not Flex
     assert engine.explain(q[:, :, -1:], k, v).kernel == "sdpa_cuda"  # one-token decode: every key visible
     pos = torch.arange(256, device="cuda")
     for kwargs in ({"allowed": window_mask(pos, pos, 64)}, {"softcap": 30.0}):  # a mask; a softcap
@@ -94,6 +95,7 @@ def test_half_precision_is_accumulated_in_fp32(kernel, dtype):
 @pytest.mark.parametrize("case", ["chunked_prefill", "window", "documents", "padding_left", "softcap"])
 def test_flex_gradients_on_cuda_equal_the_reference(case):
     shape, cuda_kwargs, cpu_kwargs = _cuda_case(case)
+    shape = (*shape[:5], max(shape[5], 16), max(shape[6], 16))  # Flex's CUDA kernel needs head dims >= 16
     q, k, v = (x.requires_grad_(True) for x in qkv(*shape))
     ref = causal_attention(q, k, v, kernel="reference", **cpu_kwargs)
     expected = torch.autograd.grad(ref.square().sum(), (q, k, v))

@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover
 
 COMPILED_CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what Flex compiles for CPU (no fp64)
 CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MIN_CUDA_HEAD_DIM = 16  # Triton's tl.dot: Flex's CUDA kernel refuses smaller head dims
 
 
 def flex_fits(inputs: AttentionInputs) -> str | None:
@@ -62,6 +63,9 @@ def flex_fits(inputs: AttentionInputs) -> str | None:
         return "gradients on CPU: FlexAttention has no CPU backward (torch 2.13); CUDA trains with it"
     if device == "cuda" and inputs.q.dtype not in CUDA_DTYPES:
         return f"dtype {inputs.q.dtype} on CUDA: the Flex kernel here is run in fp16/bf16/fp32"
+    if device == "cuda" and min(inputs.q.shape[3], inputs.v.shape[3]) < MIN_CUDA_HEAD_DIM:
+        return (f"D = {inputs.q.shape[3]}, Dv = {inputs.v.shape[3]}: Flex's CUDA kernel needs head dims >= "
+                f"{MIN_CUDA_HEAD_DIM} (its tl.dot)")
     return None
 
 
@@ -84,7 +88,7 @@ def flex_attention(inputs: AttentionInputs, return_lse: bool = False):
 def _flex_call(inputs: AttentionInputs, return_lse: bool):
     """One FlexAttention call: compiled where torch compiles it, Flex's unfused implementation otherwise."""
     q, k, v = inputs.q, inputs.k, inputs.v
-    mask = flex_mask(inputs)
+    mask = flex_mask(inputs, backward=needs_grad(q, k, v))
     score_mod = None if inputs.softcap is None else softcap_mod(inputs.softcap)
     compiled = q.device.type == "cuda" or (q.dtype in COMPILED_CPU_DTYPES and not return_lse)
     run = compiled_flex(q.device.type) if compiled else _unfused

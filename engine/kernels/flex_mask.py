@@ -53,24 +53,28 @@ class FlexMask(NamedTuple):
     kind: str  # "none" (no mask), "causal" (top-left, from indices) or "structured" (from the tile bounds)
 
 
-def flex_mask(inputs: AttentionInputs, block: int = BLOCK) -> FlexMask:
-    """The call's visibility for FlexAttention, built once per distinct content (cached)."""
+def flex_mask(inputs: AttentionInputs, block: int = BLOCK, backward: bool = False) -> FlexMask:
+    """The call's visibility for FlexAttention, built once per distinct content (cached). ``backward``: also
+    the query-side block lists Flex's backward reads (3/4 of the build time at T = 32k; inference skips them)."""
     batch, _, t, _ = inputs.q.shape
     s = inputs.k.shape[2]
     pattern = causal_pattern(inputs) if inputs.allowed is None else None
     if pattern == "none":  # every key visible (decode with default positions, causal=False)
         return FlexMask(None, "none")
     if pattern == "causal":  # plain prefill: the rule is q_idx >= kv_idx, independent of the position values
-        key = ("causal", t, s, block, str(inputs.q.device))
-        return FlexMask(_cached(key, [], lambda: _causal_block_mask(t, s, block, inputs.q.device)), "causal")
+        key = ("causal", t, s, block, str(inputs.q.device), backward)
+        build = lambda: _causal_block_mask(t, s, block, inputs.q.device, backward)  # noqa: E731
+        return FlexMask(_cached(key, [], build), "causal")
     mask = visibility_mask(inputs)
     leaves = _leaves(mask)
-    key = ("structured", repr(mask), batch, t, s, block, str(inputs.q.device),
+    key = ("structured", repr(mask), batch, t, s, block, str(inputs.q.device), backward,
            tuple((x.dtype, tuple(x.shape)) for x in leaves))
-    return FlexMask(_cached(key, leaves, lambda: structured_block_mask(mask, batch, t, s, block)), "structured")
+    build = lambda: structured_block_mask(mask, batch, t, s, block, backward)  # noqa: E731
+    return FlexMask(_cached(key, leaves, build), "structured")
 
 
-def structured_block_mask(mask: StructuredMask, batch: int, t: int, s: int, block: int = BLOCK):
+def structured_block_mask(mask: StructuredMask, batch: int, t: int, s: int, block: int = BLOCK,
+                          backward: bool = True):
     """A ``BlockMask`` ``[B|1, 1, ceil(T/block), ceil(S/block)]`` from ``mask``'s tile bounds, with its ``mask_mod``.
 
     Per-head masks (a dense ``[B, Hq, T, S]`` tensor) share one block list for every head: a block is skipped
@@ -85,7 +89,8 @@ def structured_block_mask(mask: StructuredMask, batch: int, t: int, s: int, bloc
     kv_num, kv_indices = _block_lists(partial)
     full_num, full_indices = _block_lists(every)
     return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=(block, block),
-                                    mask_mod=mask_mod_of(mask, t, s, block), seq_lengths=(t, s))
+                                    mask_mod=mask_mod_of(mask, t, s, block), seq_lengths=(t, s),
+                                    compute_q_blocks=backward)
 
 
 def _block_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +101,7 @@ def _block_lists(chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return count, order.to(torch.int32)  # separate tensors for the two lists (the compiler must not alias them)
 
 
-def _causal_block_mask(t: int, s: int, block: int, device: torch.device):
+def _causal_block_mask(t: int, s: int, block: int, device: torch.device, backward: bool):
     """Top-left causal on indices (query i sees keys j <= i; T == S): the blocks below the diagonal are full."""
     nq, nk = -(-t // block), -(-s // block)
     i = torch.arange(nq, device=device)[:, None]  # [nq, 1]
@@ -106,7 +111,7 @@ def _causal_block_mask(t: int, s: int, block: int, device: torch.device):
     kv_num, kv_indices = _block_lists(partial)
     full_num, full_indices = _block_lists(every)
     return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, BLOCK_SIZE=(block, block),
-                                    mask_mod=causal_index_mod, seq_lengths=(t, s))
+                                    mask_mod=causal_index_mod, seq_lengths=(t, s), compute_q_blocks=backward)
 
 
 def causal_index_mod(b, h, q_idx, kv_idx):

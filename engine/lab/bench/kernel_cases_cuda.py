@@ -64,12 +64,13 @@ def _engine(q, k, v, train: bool, kernels=("flex",), **kwargs) -> list[Impl]:
     for name in kernels:
         run = _step(lambda name=name: causal_attention(q, k, v, kernel=name, **kwargs), (q, k, v), train)
         impls.append(Impl(f"engine:{name}", run, setup=run))
-    impls.append(_mask_build(q, k, v, **kwargs))
+    impls.append(_mask_build(q, k, v, train, **kwargs))
     return impls
 
 
-def _mask_build(q, k, v, **kwargs) -> Impl:
-    """The engine's conversion from positions and masks to a BlockMask, its cache cleared each time."""
+def _mask_build(q, k, v, train: bool, **kwargs) -> Impl:
+    """The engine's conversion from positions and masks to a BlockMask (with the backward's lists when training),
+    its cache cleared each time."""
     from engine.inputs import prepare_inputs
     from engine.kernels.flex_mask import clear_block_mask_cache, flex_mask
 
@@ -78,7 +79,7 @@ def _mask_build(q, k, v, **kwargs) -> Impl:
 
     def build() -> None:
         clear_block_mask_cache()
-        flex_mask(inputs)
+        flex_mask(inputs, backward=train)
     return Impl("engine block mask (build)", _synced(build), "overhead")
 
 

@@ -69,6 +69,8 @@ def _engine_impls(q, k, v, kernels: tuple[str, ...], train: bool = False, **kwar
     for name in kernels:  # a compiled kernel's first call (its compile) is its setup, timed apart
         call = _call(q, k, v, train, name, **kwargs)
         impls.append(Impl(f"engine:{name}", call, setup=call if name == "flex" else None))
+    if "flex" in kernels:
+        impls.append(mask_build(q, k, v, train, **kwargs))
     return impls
 
 
@@ -105,6 +107,20 @@ def _flex(q, k, v, mask_mod, batch_rows: int | None, train: bool) -> Impl:
 
     forward = lambda: state["fn"](q, k, v, block_mask=state["mask"], enable_gqa=q.shape[1] != k.shape[1])  # noqa: E731
     return Impl("flex (compiled)", _train_step(forward, q, k, v) if train else forward, "peer", setup)
+
+
+def mask_build(q, k, v, train: bool, wrap: Callable = lambda fn: fn, **kwargs) -> Impl:
+    """The engine's conversion of positions and masks to a FlexAttention BlockMask (with the backward's lists when
+    training), its cache cleared each time: timed apart from the calls, which find it cached."""
+    from engine.kernels.flex_mask import clear_block_mask_cache, flex_mask
+
+    inputs = prepare_inputs(q, k, v, kwargs.get("query_positions"), kwargs.get("key_positions"),
+                            kwargs.get("allowed"), None, causal=kwargs.get("causal", True))
+
+    def build() -> None:
+        clear_block_mask_cache()
+        flex_mask(inputs, backward=train)
+    return Impl("engine block mask (build)", wrap(build), "overhead")
 
 
 def _flex_kernel(flex: bool) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import causal_attention
-from engine.lab.bench.kernel_cases import COPY_BYTES, Case, Impl, _auto, causal_pairs, window_pairs
+from engine.lab.bench.kernel_cases import COPY_BYTES, Case, Impl, _auto, causal_pairs, mask_build, window_pairs
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -64,23 +64,8 @@ def _engine(q, k, v, train: bool, kernels=("flex",), **kwargs) -> list[Impl]:
     for name in kernels:
         run = _step(lambda name=name: causal_attention(q, k, v, kernel=name, **kwargs), (q, k, v), train)
         impls.append(Impl(f"engine:{name}", run, setup=run))
-    impls.append(_mask_build(q, k, v, train, **kwargs))
+    impls.append(mask_build(q, k, v, train, _synced, **kwargs))
     return impls
-
-
-def _mask_build(q, k, v, train: bool, **kwargs) -> Impl:
-    """The engine's conversion from positions and masks to a BlockMask (with the backward's lists when training),
-    its cache cleared each time."""
-    from engine.inputs import prepare_inputs
-    from engine.kernels.flex_mask import clear_block_mask_cache, flex_mask
-
-    inputs = prepare_inputs(q, k, v, kwargs.get("query_positions"), kwargs.get("key_positions"),
-                            kwargs.get("allowed"), None, causal=kwargs.get("causal", True))
-
-    def build() -> None:
-        clear_block_mask_cache()
-        flex_mask(inputs, backward=train)
-    return Impl("engine block mask (build)", _synced(build), "overhead")
 
 
 def _sdpa_backends(q, k, v, train: bool, **kwargs) -> list[Impl]:

@@ -11,7 +11,8 @@ One call of ``flex_attention`` with what the engine already knows (engine.kernel
 Where it runs (torch 2.13):
 
     CUDA   compiled (Triton) forward and backward, lse included; few queries take Flex's split-KV decoding
-           kernel; fp16/bf16/fp32. ``auto`` takes it for every call with a mask, per-row positions or softcap.
+           kernel; fp16/bf16/fp32, head dims >= 16. ``auto`` takes it for every call with a mask, per-row
+           positions or softcap.
     CPU    compiled (C++) forward for inference in fp32/bf16/fp16; a call that asks for the lse, or in fp64,
            runs Flex's unfused implementation (exact, but it materialises ``[B, Hq, T, S]`` scores). Flex has
            no CPU backward: training on CPU does not fit (dispatch runs the next kernel). ``auto`` never takes

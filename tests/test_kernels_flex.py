@@ -233,6 +233,8 @@ def structured_masks(draw):
     kpos = torch.tensor(draw(st.lists(st.integers(0, 3), min_size=s, max_size=s))).cumsum(0)  # rising, repeats
     kpos = kpos.expand(batch, s) if draw(st.booleans()) else kpos + torch.arange(batch)[:, None] * 5
     qpos = torch.tensor(draw(st.lists(st.integers(-5, 130), min_size=t, max_size=t)))
+    if draw(st.booleans()):  # consecutive positions: mask_mod computes them from the index instead of reading
+        qpos, kpos = torch.arange(s - t, s), torch.arange(s) if draw(st.booleans()) else kpos
     ids_k = torch.tensor(sorted(draw(st.lists(st.integers(0, 4), min_size=s, max_size=s))))
     ids_q = torch.tensor(sorted(draw(st.lists(st.integers(0, 4), min_size=t, max_size=t))))
     lengths = torch.tensor(draw(st.lists(st.integers(0, s), min_size=batch, max_size=batch)))

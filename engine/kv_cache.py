@@ -32,16 +32,19 @@ from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
 __all__ = ["KVCache", "kv_cache_bytes"]
 
 
-def kv_cache_bytes(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of keys and values for a whole model: ``2 * layers * B * Hkv * S * D * bytes``.
+def kv_cache_bytes(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype_bytes: int,
+                   scale_bytes: int = 0) -> int:
+    """Bytes of keys and values for a whole model: ``2 * layers * B * Hkv * S * (D * bytes + scale_bytes)``.
 
-    Example (seed 003): ``kv_cache_bytes(32, 1, 8, 131072, 128, 2) == 17_179_869_184`` (17.2 GB).
+    ``scale_bytes`` is 4 for a quantized cache (int8 / fp8 entries, one fp32 scale per token and head), else 0.
+    Example (seed 003): ``kv_cache_bytes(32, 1, 8, 131072, 128, 2) == 17_179_869_184`` (17.2 GB); in int8
+    ``kv_cache_bytes(32, 1, 8, 131072, 128, 1, 4) == 8_858_370_048`` (8.9 GB, 0.27 GB of it scales).
     """
     for name, n in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads), ("tokens", tokens),
-                    ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+                    ("head_dim", head_dim), ("dtype_bytes", dtype_bytes), ("scale_bytes", scale_bytes)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-    return 2 * layers * batch * kv_heads * tokens * head_dim * dtype_bytes
+    return 2 * layers * batch * kv_heads * tokens * (head_dim * dtype_bytes + scale_bytes)
 
 
 class KVCache:

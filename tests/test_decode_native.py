@@ -292,3 +292,28 @@ def test_a_quantized_cache_takes_a_quarter_of_fp32_plus_its_scales():
         int8.update(torch.ones(2, 8, 1, 128, dtype=torch.int8), torch.ones(2, 8, 1, 128, dtype=torch.int8))
     int8.update(torch.randn(2, 8, 3, 128, dtype=torch.bfloat16), torch.randn(2, 8, 3, 128, dtype=torch.bfloat16))
     assert int8.length == 3 and bool((int8.key_scales[:, :, :3] > 0).all())
+
+
+def test_the_memory_formula_counts_a_quantized_cache_with_its_scales():
+    from engine.kv_cache import kv_cache_bytes
+
+    assert kv_cache_bytes(32, 1, 8, 131072, 128, 1, 4) == 8_858_370_048  # Llama-3-8B at 128k in int8
+    scales = kv_cache_bytes(32, 1, 8, 131072, 128, 1, 4) - kv_cache_bytes(32, 1, 8, 131072, 128, 1)
+    assert scales == 2 * 32 * 8 * 131072 * 4  # a fp32 scale per token, head, K and V
+    cache = KVCache(1, 8, capacity=1000, head_dim=128, dtype=torch.int8)
+    assert cache.nbytes == kv_cache_bytes(1, 1, 8, 1000, 128, 1, 4)
+
+
+def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
+    import argparse
+
+    from engine import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    args = parser.parse_args(["--kv-dtype", "int8", "--new-tokens", "6", "--prompt-len", "24", "--no-progress"])
+    assert generate.main(args) == 0  # greedy tokens agree with the full uncached forward
+    out = capsys.readouterr().out
+    assert "int8 = " in out and "+ scales" in out
+    errors = [float(x) for x in out.split("per layer (max abs / max abs of the reference): ")[1].split(",")]
+    assert len(errors) == 2 and all(0 < e < 0.05 for e in errors)  # int8 rounding: small, and not zero

@@ -105,10 +105,13 @@ def _keys(x: torch.Tensor | QuantizedKV, j0: int, j1: int) -> tuple[torch.Tensor
     return data, scale
 
 
+_STRIDES = {3: ctypes.c_int64 * 3, 4: ctypes.c_int64 * 4}  # made once: a new ctypes type per call is slow
+
+
 def _strides(x: torch.Tensor | None, n: int):
     if x is None:
         return None
-    return (ctypes.c_int64 * n)(*x.stride()[:n])
+    return _STRIDES[n](*x.stride()[:n])
 
 
 def _call(library, q_rows, k, v, visible, out, lse) -> None:

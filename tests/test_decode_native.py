@@ -317,3 +317,43 @@ def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
     assert "int8 = " in out and "+ scales" in out
     errors = [float(x) for x in out.split("per layer (max abs / max abs of the reference): ")[1].split(",")]
     assert len(errors) == 2 and all(0 < e < 0.05 for e in errors)  # int8 rounding: small, and not zero
+
+
+# --- the other vector paths: this CPU's build takes the widest; build the narrower ones too ----------------------
+
+PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
+
+
+@needs_native
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, lanes", [(("-mavx2", "-mfma", "-mf16c"), 8), ((), 1)], ids=["avx2", "plain_cpp"])
+def test_the_avx2_and_plain_cpp_builds_match_the_oracle(flags, lanes, tmp_path):
+    # the cached build is -march=native (AVX-512 here, AVX2 on a Zen 3): the other paths are built and checked
+    # here so a CPU without AVX-512 (or without AVX2) runs code that was tested
+    from engine.kernels import native_build
+    from engine.kernels.decode_native import KINDS, _call
+
+    if flags and "avx2" not in cpu_key():
+        pytest.skip("this CPU has no AVX2")
+    path = tmp_path / "decode_native_variant.so"
+    native_build._build(native_build.compiler(), path, PLAIN + flags)
+    library = native_build.NativeLibrary(path, 0.0)
+    assert library.lanes == lanes
+    b, hkv, rows, s, d = 2, 2, 6, 300, 32
+    g = torch.Generator().manual_seed(5)
+    q_rows = torch.randn(b, hkv, rows, d, generator=g)  # [B, Hkv, R, D], already scaled
+    visible = torch.rand(b, 1, rows, s, generator=g) > 0.3  # [B, 1, R, S]
+    for kind in KINDS:
+        k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+        if kind in QUANTIZED_DTYPES:
+            kq, vq = quantize(k, kind), quantize(v, kind)
+            operands = (kq.data, kq.scale), (vq.data, vq.scale)
+            k64, v64 = kq.dequantize(torch.float64), vq.dequantize(torch.float64)
+        else:
+            operands = (k.to(kind), None), (v.to(kind), None)
+            k64, v64 = k.to(kind).double(), v.to(kind).double()
+        out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
+        _call(library, q_rows, *operands, visible, out, lse)
+        want, want_lse = oracle(q_rows, k64, v64, visible, 1.0)  # R rows of one KV head as T queries
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=str(kind))
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=str(kind))

@@ -257,33 +257,6 @@ struct Item {
         vsc = o.v_scale ? o.v_scale + b * o.vss[0] + h * o.vss[1] : nullptr;
         visb = o.visible ? o.visible + b * o.vis[0] + h * o.vis[1] : nullptr;
         qb = o.q + p_.bh * o.R * o.D;
-        int_scores = INT_SCORES && o.D % QSTEP == 0 && o.D <= 512;
-        if (int_scores) quantize_queries();
-    }
-
-    // int8 keys: the scores as integer dot products. Each query row is rounded to int16 with its own scale
-    // (relative error 2^-16 of the row's largest entry, far below the int8 keys' own 2^-8), so q . k is exact
-    // int32 arithmetic: |sum| <= D * 32767 * 127 < 2^31 for D <= 512 (checked by the caller).
-#if DN_AVX512
-    static constexpr int QSTEP = 32;  // int16 lanes per vector
-#else
-    static constexpr int QSTEP = 16;
-#endif
-    static constexpr bool INT_SCORES = KIND == I8 && SIMD;
-    bool int_scores = false;
-    std::vector<int16_t> q16;  // [R][D]
-    std::vector<float> q16_scale;  // [R]
-
-    void quantize_queries() {
-        q16.assign(o.R * o.D, 0);
-        q16_scale.assign(o.R, 0.0f);
-        for (int64_t r = 0; r < o.R; ++r) {
-            float amax = 0.0f;
-            for (int64_t d = 0; d < o.D; ++d) amax = std::max(amax, std::fabs(qb[r * o.D + d]));
-            const float scale = amax > 0.0f ? amax / 32767.0f : 1.0f;
-            q16_scale[r] = scale;
-            for (int64_t d = 0; d < o.D; ++d) q16[r * o.D + d] = (int16_t)std::lrint(qb[r * o.D + d] / scale);
-        }
     }
 
     static constexpr int64_t elem_size() { return KIND == F32 ? 4 : (KIND == BF16 || KIND == F16) ? 2 : 1; }
@@ -305,76 +278,11 @@ struct Item {
         for (int64_t b = 0; b < elem_size() * width; b += 64) __builtin_prefetch(row + b, 0, 3);
     }
 
-    // the integer twin of scores_rows for int8 keys: k sign-extended to int16, multiplied by q16 in pairs
-    template <int N>
-    void int_scores_rows(int64_t r0, int64_t j0, int n) {
-#if DN_AVX512 || DN_AVX2
-        const int64_t D = o.D;
-        for (int jj = 0; jj < n; jj += 2) {
-            const int keys = std::min(2, n - jj);
-            if (r0 == 0) prefetch_rows(j0 + jj);
-            const int8_t* k0 = (const int8_t*)kb + (j0 + jj) * o.ks[2];
-            const int8_t* k1 = keys > 1 ? (const int8_t*)kb + (j0 + jj + 1) * o.ks[2] : k0;
-#if DN_AVX512
-            __m512i a0[N], a1[N];
-            for (int r = 0; r < N; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
-            for (int64_t d = 0; d < D; d += QSTEP) {
-                const __m512i x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(k0 + d)));
-                const __m512i x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(k1 + d)));
-                for (int r = 0; r < N; ++r) {
-                    const __m512i qv = _mm512_loadu_si512((const void*)(q16.data() + (r0 + r) * D + d));
-#if defined(__AVX512VNNI__)
-                    a0[r] = _mm512_dpwssd_epi32(a0[r], qv, x0);
-                    a1[r] = _mm512_dpwssd_epi32(a1[r], qv, x1);
-#else
-                    a0[r] = _mm512_add_epi32(a0[r], _mm512_madd_epi16(qv, x0));
-                    a1[r] = _mm512_add_epi32(a1[r], _mm512_madd_epi16(qv, x1));
-#endif
-                }
-            }
-            vec f0[N], f1[N];
-            for (int r = 0; r < N; ++r) f0[r] = _mm512_cvtepi32_ps(a0[r]), f1[r] = _mm512_cvtepi32_ps(a1[r]);
-#else
-            __m256i a0[N], a1[N];
-            for (int r = 0; r < N; ++r) a0[r] = a1[r] = _mm256_setzero_si256();
-            for (int64_t d = 0; d < D; d += QSTEP) {
-                const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(k0 + d)));
-                const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(k1 + d)));
-                for (int r = 0; r < N; ++r) {
-                    const __m256i qv = _mm256_loadu_si256((const __m256i*)(q16.data() + (r0 + r) * D + d));
-                    a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(qv, x0));
-                    a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(qv, x1));
-                }
-            }
-            vec f0[N], f1[N];
-            for (int r = 0; r < N; ++r) f0[r] = _mm256_cvtepi32_ps(a0[r]), f1[r] = _mm256_cvtepi32_ps(a1[r]);
-#endif
-            const float u0 = key_scale(j0 + jj), u1 = key_scale(j0 + jj + keys - 1);
-            float sums[8];
-            if constexpr (N == 4) {
-                hsum8(f0[0], f0[1], f0[2], f0[3], f1[0], f1[1], f1[2], f1[3], sums);
-            } else {
-                for (int r = 0; r < N; ++r) sums[r] = vsum(f0[r]), sums[4 + r] = vsum(f1[r]);
-            }
-            for (int r = 0; r < N; ++r) {
-                s[(r0 + r) * BLOCK + jj] = sums[r] * q16_scale[r0 + r] * u0;
-                if (keys > 1) s[(r0 + r) * BLOCK + jj + 1] = sums[4 + r] * q16_scale[r0 + r] * u1;
-            }
-        }
-#else
-        (void)r0, (void)j0, (void)n;
-#endif
-    }
-
     // s[r][jj] = q[r] . k[j0 + jj] * key scale, rows r0 .. r0 + N; two keys per pass (2N independent sums)
     template <int N>
     void scores_rows(int64_t r0, int64_t j0, int n) {
         const int64_t D = o.D;
         int jj = 0;
-        if (INT_SCORES && int_scores) {
-            int_scores_rows<N>(r0, j0, n);
-            return;
-        }
         if constexpr (SIMD) {
 #if DN_AVX512 || DN_AVX2
             for (; jj + 2 <= n; jj += 2) {

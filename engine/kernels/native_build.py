@@ -97,13 +97,14 @@ def load_native() -> NativeLibrary | str:
         return f"the native kernel failed to build or load: {str(error).strip()[-300:]}"
 
 
-def _build(cxx: str, path: Path) -> None:
-    """Compile into a temporary file beside ``path`` and move it in place (concurrent builds never see half a file)."""
+def _build(cxx: str, path: Path, flags: tuple[str, ...] = FLAGS) -> None:
+    """Compile into a temporary file beside ``path`` and move it in place (concurrent builds never see half a file).
+    ``flags`` other than this CPU's (e.g. AVX2 only, or none: plain C++) build the other paths, for the tests."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} exited with {done.returncode}: {done.stderr}")

@@ -48,7 +48,7 @@ def visibility(qpos, kpos, allowed=None):
 
 
 def run_native(q, k, v, qpos=None, kpos=None, allowed=None, **kwargs):
-    assert engine.explain(q, k, v, qpos, kpos, allowed, kernel="decode_native").kernel == "decode_native"
+    assert engine.explain(q, k, v, qpos, kpos, allowed, kernel="decode_native", **kwargs).kernel == "decode_native"
     return causal_attention(q, k, v, qpos, kpos, allowed, kernel="decode_native", return_lse=True, **kwargs)
 
 
@@ -357,3 +357,15 @@ def test_the_avx2_and_plain_cpp_builds_match_the_oracle(flags, lanes, tmp_path):
         want, want_lse = oracle(q_rows, k64, v64, visible, 1.0)  # R rows of one KV head as T queries
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=str(kind))
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=str(kind))
+
+
+@needs_native
+@pytest.mark.parametrize("d, dv", [(32, 48), (0, 16), (16, 8)], ids=["dv_wider", "d_zero", "dv_narrower"])
+def test_value_width_other_than_the_key_width_and_d_zero(d, dv):
+    # Dv != D (the torch decode kernel's fused op cannot take it; this one can) and D = 0 (scores all 0)
+    q, k, v = torch.randn(2, 4, 2, d), torch.randn(2, 2, 600, d), torch.randn(2, 2, 600, dv)
+    out, lse = run_native(q, k, v, scale=1.0)
+    want, want_lse = oracle(q, k, v, visibility(torch.arange(598, 600).expand(2, 2), torch.arange(600).expand(2, 600)),
+                            1.0)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)

@@ -267,8 +267,8 @@ struct Item {
     // Ask for keys j, j+1 of the next block and values j, j+1 of this one while this block's scores run
     // (the hardware prefetcher alone leaves each core waiting on two interleaved streams).
     void prefetch_rows(int64_t j) {
-        const int64_t PF_K = std::max<int64_t>(1, PF_K_BYTES / (elem_size() * o.D));
-        const int64_t PF_V = std::max<int64_t>(1, PF_V_BYTES / (elem_size() * o.Dv));
+        const int64_t PF_K = std::max<int64_t>(1, PF_K_BYTES / std::max<int64_t>(1, elem_size() * o.D));
+        const int64_t PF_V = std::max<int64_t>(1, PF_V_BYTES / std::max<int64_t>(1, elem_size() * o.Dv));
         for (int64_t jj = j; jj < j + 2; ++jj) {
             if (jj + PF_K < part.j1) prefetch_row((const char*)kb + elem_size() * (jj + PF_K) * o.ks[2], o.D);
             if (jj + PF_V < part.j1) prefetch_row((const char*)vb + elem_size() * (jj + PF_V) * o.vs[2], o.Dv);

@@ -369,3 +369,20 @@ def test_value_width_other_than_the_key_width_and_d_zero(d, dv):
                             1.0)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_the_dequantized_twin_merges_many_small_chunks_exactly(dtype, monkeypatch):
+    # prefill over a quantized cache: the key chunk shrinks with T so the scores stay small; 64-key chunks here
+    from engine.kernels import dequantized
+
+    monkeypatch.setattr(dequantized, "SCORES_PER_CHUNK", 1)
+    k, v = quantize(torch.randn(2, 2, 300, 16), dtype), quantize(torch.randn(2, 2, 300, 16), dtype)
+    q = torch.randn(2, 4, 40, 16)
+    qpos = torch.arange(260, 300).expand(2, 40)
+    allowed = window_mask(qpos, torch.arange(300).expand(2, 300), window=50)
+    out, lse = causal_attention(q, k, v, qpos, None, allowed, kernel="dequantized", return_lse=True)
+    want, want_lse = oracle(q, k.dequantize(torch.float64), v.dequantize(torch.float64),
+                            visibility(qpos, torch.arange(300).expand(2, 300), allowed), 16 ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)

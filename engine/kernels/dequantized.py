@@ -3,7 +3,8 @@
 The twin of ``decode_native`` for quantized K/V, and the kernel that runs every call the native one does
 not fit (more than 16 queries, fp64 q, softcap, no compiler). Keys are taken ``CHUNK`` at a time,
 dequantised (``data * scale``, engine.quantized), attended with dense scores under the visibility rule,
-and the chunks merged by log-sum-exp, so memory stays ``O(CHUNK)`` per head::
+and each chunk merged into the running result by log-sum-exp, so memory stays ``O(T * n)`` per head, with
+``n`` keys per chunk chosen so the scores of a chunk stay under ``SCORES_PER_CHUNK`` (prefill too)::
 
     for keys j0 .. j1 (CHUNK at a time):
         k, v = dequantize(chunk)                      [B, Hkv, n, D] -> GQA repeat -> [B, Hq, n, D]
@@ -25,7 +26,8 @@ from engine.kernels.merge import merge_attention_states
 from engine.kernels.visibility import visibility_mask
 from engine.quantized import QuantizedKV
 
-CHUNK = 4096  # keys dequantised at a time
+CHUNK = 4096  # keys dequantised at a time (at most)
+SCORES_PER_CHUNK = 1 << 22  # ... and at most this many scores [B, Hq, T, n] at a time (16 MiB in fp32)
 
 
 def dequantized_fits(inputs: AttentionInputs) -> str | None:
@@ -44,18 +46,17 @@ def dequantized_attention(inputs: AttentionInputs, return_lse: bool = False):
     s, group = inputs.k.shape[2], q_heads // inputs.k.shape[1]
     compute = compute_dtype(q.dtype)
     mask = visibility_mask(inputs)
-    outs, lses = [], []
+    chunk = max(64, min(CHUNK, SCORES_PER_CHUNK // max(1, batch * q_heads * t)))
+    out = lse = None
     row_bad = torch.zeros(batch, q_heads, t, dtype=torch.bool, device=q.device)  # [B, Hq, T]
-    for j0 in range(0, s, CHUNK):
-        j1 = min(s, j0 + CHUNK)
+    for j0 in range(0, s, chunk):
+        j1 = min(s, j0 + chunk)
         k = inputs.k.keys(j0, j1).dequantize(compute).repeat_interleave(group, dim=1)  # [B, Hq, n, D]
         v = inputs.v.keys(j0, j1).dequantize(compute).repeat_interleave(group, dim=1)  # [B, Hq, n, Dv]
         visible = _visible(mask, batch, t, j0, j1, q.device)  # [B|1, Hq|1, T, n]
-        out, lse, bad = _attend(q.to(compute), k, v, visible, inputs)
-        outs.append(out)
-        lses.append(lse)
+        part, part_lse, bad = _attend(q.to(compute), k, v, visible, inputs)
+        out, lse = (part, part_lse) if out is None else merge_attention_states([out, part], [lse, part_lse])
         row_bad |= bad
-    out, lse = merge_attention_states(outs, lses)
     out = out.masked_fill(row_bad[..., None], float("nan"))  # a visible non-finite key: row NaN, lse -inf
     lse = lse.masked_fill(row_bad, NEG_INF)
     return out.to(q.dtype), (lse if return_lse else None)

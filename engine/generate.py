@@ -3,7 +3,9 @@
 The model is small on purpose (it runs on 2 CPU cores); its weights are random, so the tokens mean nothing.
 What it shows: prefill (in chunks) and one-token decode through one code path, tokens/s for each phase, the
 cache's memory against seed 003's formula, and (``--check``) that cached greedy decoding picks the same
-tokens as a full uncached forward pass.
+tokens as a full uncached forward pass. ``--kv-dtype int8`` (or ``fp8``) stores the cache quantized
+(engine.quantized); ``--check`` then also prints each layer's attention-output error against a cache in the
+model's dtype, on one decode step after the same prefill.
 
     ids [B, T] -> embed -> L x (RMSNorm -> MultiHeadAttention (RoPE, GQA, KV cache) -> RMSNorm -> SwiGLU MLP)
                -> RMSNorm -> lm_head -> logits [B, T, V]
@@ -23,6 +25,9 @@ from engine.kv_cache import KVCache, kv_cache_bytes
 from engine.layer import MultiHeadAttention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+KV_DTYPES = {**DTYPES, "int8": torch.int8}  # the cache may be quantized: 1 byte per entry + a scale per token
+if hasattr(torch, "float8_e4m3fn"):
+    KV_DTYPES["fp8"] = torch.float8_e4m3fn
 
 
 class RMSNorm(nn.Module):
@@ -62,8 +67,8 @@ class TinyDecoder(nn.Module):
         self.norm = RMSNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
-    def new_caches(self, batch: int, capacity: int) -> list[KVCache]:
-        return [block.attn.new_cache(batch, capacity) for block in self.blocks]
+    def new_caches(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> list[KVCache]:
+        return [block.attn.new_cache(batch, capacity, dtype) for block in self.blocks]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,13 +98,14 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def generate(model: TinyDecoder, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-             new_tokens: int, chunk: int, capacity: int, progress: bool = True):
-    """Greedy decoding: chunked prefill of the prompt, then ``new_tokens`` one-token decode steps.
+             new_tokens: int, chunk: int, capacity: int, progress: bool = True, kv_dtype: torch.dtype | None = None):
+    """Greedy decoding: chunked prefill of the prompt, then ``new_tokens`` one-token decode steps; the caches
+    hold ``kv_dtype`` (default the model's dtype; int8 / float8_e4m3fn: quantized).
 
     Returns ``(tokens [B, new_tokens], caches, prefill_seconds, decode_seconds)``.
     """
     batch, prompt_len = ids.shape
-    caches = model.new_caches(batch, capacity)
+    caches = model.new_caches(batch, capacity, kv_dtype)
     device = ids.device
     _sync(device)
     start = time.perf_counter()
@@ -135,6 +141,31 @@ def check_against_full_forward(model, ids, positions, valid, tokens) -> tuple[bo
     return torch.equal(logits.argmax(dim=-1), tokens), (top2[..., 0] - top2[..., 1]).min().item()
 
 
+@torch.no_grad()
+def layer_errors(model, ids, positions, valid, kv_dtype: torch.dtype) -> list[float]:
+    """Each layer's attention-output error of a ``kv_dtype`` cache against one in the model's dtype: prefill the
+    prompt into both, run one decode step on the same input, return ``max |out - out_ref| / max |out_ref|`` per layer
+    (each layer gets the reference's input, so errors do not compound)."""
+    batch = ids.shape[0]
+    capacity = ids.shape[1] + 1
+    reference, quantized = model.new_caches(batch, capacity), model.new_caches(batch, capacity, kv_dtype)
+    model(ids, positions, reference, valid)
+    model(ids, positions, quantized, valid)
+    token = ids[:, -1:]  # [B, 1]
+    x = model.embed(token)  # [B, 1, E]
+    errors = []
+    for block, ref_cache, q_cache in zip(model.blocks, reference, quantized):
+        h = block.attn_norm(x)  # [B, 1, E]
+        out_ref = block.attn(h, cache=ref_cache)  # [B, 1, E]
+        out = block.attn(h, cache=q_cache)  # [B, 1, E]
+        error = (out.float() - out_ref.float()).abs().max() / out_ref.float().abs().max().clamp_min(1e-30)
+        errors.append(error.item())
+        x = x + out_ref.to(x.dtype)  # [B, 1, E]: the next layer sees the reference's stream
+        h = block.mlp_norm(x)  # [B, 1, E]
+        x = x + block.down(nn.functional.silu(block.gate(h)) * block.up(h))  # [B, 1, E]
+    return errors
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Generate with a tiny random-weight decoder built from engine.layer.MultiHeadAttention "
                           "and engine.kv_cache.KVCache (no download); prints prefill and decode tokens/s and the "
@@ -154,6 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache slots per row (default prompt-len + new-tokens); too small raises")
     parser.add_argument("--ragged", action="store_true", help="left-pad rows to different prompt lengths")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and cache dtype")
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
+                        help="KV cache dtype (default --dtype); int8 / fp8: quantized, a fp32 scale per token and head")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
     parser.add_argument("--seed", type=int, default=0, help="seed for weights and prompts (default 0)")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -193,6 +226,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, capacity: int, chunk: int, device: torch.device, dtype: torch.dtype) -> int:
+    kv_dtype = KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
     torch.manual_seed(args.seed)
     model = TinyDecoder(args.vocab, args.hidden, args.layers, args.heads, args.kv_heads, args.head_dim,
                         args.window).to(device=device, dtype=dtype).eval()
@@ -204,7 +238,7 @@ def _run(args: argparse.Namespace, capacity: int, chunk: int, device: torch.devi
     generate(model, ids[:, :warm_up], positions[:, :warm_up], valid[:, :warm_up], 2, chunk, warm_up + 2, False)
     try:
         tokens, caches, prefill_s, decode_s = generate(model, ids, positions, valid, args.new_tokens, chunk,
-                                                       capacity, progress=not args.no_progress)
+                                                       capacity, progress=not args.no_progress, kv_dtype=kv_dtype)
     except ValueError as error:  # e.g. the KV cache overflow when --capacity is too small
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -217,13 +251,18 @@ def _run(args: argparse.Namespace, capacity: int, chunk: int, device: torch.devi
     head_dim = caches[0].keys.shape[-1]
     nbytes = sum(cache.nbytes for cache in caches)
     formula = kv_cache_bytes(args.layers, args.batch, args.kv_heads, capacity, head_dim, caches[0].keys.element_size())
+    scales = " + scales" if caches[0].quantized else ""
     print(f"KV cache: {args.layers} layers x K,V [{args.batch}, {args.kv_heads}, {capacity}, {head_dim}] "
-          f"{args.dtype} = {nbytes:,} B (2*layers*B*Hkv*S*D*bytes = {formula:,} B); "
+          f"{args.kv_dtype or args.dtype} = {nbytes:,} B (2*layers*B*Hkv*S*D*bytes = {formula:,} B{scales}); "
           f"positions and validity {sum(c.bookkeeping_nbytes for c in caches):,} B; filled {caches[0].length} slots")
     print(f"row 0 tokens: {tokens[0, :16].tolist()}{' ...' if tokens.shape[1] > 16 else ''}")
     if args.check:
         same, margin = check_against_full_forward(model, ids, positions, valid, tokens)
         print(f"check: cached greedy tokens == full uncached forward: {'yes' if same else 'NO'} "
               f"(smallest top-1/top-2 logit gap {margin:.2e})")
+        if caches[0].quantized:
+            errors = layer_errors(model, ids, positions, valid, kv_dtype)
+            print(f"check: {args.kv_dtype} cache vs {args.dtype} cache, attention output error per layer "
+                  f"(max abs / max abs of the reference): {', '.join(f'{e:.2e}' for e in errors)}")
         return 0 if same else 1
     return 0

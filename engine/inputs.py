@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.masks.structured import StructuredMask
+from engine.quantized import QuantizedKV, checked_as_tensors
 
 __all__ = ["AttentionInputs", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions"]
 
@@ -24,12 +25,13 @@ class AttentionInputs:
 
     q ``[B, Hq, T, D]``, k ``[B, Hkv, S, D]``, v ``[B, Hkv, S, Dv]``; query_positions ``[B, T]`` and
     key_positions ``[B, S]`` (int64, possibly expanded views); allowed is None, a bool tensor
-    broadcastable to ``[B, Hq, T, S]``, or a StructuredMask (engine.masks) of such a shape.
+    broadcastable to ``[B, Hq, T, S]``, or a StructuredMask (engine.masks) of such a shape. k and v may
+    both be ``QuantizedKV`` (engine.quantized: int8 / fp8 with per-token scales): the option ``"quantized_kv"``.
     """
 
     q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    k: torch.Tensor | QuantizedKV
+    v: torch.Tensor | QuantizedKV
     query_positions: torch.Tensor
     key_positions: torch.Tensor
     allowed: torch.Tensor | None
@@ -44,6 +46,8 @@ class AttentionInputs:
         names = set()
         if self.softcap is not None:
             names.add("softcap")
+        if isinstance(self.k, QuantizedKV):
+            names.add("quantized_kv")
         return frozenset(names)
 
 
@@ -60,7 +64,7 @@ def prepare_inputs(
     softcap: float | None = None,
 ) -> AttentionInputs:
     """Validate the arguments of causal_attention and resolve their defaults (no copies of q, k, v)."""
-    _check_qkv(q, k, v)
+    _check_qkv(q, *checked_as_tensors(q, k, v))
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool (True: the position rule applies), got {causal!r} "
                          f"({type(causal).__name__})")

@@ -16,32 +16,43 @@ batches, left or right padding and per-row decode positions need no special path
 
 Memory (seed 003): ``2 * layers * B * Hkv * S * D * bytes``; Llama-3-8B (32 layers, Hkv = 8, D = 128)
 at 128k tokens in fp16 holds 2 * 32 * 8 * 131072 * 128 * 2 = 17.2 GB per sequence.
+
+Quantized (``dtype=torch.int8`` or ``torch.float8_e4m3fn``): ``update`` takes keys and values in any float
+dtype and stores them as 1-byte entries with one fp32 scale per token and head (engine.quantized), 1 + 4/D
+bytes per entry (Llama-3-8B at 128k: 8.6 GB + 0.27 GB of scales); ``view`` returns ``QuantizedKV`` keys and
+values, which ``causal_attention`` reads without a full-precision copy (kernel ``decode_native``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
+
 __all__ = ["KVCache", "kv_cache_bytes"]
 
 
-def kv_cache_bytes(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype_bytes: int) -> int:
-    """Bytes of keys and values for a whole model: ``2 * layers * B * Hkv * S * D * bytes``.
+def kv_cache_bytes(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, dtype_bytes: int,
+                   scale_bytes: int = 0) -> int:
+    """Bytes of keys and values for a whole model: ``2 * layers * B * Hkv * S * (D * bytes + scale_bytes)``.
 
-    Example (seed 003): ``kv_cache_bytes(32, 1, 8, 131072, 128, 2) == 17_179_869_184`` (17.2 GB).
+    ``scale_bytes`` is 4 for a quantized cache (int8 / fp8 entries, one fp32 scale per token and head), else 0.
+    Example (seed 003): ``kv_cache_bytes(32, 1, 8, 131072, 128, 2) == 17_179_869_184`` (17.2 GB); in int8
+    ``kv_cache_bytes(32, 1, 8, 131072, 128, 1, 4) == 8_858_370_048`` (8.9 GB, 0.27 GB of it scales).
     """
     for name, n in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads), ("tokens", tokens),
-                    ("head_dim", head_dim), ("dtype_bytes", dtype_bytes)):
+                    ("head_dim", head_dim), ("dtype_bytes", dtype_bytes), ("scale_bytes", scale_bytes)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"{name} must be a non-negative int, got {n!r}")
-    return 2 * layers * batch * kv_heads * tokens * head_dim * dtype_bytes
+    return 2 * layers * batch * kv_heads * tokens * (head_dim * dtype_bytes + scale_bytes)
 
 
 class KVCache:
     """Keys, values, key positions and slot validity for one attention layer, preallocated.
 
     Storage:
-        keys ``[B, Hkv, capacity, D]``, values ``[B, Hkv, capacity, Dv]`` in ``dtype``;
+        keys ``[B, Hkv, capacity, D]``, values ``[B, Hkv, capacity, Dv]`` in ``dtype``; for a quantized
+        ``dtype`` (int8, float8_e4m3fn) also key_scales, value_scales fp32 ``[B, Hkv, capacity]``;
         positions int64 ``[B, capacity]``; valid bool ``[B, capacity]`` (False for pad slots).
     ``length`` slots (shared by the batch) are filled; ``next_positions`` ``[B]`` is each row's next position.
     """
@@ -61,9 +72,10 @@ class KVCache:
                         ("head_dim", head_dim), ("value_dim", value_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.float16), got {dtype!r} "
-                             f"({type(dtype).__name__})")
+        self.quantized = isinstance(dtype, torch.dtype) and dtype in QUANTIZED_DTYPES
+        if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or self.quantized):
+            raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.float16) or a quantized one "
+                             f"(torch.int8, torch.float8_e4m3fn), got {dtype!r} ({type(dtype).__name__})")
         if device is not None:
             try:
                 device = torch.device(device)
@@ -74,6 +86,9 @@ class KVCache:
         storage = dict(dtype=dtype, device=device)
         self.keys = torch.zeros(batch_size, kv_heads, capacity, head_dim, **storage)  # [B, Hkv, capacity, D]
         self.values = torch.zeros(batch_size, kv_heads, capacity, value_dim, **storage)  # [B, Hkv, capacity, Dv]
+        if self.quantized:  # one scale per token and head
+            self.key_scales = torch.ones(batch_size, kv_heads, capacity, device=device)  # [B, Hkv, capacity]
+            self.value_scales = torch.ones(batch_size, kv_heads, capacity, device=device)  # [B, Hkv, capacity]
         self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, capacity]
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # [B, capacity]
         self.length = 0
@@ -88,8 +103,10 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key and value storage (the seed's formula at ``S = capacity``, one layer)."""
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes of the key and value storage (the seed's formula at ``S = capacity``, one layer; a quantized
+        cache adds its scales, 4 bytes per token and head for keys and for values)."""
+        scales = self.key_scales.nbytes + self.value_scales.nbytes if self.quantized else 0
+        return self.keys.nbytes + self.values.nbytes + scales
 
     @property
     def bookkeeping_nbytes(self) -> int:
@@ -108,7 +125,7 @@ class KVCache:
         values: torch.Tensor,
         positions: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | QuantizedKV, torch.Tensor | QuantizedKV, torch.Tensor, torch.Tensor]:
         """Append T slots to every row and return everything cached so far.
 
         Args:
@@ -120,7 +137,8 @@ class KVCache:
 
         Returns:
             ``(keys [B, Hkv, L, D], values [B, Hkv, L, Dv], key_positions [B, L], key_valid [B, L])``,
-            views of the cache with ``L = length`` after the write.
+            views of the cache with ``L = length`` after the write (keys and values as ``QuantizedKV``
+            views when the cache is quantized: the new ones are quantized as they are written).
 
         Raises ValueError, leaving the cache unchanged, on bad shapes or when ``length + T > capacity``.
         """
@@ -135,17 +153,27 @@ class KVCache:
         valid = torch.ones(batch, t, dtype=torch.bool, device=self.keys.device) if valid is None else \
             self._check_rows(valid, t, "valid", integer=False)  # [B, T]
         end = self.length + t
-        self.keys[:, :, self.length:end] = keys  # [B, Hkv, T, D]
-        self.values[:, :, self.length:end] = values  # [B, Hkv, T, Dv]
+        if self.quantized:
+            for new, data, scales in ((keys, self.keys, self.key_scales), (values, self.values, self.value_scales)):
+                stored = quantize(new, data.dtype)
+                data[:, :, self.length:end] = stored.data  # [B, Hkv, T, D]
+                scales[:, :, self.length:end] = stored.scale  # [B, Hkv, T]
+        else:
+            self.keys[:, :, self.length:end] = keys  # [B, Hkv, T, D]
+            self.values[:, :, self.length:end] = values  # [B, Hkv, T, Dv]
         self.positions[:, self.length:end] = positions  # [B, T]
         self.valid[:, self.length:end] = valid  # [B, T]
         self.length = end
         return self.view()
 
-    def view(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def view(self) -> tuple[torch.Tensor | QuantizedKV, torch.Tensor | QuantizedKV, torch.Tensor, torch.Tensor]:
         """The filled slots: ``(keys [B, Hkv, L, D], values [B, Hkv, L, Dv], positions [B, L], valid [B, L])``."""
         end = self.length
-        return self.keys[:, :, :end], self.values[:, :, :end], self.positions[:, :end], self.valid[:, :end]
+        keys, values = self.keys[:, :, :end], self.values[:, :, :end]
+        if self.quantized:
+            keys = QuantizedKV(keys, self.key_scales[:, :, :end])  # [B, Hkv, L, D] with scales [B, Hkv, L]
+            values = QuantizedKV(values, self.value_scales[:, :, :end])  # [B, Hkv, L, Dv]
+        return keys, values, self.positions[:, :end], self.valid[:, :end]
 
     def truncate(self, length: int) -> None:
         """Roll back to the first ``length`` slots (speculative decoding, retries); later writes overwrite the rest.
@@ -169,7 +197,9 @@ class KVCache:
             if x.shape[0] != batch or x.shape[1] != heads or x.shape[3] != width:
                 raise ValueError(f"{name} must have shape [{batch}, {heads}, T, {width}] to fit this cache, "
                                  f"got {list(x.shape)}")
-            if x.dtype != self.keys.dtype:
+            if self.quantized and not x.is_floating_point():
+                raise ValueError(f"{name} must be a float tensor (quantized to {self.keys.dtype} here), got {x.dtype}")
+            if not self.quantized and x.dtype != self.keys.dtype:
                 raise ValueError(f"{name} must have the cache's dtype {self.keys.dtype}, got {x.dtype}")
         if keys.shape[2] != values.shape[2]:
             raise ValueError(f"keys and values must have the same T, got {keys.shape[2]} and {values.shape[2]}")

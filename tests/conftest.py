@@ -23,3 +23,11 @@ if os.environ.get("CI") == "true":
     import transformers  # noqa: F401
 
     import engine.integrations.transformers  # noqa: F401  an ImportError inside the integration fails CI
+
+
+@pytest.fixture
+def no_native(monkeypatch):
+    """The native decode kernel reported unavailable (as on a machine without a compiler): the torch kernels run."""
+    import engine.kernels.decode_native as native
+
+    monkeypatch.setattr(native, "load_native", lambda: "native code is turned off (test)")

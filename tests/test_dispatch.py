@@ -28,11 +28,18 @@ def test_plain_prefill_runs_torch_sdpa():
     assert chosen(*rand(1, 4, 2, 64, 64, 16)) == "sdpa"
 
 
-def test_decode_runs_the_decode_kernel_unless_gradients_are_needed():
+def test_decode_runs_the_native_decode_kernel_unless_gradients_are_needed():
+    q, k, v = rand(2, 8, 2, 1, 1024, 16)
+    assert chosen(q, k, v) == "decode_native"
+    assert chosen(q, k, v, allowed=key_padding_mask(torch.tensor([3, 1024]), 1024)) == "decode_native"
+    assert chosen(q.requires_grad_(), k, v) not in ("decode", "decode_native")
+
+
+def test_without_the_native_kernel_decode_runs_the_torch_decode_kernel_and_explain_says_why(no_native):
     q, k, v = rand(2, 8, 2, 1, 1024, 16)
     assert chosen(q, k, v) == "decode"
     assert chosen(q, k, v, allowed=key_padding_mask(torch.tensor([3, 1024]), 1024)) == "decode"
-    assert chosen(q.requires_grad_(), k, v) != "decode"
+    assert explain(q, k, v).passed_over["decode_native"] == "native code is turned off (test)"
 
 
 def test_masks_and_position_offsets_run_the_fused_tiles():
@@ -90,7 +97,7 @@ def test_auto_gives_the_same_results_as_the_reference_for_every_choice():
 
 def test_explain_answers_for_empty_queries_or_keys():
     q, k = torch.randn(1, 4, 0, 16), torch.randn(1, 2, 5, 16)
-    fast = {"decode", "sdpa", "sdpa_tiles", "tiled"}
+    fast = {"decode_native", "decode", "sdpa", "sdpa_tiles", "tiled"}
     assert explain(q, k, k).kernel in fast
     assert explain(torch.randn(1, 4, 3, 16), k[:, :, :0], k[:, :, :0]).kernel in fast
 
@@ -103,7 +110,7 @@ def test_nan_in_q_found_while_running_goes_straight_to_the_tiled_kernel(caplog):
     with caplog.at_level(logging.DEBUG, logger="engine.kernels"):
         out = causal_attention(q, k, v)
     hops = [r.getMessage() for r in caplog.records if "falling back" in r.getMessage()]
-    assert len(hops) == 1 and hops[0].endswith("kernel=tiled")
+    assert len(hops) == 1 and hops[0].endswith("kernel=tiled")  # from decode_native, straight to tiled
     assert bool(out[0, 1].isnan().all()) and bool(torch.isfinite(out[0, [0, 2, 3]]).all())
 
 

@@ -53,7 +53,7 @@ def test_the_quick_decode_run_writes_json_and_plots(tmp_path, capsys):
     assert bench_kernels.main(args) == 0
     saved = json.loads((tmp_path / "kernels.json").read_text())
     impls = {r["impl"] for r in saved["rows"]}
-    assert {"engine (decode)", "sdpa enable_gqa", "copy"} <= impls
+    assert {"engine (decode_native)", "engine:decode", "engine int8 cache", "sdpa enable_gqa", "copy"} <= impls
     assert any(t["target"].startswith("5 decode") for t in saved["meta"]["targets"])
     assert (tmp_path / "kernels_decode.png").exists()
     assert "5 decode vs sdpa enable_gqa" in capsys.readouterr().out

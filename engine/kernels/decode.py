@@ -30,7 +30,7 @@ from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, needs_grad
 from engine.kernels.flash import flash_call, flash_fits, flash_operands
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
-from engine.kernels.visibility import causal_pattern, visibility_mask
+from engine.kernels.visibility import causal_pattern, row_visibility, visibility_mask, visible_span
 
 MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row
 MIN_KEYS = 512  # ... against at least this many cached keys
@@ -62,35 +62,6 @@ def decode_attention(inputs: AttentionInputs, return_lse: bool = False):
     return run_guarded(inputs, return_lse, _grouped_flash)
 
 
-def _visible_span(mask, batch: int, t: int, s: int) -> tuple[int, int]:
-    """The smallest key range ``[j0, j1)`` holding every key some row sees (whole cache if unsure)."""
-    if mask is None:
-        return 0, s
-    block = 256
-    seen = torch.zeros(-(-s // block), dtype=torch.bool)
-    for b in range(batch if mask.batched() else 1):
-        some, _ = mask.tile_bounds(b, max(t, 1), block, t, s)  # [1, nk]
-        seen |= some.any(dim=0)
-    hits = seen.nonzero()
-    if hits.numel() == 0:
-        return 0, 0
-    return int(hits[0]) * block, min(int(hits[-1] + 1) * block, s)
-
-
-def _row_visible(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: int) -> torch.Tensor:
-    """Bool ``[B|1, Hkv|1, G*T, j1-j0]``: which keys each query row sees."""
-    blocks = []
-    for b in range(batch if mask.batched() else 1):
-        visible = mask.block(b, 0, t, j0, j1)  # [T, n] or [Hq|1, T|1, n|1]
-        visible = visible.expand(*visible.shape[:-2], t, j1 - j0)
-        if visible.dim() == 3 and visible.shape[0] > 1:  # per head: [Hq, T, n] -> [Hkv, G*T, n]
-            visible = visible.reshape(kv_heads, group * t, j1 - j0)
-        else:  # shared by every head: [T, n] -> [1, G*T, n]
-            visible = visible.reshape(t, j1 - j0).repeat(group, 1)[None]
-        blocks.append(visible)
-    return torch.stack(blocks)  # [B|1, Hkv|1, G*T, n]
-
-
 def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
     q, k, v = flash_operands(inputs.q, inputs.k, inputs.v)  # views unless a last axis is strided
     batch, q_heads, t, d = q.shape
@@ -98,7 +69,7 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
     group = q_heads // kv_heads
     compute = compute_dtype(q.dtype)
     mask = visibility_mask(inputs)
-    j0, j1 = _visible_span(mask, batch, t, s)
+    j0, j1 = visible_span(mask, batch, t, s)
     out = torch.zeros(batch, kv_heads, group * t, d, dtype=q.dtype)  # [B, Hkv, G*T, Dv]
     lse = torch.full((batch, kv_heads, group * t), NEG_INF, dtype=compute)  # [B, Hkv, G*T]
     if j1 > j0:
@@ -108,7 +79,7 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
         kc, vc = k[:, :, j0:j1], v[:, :, j0:j1]  # views
         visible = None
         if mask is not None and (inputs.allowed is not None or causal_pattern(inputs) != "none"):
-            visible = _row_visible(mask, batch, kv_heads, group, t, j0, j1)  # [B|1, Hkv|1, G*T, n]
+            visible = row_visibility(mask, batch, kv_heads, group, t, j0, j1)  # [B|1, Hkv|1, G*T, n]
         out, lse = _split_kv(q_rows, kc, vc, visible, inputs.scale)
     out = out.reshape(batch, q_heads, t, d).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
     return out, lse.reshape(batch, q_heads, t)

@@ -13,12 +13,15 @@ import torch
 from engine.inputs import AttentionInputs
 from engine.kernels.common import compute_dtype
 from engine.kernels.visibility import dense_visibility
+from engine.quantized import QuantizedKV
 
 
 def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
     """Materialise scores, mask before the softmax, return ``(out [B, Hq, T, Dv], lse [B, Hq, T])``."""
     q, k, v = inputs.q, inputs.k, inputs.v
     compute = compute_dtype(q.dtype)
+    if isinstance(k, QuantizedKV):  # a quantized cache's oracle: attention over its dequantised entries
+        k, v = k.dequantize(compute), v.dequantize(compute)  # [B, Hkv, S, D], [B, Hkv, S, Dv]
     group = q.shape[1] // k.shape[1]
     mask = dense_visibility(inputs)  # [B|1, Hq|1, T, S]
     kf, vf = k.to(compute), v.to(compute)

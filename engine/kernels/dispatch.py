@@ -6,6 +6,8 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
+| decode_native| few queries against a long cache in C++: each K/V row read  | T <= 16, no gradients, CPU, a   |
+|              | once, converted in registers; reads int8 / fp8 caches too   | build (pays off from S >= 512)  |
 | decode       | few queries against a long cache: split-KV, merged by lse   | T <= 16, no gradients, CPU op   |
 |              |                                                             | (pays off from S >= 512)        |
 | sdpa         | one call of PyTorch's fused CPU flash op                    | no mask beyond top-left causal  |
@@ -13,6 +15,8 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 | sdpa_tiles   | that fused op on the tiles the mask leaves, lse-merged      | no softcap, Dv == D, CPU        |
 | flex         | FlexAttention on a BlockMask from the mask's tile bounds    | CPU (forced; no grad) and CUDA  |
 | tiled        | online softmax over tiles in torch ops, skips empty tiles   | everything                      |
+| dequantized  | quantized K/V dequantised a chunk at a time (readable twin) | QuantizedKV k, v (which only    |
+|              |                                                             | decode_native also reads)       |
 | reference    | dense scores ``[B, Hq, T, S]`` (the oracle)                 | everything, small sizes only    |
 
 ``auto`` takes the first kernel that fits and pays off (never the reference). A forced kernel runs when it
@@ -36,7 +40,9 @@ import torch
 from engine.inputs import AttentionInputs, prepare_inputs
 from engine.kernels.common import DoesNotFit, compute_dtype, differentiable
 from engine.kernels.decode import decode_attention, decode_fits, decode_pays_off
+from engine.kernels.decode_native import native_decode_attention, native_decode_fits, native_decode_pays_off
 from engine.kernels.dense import dense_attention
+from engine.kernels.dequantized import dequantized_attention, dequantized_fits
 from engine.kernels.flex import flex_attention, flex_fits, flex_pays_off
 from engine.kernels.sdpa import sdpa_attention, sdpa_fits
 from engine.kernels.sdpa_cuda import sdpa_cuda_attention, sdpa_cuda_fits
@@ -73,6 +79,9 @@ class Kernel(NamedTuple):
 
 # Fastest first: the order auto walks and the fallback order of a forced kernel.
 KERNELS: dict[str, Kernel] = {
+    "decode_native": Kernel(native_decode_attention, native_decode_fits, native_decode_pays_off,
+                            "few queries against a long cache, in C++: each K/V row read once for its query group, "
+                            "converted in registers", takes=frozenset({"quantized_kv"})),
     "decode": Kernel(decode_attention, decode_fits, decode_pays_off,
                      "few queries against a long cache: reads each K/V byte once, split across chunks"),
     "sdpa": Kernel(sdpa_attention, sdpa_fits, _always,
@@ -88,8 +97,11 @@ KERNELS: dict[str, Kernel] = {
     "tiled": Kernel(tiled_attention, _always, _always,
                     "the general tiled kernel (softcap, Dv != D, per-head masks, any device)",
                     takes=frozenset({"softcap"})),
+    "dequantized": Kernel(dequantized_attention, dequantized_fits, _always,
+                          "a quantized KV cache, dequantised a chunk of keys at a time (readable twin)",
+                          takes=frozenset({"softcap", "quantized_kv"})),
     "reference": Kernel(dense_attention, _always, _never_auto, "the dense reference (the oracle)",
-                        takes=frozenset({"softcap"})),
+                        takes=frozenset({"softcap", "quantized_kv"})),
 }
 
 
@@ -126,7 +138,7 @@ def _walk(inputs: AttentionInputs, start: str | None = None, forced: bool = Fals
         if why_not is None:
             return KernelChoice(name, kernel.why, passed_over)
         passed_over[name] = why_not
-    raise AssertionError("the tiled kernel fits every input")  # it takes every option
+    raise AssertionError("the tiled kernel fits every input")  # every option (quantized K/V: dequantized)
 
 
 def _untaken(kernel: Kernel, inputs: AttentionInputs) -> str | None:

@@ -60,3 +60,32 @@ def causal_pattern(inputs: AttentionInputs) -> str | None:
     if qp.shape[1] == kp.shape[1] and torch.equal(qp, kp) and bool((kp.diff(dim=-1) > 0).all()):
         return "causal"
     return None
+
+
+def visible_span(mask, batch: int, t: int, s: int) -> tuple[int, int]:
+    """The smallest key range ``[j0, j1)`` holding every key some row sees (whole cache if unsure)."""
+    if mask is None:
+        return 0, s
+    block = 256
+    seen = torch.zeros(-(-s // block), dtype=torch.bool)
+    for b in range(batch if mask.batched() else 1):
+        some, _ = mask.tile_bounds(b, max(t, 1), block, t, s)  # [1, nk]
+        seen |= some.any(dim=0)
+    hits = seen.nonzero()
+    if hits.numel() == 0:
+        return 0, 0
+    return int(hits[0]) * block, min(int(hits[-1] + 1) * block, s)
+
+
+def row_visibility(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: int) -> torch.Tensor:
+    """Bool ``[B|1, Hkv|1, G*T, j1-j0]``: which keys each query row sees."""
+    blocks = []
+    for b in range(batch if mask.batched() else 1):
+        visible = mask.block(b, 0, t, j0, j1)  # [T, n] or [Hq|1, T|1, n|1]
+        visible = visible.expand(*visible.shape[:-2], t, j1 - j0)
+        if visible.dim() == 3 and visible.shape[0] > 1:  # per head: [Hq, T, n] -> [Hkv, G*T, n]
+            visible = visible.reshape(kv_heads, group * t, j1 - j0)
+        else:  # shared by every head: [T, n] -> [1, G*T, n]
+            visible = visible.reshape(t, j1 - j0).repeat(group, 1)[None]
+        blocks.append(visible)
+    return torch.stack(blocks)  # [B|1, Hkv|1, G*T, n]

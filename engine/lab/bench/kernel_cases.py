@@ -34,6 +34,7 @@ class Impl:
     role: str = "engine"  # "engine" or "peer"
     setup: Callable[[], Any] | None = None
     note: str = ""
+    kv_bytes: float | None = None  # K/V bytes this implementation reads, when not the case's (a quantized cache)
 
 
 @dataclass
@@ -231,11 +232,21 @@ def documents(n_docs: int, length: int, heads: int, d: int, flex: bool, train: b
     return Case("training" if train else "documents", f"{n_docs} docs x {length}, T={t}", {"T": t}, build, flops)
 
 
-def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype, tiled: bool) -> Case:
-    """One new query per row against S cached keys (default positions: every key visible)."""
+def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype, tiled: bool,
+           quantized: bool = False) -> Case:
+    """One new query per row against S cached keys (default positions: every key visible): the engine (the
+    native kernel), the previous torch ``decode`` kernel forced, SDPA with ``enable_gqa`` and the copy
+    bandwidth; ``quantized`` adds the same cache stored in int8 (and fp8 e4m3), read by the engine."""
     def build() -> list[Impl]:
+        from engine.quantized import QUANTIZED_DTYPES, quantize
+
         q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d, dtype)
-        impls = _engine_impls(q, k, v, ("tiled",) if tiled else ())
+        impls = _engine_impls(q, k, v, ("decode",) + (("tiled",) if tiled else ()))
+        for kind in QUANTIZED_DTYPES if quantized else ():
+            kq, vq = quantize(k, kind), quantize(v, kind)  # [B, Hkv, S, D] 1-byte entries + [B, Hkv, S] scales
+            name = "int8" if kind == torch.int8 else "fp8"
+            impls.append(Impl(f"engine {name} cache", lambda kq=kq, vq=vq: causal_attention(q, kq, vq),
+                              kv_bytes=float(kq.nbytes + vq.nbytes), note="K/V bytes: 1 per entry + fp32 scales"))
         impls.append(Impl("sdpa enable_gqa", _sdpa(q, k, v, False), "peer"))
         src = k.reshape(-1)[: COPY_BYTES // k.element_size()]  # beyond the caches, the size does not matter
         dst = torch.zeros_like(src)  # zeros: its pages are mapped before the timing
@@ -246,7 +257,8 @@ def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch
     item = torch.finfo(dtype).bits // 8
     kv_bytes = 2.0 * batch * kv_heads * s * d * item
     name = f"B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
-    return Case("decode", name, {"S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s, kv_bytes)
+    return Case("decode", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
+                kv_bytes)
 
 
 def chunked_bf16(t: int, cached: int, heads: int, d: int, train: bool = False) -> Case:
@@ -310,7 +322,8 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
         cases += [chunked(256, 2048, h, d, flex), ragged(256, [512, 1024, 1536, 2048], h, d, False)]
         cases += [windowed(t, 128, h, d, flex and t == 2048, True) for t in (1024, 2048, 4096)]
         cases += [documents(4, 512, h, d, flex)]
-        cases += [decode(2, 32, 8, 4096, 128, dt, True) for dt in (torch.float32, torch.bfloat16)]
+        cases += [decode(2, 32, 8, 4096, 128, dt, dt != torch.float16, dt == torch.bfloat16)
+                  for dt in (torch.float32, torch.bfloat16, torch.float16)]
         cases += [memory(4096, h, d)]
         cases += [chunked_bf16(256, 2048, h, d), chunked_bf16(256, 1024, h, d, train=True)]
         cases += [decode_cache_view(1, 32, 8, 4096, 8192, 128)]
@@ -320,8 +333,8 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
     cases += [ragged(512, [4096, 8192, 12288, 16384], h, d, False)]
     cases += [windowed(t, 512, h, d, flex and t == 16384, t <= 16384) for t in (4096, 8192, 16384, 32768)]
     cases += [documents(16, 1024, h, d, flex)]
-    cases += [decode(8, 32, 8, s, 128, dt, s == 32768) for s in (32768, 131072)
-              for dt in (torch.float32, torch.bfloat16)]
+    cases += [decode(b, 32, 8, s, 128, dt, b == 8 and s == 32768 and dt == torch.float32, dt == torch.bfloat16)
+              for b in (1, 8) for s in (4096, 32768, 131072) for dt in (torch.float32, torch.bfloat16, torch.float16)]
     cases += [memory(65536, h, d)]
     cases += [chunked_bf16(512, 8192, h, d), chunked_bf16(512, 4096, h, d, train=True)]
     cases += [decode_cache_view(1, 32, 8, 32768, 65536, 128)]

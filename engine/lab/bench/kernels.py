@@ -4,7 +4,8 @@ For each case (see engine.lab.bench.kernel_cases) every implementation runs on t
 interleave the implementations repeat by repeat (so drift on a shared machine hits them alike) and the
 median is reported, with GFLOP/s of useful work, decode GB/s, peak extra memory (first call) and the
 engine's speed-up over each peer. FlexAttention's block mask and compile time are reported apart. The
-closing table checks issue 4's seven targets. Results: ``kernels.json`` / ``kernels.csv`` and PNG plots.
+closing table checks issue 4's seven targets and issue 13's decode targets. Results: ``kernels.json`` /
+``kernels.csv`` and PNG plots.
 
     python run.py bench kernels --quick            # seconds: small sizes, no FlexAttention
     python run.py bench kernels --threads 2        # the full run of docs/BENCHMARKS.md
@@ -157,7 +158,8 @@ def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None, devic
                 row["GB/s"] = 2 * min(case.kv_bytes / 2, cases_mod.COPY_BYTES) / seconds / 1e9  # read + written
             else:
                 row["GFLOP/s"] = case.flops / seconds / 1e9
-                row["GB/s"] = case.kv_bytes / seconds / 1e9 if case.kv_bytes else None
+                kv_bytes = impl.kv_bytes or case.kv_bytes
+                row["GB/s"] = kv_bytes / seconds / 1e9 if kv_bytes else None
         row["setup s"] = setup_s.get(impl.label)
         row["note"] = "; ".join(x for x in (impl.note, *(case.notes if impl.role == "engine" else [])) if x) or None
         rows.append(row)
@@ -199,7 +201,7 @@ def _ratio_rows(rows, group, peer_prefix, case_part=None):
 
 
 def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 4's targets as measured in this run: the worst case of each, with the threshold."""
+    """Issue 4's targets (and issue 13's) as measured in this run: the worst case of each, with the threshold."""
     targets: list[dict[str, Any]] = []
 
     def add(name, pairs, threshold, how):
@@ -225,6 +227,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         [(r["case"], r["GB/s"] / copies[r["case"]]) for r in _find(rows, "decode", "engine (") if r["case"] in copies],
         0.8, "bytes of K and V read per second over the copy bandwidth")
     add("5 decode vs sdpa enable_gqa", _ratio_rows(rows, "decode", "sdpa enable_gqa"), 1.0, "speed-up")
+    _issue13_targets(rows, copies, add)
     for r in _find(rows, "memory", "engine ("):
         targets.append({"target": "6 memory, peak extra GiB", "measured": r["peak MiB"] / 1024, "threshold": 1.0,
                         "met": r["peak MiB"] / 1024 < 1.0, "how": f"{r['case']}, {r['impl']}, below threshold"})
@@ -265,6 +268,21 @@ def check_cuda_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return targets
 
 
+def _issue13_targets(rows, copies, add) -> None:
+    """Issue 13's decode targets: K/V read at >= 60 % of the copy bandwidth at S >= 32k; an int8 cache at <= 0.6x
+    the bf16 cache's time at S = 32k (a speed-up >= 1 / 0.6); fp16 decode at least level with bf16."""
+    long = [r for r in _find(rows, "decode", "engine (") if r["S"] >= 32768 and r["case"] in copies]
+    add("13 decode K/V GB/s / copy, S >= 32k", [(r["case"], r["GB/s"] / copies[r["case"]]) for r in long], 0.6,
+        "bytes of K and V read per second over the copy bandwidth (stretch 0.8)")
+    bf16 = {(r["B"], r["S"]): r for r in _find(rows, "decode", "engine (") if r["dtype"] == "torch.bfloat16"}
+    add("13 int8 cache vs bf16 cache, S = 32k",
+        [(r["case"], bf16[(r["B"], r["S"])]["ms"] / r["ms"]) for r in _find(rows, "decode", "engine int8")
+         if r["S"] == 32768 and (r["B"], r["S"]) in bf16], 1 / 0.6, "speed-up (time <= 0.6x bf16's)")
+    add("13 fp16 decode vs bf16", [(r["case"], bf16[(r["B"], r["S"])]["ms"] / r["ms"])
+                                   for r in _find(rows, "decode", "engine (") if r["dtype"] == "torch.float16"
+                                   and (r["B"], r["S"]) in bf16], 1.0, "speed-up (>= 1: level or faster)")
+
+
 def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Path]:
     from engine.lab import plots
 
@@ -294,9 +312,9 @@ def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Pat
             values = [next((r["GB/s"] for r in decode_rows if r["case"] == c and r["impl"] == label), 0) for c in cases]
             ax.bar([i + index * width for i in range(len(cases))], values, width, label=label)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))],
-                      [c.split(" D=128 ")[-1] for c in cases], fontsize=8)
+                      [f"{c.split()[0]} {c.split(' D=128 ')[-1]}" for c in cases], fontsize=6, rotation=60)
         ax.set_ylabel("GB/s (K/V bytes read; copy: read + written)")
-        ax.set_title("decode, B=8 Hq=32 Hkv=8 D=128: bytes per second")
+        ax.set_title("decode, Hq=32 Hkv=8 D=128: bytes per second")
         ax.legend(fontsize=7)
         paths.append(plots.save(fig, out / "kernels_decode.png"))
     targets = check_targets(rows)
@@ -309,7 +327,7 @@ def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Pat
         ax.axvline(1.0, color="grey", linestyle="--")
         ax.set_xscale("log")
         ax.set_xlabel("measured / target (>= 1 meets the target)")
-        ax.set_title("issue 4 targets, measured side by side in one run")
+        ax.set_title("issue 4 and 13 targets, measured side by side in one run")
         ax.tick_params(axis="y", labelsize=7)
         paths.append(plots.save(fig, out / "kernels_targets.png"))
     return paths

@@ -73,10 +73,14 @@ def score_matrix_bytes(heads: int, q_len: int, k_len: int | None = None, batch: 
 
 
 def model_kv_bytes(model: ModelShape, context: int, batch: int = 1, bytes_per_element: int = 2,
-                   kv_heads: int | None = None) -> int:
-    """KV-cache bytes of a model; ``kv_heads`` overrides the model's (``q_heads`` gives the MHA baseline)."""
+                   kv_heads: int | None = None, scale_bytes: int = 0) -> int:
+    """KV-cache bytes of a model; ``kv_heads`` overrides the model's (``q_heads`` gives the MHA baseline);
+    ``scale_bytes`` = 4 for the engine's quantized cache (a fp32 scale per token, head, K and V)."""
     heads = model.kv_heads if kv_heads is None else kv_heads
-    return kv_cache_bytes(model.layers, batch, heads, context, model.head_dim, bytes_per_element)
+    return kv_cache_bytes(model.layers, batch, heads, context, model.head_dim, bytes_per_element, scale_bytes)
+
+
+QUANTIZED_KV = ("int8", "fp8")  # --kv-dtype values stored as the engine's quantized cache (engine.quantized)
 
 
 def crossover_context(model: ModelShape, bytes_per_element: int = 2, batch: int = 1) -> int:
@@ -184,6 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=parse_count, default=1, help="sequences in the batch (default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16",
                         help="element type of scores, cache and weights (default bf16)")
+    parser.add_argument("--kv-dtype", choices=sorted({*DTYPE_BYTES, *QUANTIZED_KV}), default=None,
+                        help="KV cache dtype (default --dtype); int8 / fp8: the engine's quantized cache, 1 B per "
+                        "entry + a 4 B scale per token and head for K and for V")
     parser.add_argument("--check-seeds", action="store_true",
                         help="print every seed figure beside the computed value; exit 1 on a mismatch")
     parser.add_argument("--list-models", action="store_true", help="print the presets and exit")
@@ -210,18 +217,28 @@ def build_model(args: argparse.Namespace) -> ModelShape:
     )
 
 
-def memory_rows(model: ModelShape, contexts: list[int], batch: int, element: int) -> list[dict]:
-    """One row per context: materialised scores of one layer, the KV cache, and the cache over the weights."""
+def memory_rows(model: ModelShape, contexts: list[int], batch: int, element: int, kv_dtype: str | None = None
+                ) -> list[dict]:
+    """One row per context: materialised scores of one layer, the KV cache (in ``kv_dtype``, default the
+    weights' dtype; int8 / fp8 quantized with their scales), and the cache over the weights."""
     weights = model.parameter_count() * element
+    kv_element, scale = _kv_element(kv_dtype, element)
     rows = []
     for context in contexts:
         scores = score_matrix_bytes(model.q_heads, context, batch=batch, bytes_per_element=element)
-        kv = model_kv_bytes(model, context, batch, element)
+        kv = model_kv_bytes(model, context, batch, kv_element, scale_bytes=scale)
         rows.append({"context": context, "scores_1_layer_bytes": scores, "kv_cache_bytes": kv,
                      "scores_1_layer": f"{format_bytes(scores, 'GiB', 2)} = {format_bytes(scores, 'GB', 2)}",
                      "kv_cache": f"{format_bytes(kv, 'GiB', 2)} = {format_bytes(kv, 'GB', 2)}",
                      "kv_over_weights": kv / weights if weights else float("nan")})
     return rows
+
+
+def _kv_element(kv_dtype: str | None, element: int) -> tuple[int, int]:
+    """(bytes per K/V entry, scale bytes per token and head) in ``kv_dtype`` (None: ``element``, no scales)."""
+    if kv_dtype is None:
+        return element, 0
+    return (1, 4) if kv_dtype in QUANTIZED_KV else (dtype_bytes(kv_dtype), 0)
 
 
 def describe(model: ModelShape, batch: int, dtype: str) -> list[str]:
@@ -258,10 +275,14 @@ def main(args: argparse.Namespace) -> int:
         return 2
     element = dtype_bytes(args.dtype)
     print("\n".join(describe(model, args.batch, args.dtype)) + "\n")
-    rows = memory_rows(model, args.context, args.batch, element)
+    rows = memory_rows(model, args.context, args.batch, element, args.kv_dtype)
+    if args.kv_dtype:
+        kv_element, scale = _kv_element(args.kv_dtype, element)
+        print(f"KV cache in {args.kv_dtype}: {kv_element} B per entry" + (f" + a {scale} B scale per token and head "
+              "(K and V each)" if scale else "") + "\n")
     print(format_table(rows, ["context", "scores_1_layer", "kv_cache", "kv_over_weights"]))
     if args.out:
         paths = save_results(args.out, "memory", rows, {"model": asdict(model), "dtype": args.dtype,
-                                                        "batch": args.batch})
+                                                        "kv_dtype": args.kv_dtype or args.dtype, "batch": args.batch})
         print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -1,0 +1,683 @@
+// Kernel "decode_native": a few query rows against a long KV cache, reading each K/V byte once.
+//
+// Built by engine/kernels/native_build.py with the host compiler (-O3 -march=native) and called through
+// ctypes from engine/kernels/decode_native.py, which states the contract; the pure-torch "decode" kernel is
+// its fallback and tests/test_decode_native.py checks both against a float64 oracle.
+//
+// Shape of the work (R = G * T query rows of one KV head, read together):
+//
+//     for each work item (b, kv_head, keys [j0, j1))          items split B * Hkv * S evenly across threads
+//       for each block of BLOCK keys                          K/V rows read once, converted in registers
+//         scores  s[r][j] = q[r] . k[j]  (* k_scale[j])       two keys at a time, NR rows per pass
+//         online softmax: m[r] running max, l[r] running sum, acc[r] rescaled by exp(m_old - m_new)
+//         acc[r] += p[r][j] * v[j]  (* v_scale[j])            Dv in register tiles, each V row loaded once
+//     merge the items of one (b, kv_head) by log-sum-exp       out = acc / l, lse = m + log(l)
+//
+// Element kinds of K and V: fp32, bf16, fp16, int8 and fp8 e4m3 (the last two with per-key scales); every
+// kind is converted to fp32 in registers and accumulated in fp32. Guarantees: a key some row does not see
+// never reaches that row (its V is masked out bit-wise, so NaN/inf stay out); a visible non-finite key makes
+// its row NaN with lse -inf, a visible non-finite value makes its channel NaN (the reference's semantics);
+// rows that see no key give 0 and lse -inf.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define DN_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define DN_AVX2 1
+#endif
+
+namespace {
+
+constexpr int BLOCK = 64;  // keys per online-softmax step
+constexpr int NR = 4;      // query rows per register pass
+#ifndef PF_K_BYTES
+#define PF_K_BYTES 49152  // how far ahead K rows are prefetched (bytes of K: a few blocks)
+#endif
+#ifndef PF_V_BYTES
+#define PF_V_BYTES 16384  // ... and V rows
+#endif
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4 };
+
+// ---- scalar conversions (the readable definition of each kind) --------------------------------------------
+
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13);  // inf / NaN
+    } else if (exp == 0) {
+        float f = std::ldexp((float)man, -24);  // subnormal (or zero)
+        std::memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+// fp8 e4m3 (fn): its bits placed in fp16's layout give a half whose value is 2^-8 times the fp8 value (both
+// have 3 mantissa bits left-aligned; the exponent bias moves from 7 to 15), subnormals included. The 2^8
+// is folded into the per-key scale by the caller, so no lookup table is needed in registers either.
+inline uint16_t e4m3_as_half_bits(uint8_t x) { return (uint16_t)(((x & 0x80) << 8) | ((x & 0x7F) << 7)); }
+
+template <int K> inline float load_scalar(const void* p, int64_t i);
+template <> inline float load_scalar<F32>(const void* p, int64_t i) { return ((const float*)p)[i]; }
+template <> inline float load_scalar<BF16>(const void* p, int64_t i) {
+    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+template <> inline float load_scalar<F16>(const void* p, int64_t i) { return half_to_float(((const uint16_t*)p)[i]); }
+template <> inline float load_scalar<I8>(const void* p, int64_t i) { return (float)((const int8_t*)p)[i]; }
+template <> inline float load_scalar<F8E4M3>(const void* p, int64_t i) {
+    return half_to_float(e4m3_as_half_bits(((const uint8_t*)p)[i]));
+}
+
+// ---- vectors of W fp32 lanes --------------------------------------------------------------------------------
+
+#if DN_AVX512
+constexpr int W = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset(float x) { return _mm512_set1_ps(x); }
+inline vec vloadf(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec x) { _mm512_storeu_ps(p, x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(vec x) { return _mm512_reduce_add_ps(x); }
+inline vec vand(vec a, vec b) { return _mm512_and_ps(a, b); }
+template <int K> inline vec vload(const void* p, int64_t i);
+template <> inline vec vload<F32>(const void* p, int64_t i) { return _mm512_loadu_ps((const float*)p + i); }
+template <> inline vec vload<BF16>(const void* p, int64_t i) {
+    __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <> inline vec vload<F16>(const void* p, int64_t i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i)));
+}
+template <> inline vec vload<I8>(const void* p, int64_t i) {
+    __m128i b = _mm_loadu_si128((const __m128i*)((const int8_t*)p + i));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+template <> inline vec vload<F8E4M3>(const void* p, int64_t i) {
+    __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
+    __m256i bits = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8),
+                                   _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7));
+    return _mm512_cvtph_ps(bits);
+}
+// e^x for x <= 0 (x <= -87 gives 0; no NaN reaches it): 2^n * p(r), r = x - n ln2, a degree-6 polynomial (rel. error ~1e-7)
+inline vec vexp(vec x) {
+    vec x0 = x;
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    vec r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    vec p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    vec y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), y);  // e^-inf = 0
+}
+#elif DN_AVX2
+constexpr int W = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vset(float x) { return _mm256_set1_ps(x); }
+inline vec vloadf(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec x) { _mm256_storeu_ps(p, x); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(vec x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+inline vec vand(vec a, vec b) { return _mm256_and_ps(a, b); }
+template <int K> inline vec vload(const void* p, int64_t i);
+template <> inline vec vload<F32>(const void* p, int64_t i) { return _mm256_loadu_ps((const float*)p + i); }
+template <> inline vec vload<BF16>(const void* p, int64_t i) {
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)p + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <> inline vec vload<F16>(const void* p, int64_t i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)p + i)));
+}
+template <> inline vec vload<I8>(const void* p, int64_t i) {
+    __m128i b = _mm_loadl_epi64((const __m128i*)((const int8_t*)p + i));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+template <> inline vec vload<F8E4M3>(const void* p, int64_t i) {
+    __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i)));
+    __m128i bits = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8),
+                                _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7));
+    return _mm256_cvtph_ps(bits);
+}
+inline vec vexp(vec x) {
+    vec x0 = x;
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+    vec n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vec r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    vec p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    vec y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_and_ps(y, _mm256_cmp_ps(x0, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));  // e^-inf = 0
+}
+#endif
+
+#if DN_AVX512 || DN_AVX2
+constexpr int W_ = W;
+#else
+constexpr int W_ = 1;
+#endif
+
+#if DN_AVX512 || DN_AVX2
+// The sums of eight vectors at once (a transposed reduction: 7 horizontal adds, not 8 separate reductions).
+inline __m256 to_ymm(vec x) {
+#if DN_AVX512
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+#else
+    return x;
+#endif
+}
+inline void hsum8(vec v0, vec v1, vec v2, vec v3, vec v4, vec v5, vec v6, vec v7, float* out) {
+    const __m256 h01 = _mm256_hadd_ps(to_ymm(v0), to_ymm(v1)), h23 = _mm256_hadd_ps(to_ymm(v2), to_ymm(v3));
+    const __m256 h45 = _mm256_hadd_ps(to_ymm(v4), to_ymm(v5)), h67 = _mm256_hadd_ps(to_ymm(v6), to_ymm(v7));
+    const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+    const __m256 lo = _mm256_permute2f128_ps(h0123, h4567, 0x20), hi = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+    _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+#endif
+
+// ---- the call's operands -------------------------------------------------------------------------------------
+
+struct Operands {
+    const void *k, *v;              // [B, Hkv, S, D] / [B, Hkv, S, Dv], unit stride on the last axis
+    int64_t ks[3], vs[3];           // strides (elements) of b, h, s
+    const float *k_scale, *v_scale; // [B, Hkv, S] per-key scales, or null (strides kss / vss)
+    int64_t kss[3], vss[3];
+    const float* q;                 // [B, Hkv, R, D] fp32, contiguous, already multiplied by the softmax scale
+    const uint8_t* visible;         // [B, Hkv, R, S] (strides vis, 0 where broadcast), or null: all visible
+    int64_t vis[4];
+    int64_t B, H, R, S, D, Dv;
+    float k_unit, v_unit;           // constant factor of every key / value (2^8 for fp8, else 1)
+};
+
+struct Partial {                    // one work item's online-softmax state
+    int64_t bh, j0, j1;
+    std::vector<float> m, l, acc;   // [R], [R], [R * Dv]
+    std::vector<uint8_t> bad;       // [R]: the row saw a non-finite key
+};
+
+// ---- one work item -----------------------------------------------------------------------------------------
+
+template <int KIND, bool SIMD>
+struct Item {
+    const Operands& o;
+    Partial& part;
+    const void *kb, *vb;
+    const float *ksc, *vsc;
+    const uint8_t* visb;
+    const float* qb;
+    // block scratch: scores / probabilities [R][BLOCK], visibility [R][BLOCK] as 0 / all-ones bit masks
+    std::vector<float> s, keep, vscale;
+    std::vector<uint8_t> seen_key;
+
+    Item(const Operands& o_, Partial& p_) : o(o_), part(p_), s(o_.R * BLOCK), keep(o_.R * BLOCK), vscale(BLOCK), seen_key(BLOCK) {
+        const int64_t b = p_.bh / o.H, h = p_.bh % o.H;
+        kb = (const char*)o.k + elem_size() * (b * o.ks[0] + h * o.ks[1]);
+        vb = (const char*)o.v + elem_size() * (b * o.vs[0] + h * o.vs[1]);
+        ksc = o.k_scale ? o.k_scale + b * o.kss[0] + h * o.kss[1] : nullptr;
+        vsc = o.v_scale ? o.v_scale + b * o.vss[0] + h * o.vss[1] : nullptr;
+        visb = o.visible ? o.visible + b * o.vis[0] + h * o.vis[1] : nullptr;
+        qb = o.q + p_.bh * o.R * o.D;
+    }
+
+    static constexpr int64_t elem_size() { return KIND == F32 ? 4 : (KIND == BF16 || KIND == F16) ? 2 : 1; }
+
+    float key_scale(int64_t j) const { return o.k_unit * (ksc ? ksc[j * o.kss[2]] : 1.0f); }
+    float value_scale(int64_t j) const { return o.v_unit * (vsc ? vsc[j * o.vss[2]] : 1.0f); }
+
+    // Ask for keys j, j+1 of the next block and values j, j+1 of this one while this block's scores run
+    // (the hardware prefetcher alone leaves each core waiting on two interleaved streams).
+    void prefetch_rows(int64_t j) {
+        const int64_t PF_K = std::max<int64_t>(1, PF_K_BYTES / std::max<int64_t>(1, elem_size() * o.D));
+        const int64_t PF_V = std::max<int64_t>(1, PF_V_BYTES / std::max<int64_t>(1, elem_size() * o.Dv));
+        for (int64_t jj = j; jj < j + 2; ++jj) {
+            if (jj + PF_K < part.j1) prefetch_row((const char*)kb + elem_size() * (jj + PF_K) * o.ks[2], o.D);
+            if (jj + PF_V < part.j1) prefetch_row((const char*)vb + elem_size() * (jj + PF_V) * o.vs[2], o.Dv);
+        }
+    }
+    static void prefetch_row(const char* row, int64_t width) {
+        for (int64_t b = 0; b < elem_size() * width; b += 64) __builtin_prefetch(row + b, 0, 3);
+    }
+
+    // s[r][jj] = q[r] . k[j0 + jj] * key scale, rows r0 .. r0 + N; two keys per pass (2N independent sums)
+    template <int N>
+    void scores_rows(int64_t r0, int64_t j0, int n) {
+        const int64_t D = o.D;
+        int jj = 0;
+        if constexpr (SIMD) {
+#if DN_AVX512 || DN_AVX2
+            for (; jj + 2 <= n; jj += 2) {
+                if (r0 == 0) prefetch_rows(j0 + jj);
+                const void* k0 = (const char*)kb + elem_size() * (j0 + jj) * o.ks[2];
+                const void* k1 = (const char*)kb + elem_size() * (j0 + jj + 1) * o.ks[2];
+                vec a0[N], a1[N];
+                for (int r = 0; r < N; ++r) a0[r] = a1[r] = vzero();
+                for (int64_t d = 0; d < D; d += W) {
+                    const vec x0 = vload<KIND>(k0, d), x1 = vload<KIND>(k1, d);
+                    for (int r = 0; r < N; ++r) {
+                        const vec qv = vloadf(qb + (r0 + r) * D + d);
+                        a0[r] = vfma(qv, x0, a0[r]);
+                        a1[r] = vfma(qv, x1, a1[r]);
+                    }
+                }
+                const float u0 = key_scale(j0 + jj), u1 = key_scale(j0 + jj + 1);
+                if constexpr (N == 4) {
+                    float sums[8];
+                    hsum8(a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3], sums);
+                    for (int r = 0; r < N; ++r) {
+                        s[(r0 + r) * BLOCK + jj] = sums[r] * u0;
+                        s[(r0 + r) * BLOCK + jj + 1] = sums[4 + r] * u1;
+                    }
+                } else {
+                    for (int r = 0; r < N; ++r) {
+                        s[(r0 + r) * BLOCK + jj] = vsum(a0[r]) * u0;
+                        s[(r0 + r) * BLOCK + jj + 1] = vsum(a1[r]) * u1;
+                    }
+                }
+            }
+            for (; jj < n; ++jj) {
+                const void* k0 = (const char*)kb + elem_size() * (j0 + jj) * o.ks[2];
+                vec a0[N];
+                for (int r = 0; r < N; ++r) a0[r] = vzero();
+                for (int64_t d = 0; d < D; d += W) {
+                    const vec x0 = vload<KIND>(k0, d);
+                    for (int r = 0; r < N; ++r) a0[r] = vfma(vloadf(qb + (r0 + r) * D + d), x0, a0[r]);
+                }
+                const float u0 = key_scale(j0 + jj);
+                for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = vsum(a0[r]) * u0;
+            }
+#endif
+        } else {
+            for (; jj < n; ++jj) {
+                const void* krow = (const char*)kb + elem_size() * (j0 + jj) * o.ks[2];
+                float dots[N] = {};
+                for (int64_t d = 0; d < D; ++d) {
+                    const float kd = load_scalar<KIND>(krow, d);
+                    for (int r = 0; r < N; ++r) dots[r] += qb[(r0 + r) * D + d] * kd;
+                }
+                const float unit = key_scale(j0 + jj);
+                for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = dots[r] * unit;
+            }
+        }
+    }
+
+    // acc[r] += p[r][jj] * v[j0 + jj] for rows r0 .. r0 + N (p already holds the value scale; keep masks it)
+    template <int N, bool MASKED>
+    void accumulate_rows(int64_t r0, int64_t j0, int n) {
+        if constexpr (SIMD) {
+            constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
+            const int64_t vectors = o.Dv / W_;
+            int64_t t0 = 0;
+            for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, j0, n, t0 * W_);
+            switch (vectors - t0) {
+                case 3: accumulate_tile<N, MASKED, 3>(r0, j0, n, t0 * W_); break;
+                case 2: accumulate_tile<N, MASKED, 2>(r0, j0, n, t0 * W_); break;
+                case 1: accumulate_tile<N, MASKED, 1>(r0, j0, n, t0 * W_); break;
+                default: break;
+            }
+        } else {
+            const int64_t Dv = o.Dv;
+            float* acc = part.acc.data();
+            for (int jj = 0; jj < n; ++jj) {
+                const void* vrow = (const char*)vb + elem_size() * (j0 + jj) * o.vs[2];
+                for (int r = 0; r < N; ++r) {
+                    if (MASKED && !_bits(keep[(r0 + r) * BLOCK + jj])) continue;
+                    const float p = s[(r0 + r) * BLOCK + jj];
+                    for (int64_t d = 0; d < Dv; ++d) acc[(r0 + r) * Dv + d] += p * load_scalar<KIND>(vrow, d);
+                }
+            }
+        }
+    }
+
+    // the register tile: channels d0 .. d0 + TILES * W of N rows, over the block's keys
+    template <int N, bool MASKED, int TILES>
+    void accumulate_tile(int64_t r0, int64_t j0, int n, int64_t d0) {
+#if DN_AVX512 || DN_AVX2
+        const int64_t Dv = o.Dv;
+        float* acc = part.acc.data();
+        vec a[N][TILES];
+        for (int r = 0; r < N; ++r)
+            for (int t = 0; t < TILES; ++t) a[r][t] = vloadf(acc + (r0 + r) * Dv + d0 + t * W);
+        for (int jj = 0; jj < n; ++jj) {
+            if (MASKED && !seen_key[jj]) continue;
+            const void* vrow = (const char*)vb + elem_size() * (j0 + jj) * o.vs[2];
+            vec vv[TILES];
+            for (int t = 0; t < TILES; ++t) vv[t] = vload<KIND>(vrow, d0 + t * W);
+            for (int r = 0; r < N; ++r) {
+                const vec p = vset(s[(r0 + r) * BLOCK + jj]);
+                if (MASKED) {
+                    const vec m = vset(keep[(r0 + r) * BLOCK + jj]);
+                    for (int t = 0; t < TILES; ++t) a[r][t] = _add(a[r][t], vand(vmul(p, vv[t]), m));
+                } else {
+                    for (int t = 0; t < TILES; ++t) a[r][t] = vfma(p, vv[t], a[r][t]);
+                }
+            }
+        }
+        for (int r = 0; r < N; ++r)
+            for (int t = 0; t < TILES; ++t) vstore(acc + (r0 + r) * Dv + d0 + t * W, a[r][t]);
+#endif
+    }
+
+#if DN_AVX512
+    static vec _add(vec a, vec b) { return _mm512_add_ps(a, b); }
+#elif DN_AVX2
+    static vec _add(vec a, vec b) { return _mm256_add_ps(a, b); }
+#endif
+
+    template <int N>
+    void rows_pass(int64_t r0, int64_t j0, int n, bool masked, bool scores) {
+        if (scores) {
+            scores_rows<N>(r0, j0, n);
+        } else if (masked) {
+            accumulate_rows<N, true>(r0, j0, n);
+        } else {
+            accumulate_rows<N, false>(r0, j0, n);
+        }
+    }
+
+    void for_row_groups(int64_t j0, int n, bool masked, bool scores) {
+        int64_t r0 = 0;
+        for (; r0 + NR <= o.R; r0 += NR) rows_pass<NR>(r0, j0, n, masked, scores);
+        switch (o.R - r0) {
+            case 3: rows_pass<3>(r0, j0, n, masked, scores); break;
+            case 2: rows_pass<2>(r0, j0, n, masked, scores); break;
+            case 1: rows_pass<1>(r0, j0, n, masked, scores); break;
+            default: break;
+        }
+    }
+
+    // which keys of the block each row sees; false when no row sees any
+    bool block_visibility(int64_t j0, int n) {
+        bool any = false;
+        std::fill(seen_key.begin(), seen_key.begin() + n, 0);
+        for (int64_t r = 0; r < o.R; ++r) {
+            const uint8_t* row = visb + r * o.vis[2];
+            for (int jj = 0; jj < n; ++jj) {
+                const bool sees = row[(j0 + jj) * o.vis[3]] != 0;
+                uint32_t bits = sees ? 0xFFFFFFFFu : 0u;
+                std::memcpy(&keep[r * BLOCK + jj], &bits, 4);
+                seen_key[jj] |= sees;
+                any |= sees;
+            }
+        }
+        return any;
+    }
+
+    // The max of a full block of scores, true when all are finite (else the caller takes the scalar loop).
+    static bool finite_max(const float* sr, float& out) {
+#if DN_AVX512
+        __m512 m = _mm512_loadu_ps(sr);
+        __mmask16 ok = 0xFFFF;
+        for (int jj = 0; jj < BLOCK; jj += W) {
+            const __m512 x = _mm512_loadu_ps(sr + jj);
+            ok &= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ);  // x - x = 0: finite
+            m = _mm512_max_ps(m, x);
+        }
+        out = _mm512_reduce_max_ps(m);
+        return ok == 0xFFFF;
+#elif DN_AVX2
+        __m256 m = _mm256_loadu_ps(sr), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (int jj = 0; jj < BLOCK; jj += W) {
+            const __m256 x = _mm256_loadu_ps(sr + jj);
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_sub_ps(x, x), _mm256_setzero_ps(), _CMP_EQ_OQ));
+            m = _mm256_max_ps(m, x);
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        out = _mm_cvtss_f32(h);
+        return _mm256_movemask_ps(ok) == 0xFF;
+#else
+        (void)sr;
+        (void)out;
+        return false;
+#endif
+    }
+
+    void softmax_step(int64_t j0, int n, bool masked) {
+        const int64_t R = o.R, Dv = o.Dv;
+        if (vsc || o.v_unit != 1.0f)
+            for (int jj = 0; jj < n; ++jj) vscale[jj] = value_scale(j0 + jj);
+        for (int64_t r = 0; r < R; ++r) {
+            float* sr = &s[r * BLOCK];
+            float block_max = NEG_INF;
+            if (!(SIMD && !masked && n == BLOCK && finite_max(sr, block_max))) {
+                block_max = NEG_INF;
+                for (int jj = 0; jj < n; ++jj) {
+                    if (masked && !_bits(keep[r * BLOCK + jj])) {
+                        sr[jj] = NEG_INF;
+                        continue;
+                    }
+                    if (!std::isfinite(sr[jj])) {  // a visible non-finite key: the row is NaN, lse -inf
+                        part.bad[r] = 1;
+                        sr[jj] = NEG_INF;
+                    }
+                    block_max = std::max(block_max, sr[jj]);
+                }
+            }
+            const float m_old = part.m[r];
+            const float m_new = std::max(m_old, block_max);
+            if (m_new == NEG_INF) {  // nothing seen yet: p = 0 (masked products are dropped by keep)
+                for (int jj = 0; jj < n; ++jj) sr[jj] = 0.0f;
+                continue;
+            }
+            if (m_new > m_old) {
+                const float alpha = std::exp(m_old - m_new);  // 0 when m_old = -inf
+                part.l[r] *= alpha;
+                float* a = &part.acc[r * Dv];
+                for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+                part.m[r] = m_new;
+            }
+            int jj = 0;
+            float sum = 0.0f;
+#if DN_AVX512 || DN_AVX2
+            if (SIMD) {
+                vec mv = vset(m_new);
+                vec acc = vzero();
+                for (; jj + W <= n; jj += W) {
+                    vec p = vexp(_sub(vloadf(sr + jj), mv));
+                    vstore(sr + jj, p);
+                    acc = _add(acc, p);
+                }
+                sum = vsum(acc);
+            }
+#endif
+            for (; jj < n; ++jj) {
+                sr[jj] = std::exp(sr[jj] - m_new);
+                sum += sr[jj];
+            }
+            part.l[r] += sum;
+            if (vsc || o.v_unit != 1.0f)
+                for (int jj2 = 0; jj2 < n; ++jj2) sr[jj2] *= vscale[jj2];
+        }
+    }
+
+#if DN_AVX512
+    static vec _sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+#elif DN_AVX2
+    static vec _sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+#endif
+    static bool _bits(float x) {
+        uint32_t b;
+        std::memcpy(&b, &x, 4);
+        return b != 0;
+    }
+
+    void run() {
+        for (int64_t j0 = part.j0; j0 < part.j1; j0 += BLOCK) {
+            const int n = (int)std::min<int64_t>(BLOCK, part.j1 - j0);
+            const bool masked = visb != nullptr;
+            if (masked && !block_visibility(j0, n)) continue;  // no row sees these keys: never read
+            for_row_groups(j0, n, masked, true);
+            softmax_step(j0, n, masked);
+            for_row_groups(j0, n, masked, false);
+        }
+    }
+};
+
+template <int KIND, bool SIMD>
+void run_item(const Operands& o, Partial& p) {
+    Item<KIND, SIMD> item(o, p);
+    item.run();
+}
+
+template <bool SIMD>
+void dispatch_kind(int kind, const Operands& o, Partial& p) {
+    switch (kind) {
+        case F32: run_item<F32, SIMD>(o, p); break;
+        case BF16: run_item<BF16, SIMD>(o, p); break;
+        case F16: run_item<F16, SIMD>(o, p); break;
+        case I8: run_item<I8, SIMD>(o, p); break;
+        case F8E4M3: run_item<F8E4M3, SIMD>(o, p); break;
+        default: break;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The vector width this build uses (16: AVX-512, 8: AVX2 + FMA + F16C, 1: scalar C++).
+int decode_native_lanes() {
+#if DN_AVX512 || DN_AVX2
+    return W;
+#else
+    return 1;
+#endif
+}
+
+// out [B, Hkv, R, Dv] fp32 and lse [B, Hkv, R] fp32 (contiguous); returns 0, or 1 on an unknown kind.
+int decode_native(int kind, const void* k, const int64_t* k_strides, const float* k_scale, const int64_t* k_scale_strides,
+                  const void* v, const int64_t* v_strides, const float* v_scale, const int64_t* v_scale_strides,
+                  const float* q, const uint8_t* visible, const int64_t* visible_strides, int64_t B, int64_t H,
+                  int64_t R, int64_t S, int64_t D, int64_t Dv, int threads, float* out, float* lse) {
+    if (kind < F32 || kind > F8E4M3) return 1;
+    Operands o{};
+    o.k = k;
+    o.v = v;
+    for (int i = 0; i < 3; ++i) {
+        o.ks[i] = k_strides[i];
+        o.vs[i] = v_strides[i];
+        o.kss[i] = k_scale ? k_scale_strides[i] : 0;
+        o.vss[i] = v_scale ? v_scale_strides[i] : 0;
+    }
+    o.k_scale = k_scale;
+    o.v_scale = v_scale;
+    o.q = q;
+    o.visible = visible;
+    for (int i = 0; i < 4; ++i) o.vis[i] = visible ? visible_strides[i] : 0;
+    o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
+    o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
+#if DN_AVX512 || DN_AVX2
+    const bool simd = D % W == 0 && Dv % W == 0;
+#else
+    const bool simd = false;
+#endif
+
+    // Cut the B * Hkv * S keys into `threads` equal runs (whole blocks); a run crossing a head is two items.
+    const int64_t total = B * H * S;
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / (4 * BLOCK)));
+    std::vector<std::vector<Partial>> work(threads);
+    for (int t = 0; t < threads; ++t) {
+        int64_t begin = total * t / threads, end = total * (t + 1) / threads;
+        while (begin < end) {
+            const int64_t bh = begin / S, j0 = begin % S, j1 = std::min<int64_t>(S, j0 + (end - begin));
+            Partial p;
+            p.bh = bh, p.j0 = j0, p.j1 = j1;
+            p.m.assign(R, NEG_INF);
+            p.l.assign(R, 0.0f);
+            p.acc.assign(R * Dv, 0.0f);
+            p.bad.assign(R, 0);
+            work[t].push_back(std::move(p));
+            begin += j1 - j0;
+        }
+    }
+    auto worker = [&](int t) {
+        for (Partial& p : work[t]) {
+            if (simd) dispatch_kind<true>(kind, o, p);
+            else dispatch_kind<false>(kind, o, p);
+        }
+    };
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+    worker(0);
+    for (auto& th : pool) th.join();
+
+    // Merge the items of each (b, kv_head) by log-sum-exp, then normalise.
+    std::vector<float> m(B * H * R, NEG_INF), l(B * H * R, 0.0f);
+    std::vector<uint8_t> bad(B * H * R, 0);
+    std::fill(out, out + B * H * R * Dv, 0.0f);
+    for (auto& items : work) {
+        for (Partial& p : items) {
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t row = p.bh * R + r;
+                bad[row] |= p.bad[r];
+                if (p.m[r] == NEG_INF) continue;  // this item saw nothing for the row
+                const float m_new = std::max(m[row], p.m[r]);
+                const float a_old = std::exp(m[row] - m_new), a_new = std::exp(p.m[r] - m_new);
+                float* dst = out + row * Dv;
+                const float* src = &p.acc[r * Dv];
+                for (int64_t d = 0; d < Dv; ++d) dst[d] = dst[d] * a_old + src[d] * a_new;
+                l[row] = l[row] * a_old + p.l[r] * a_new;
+                m[row] = m_new;
+            }
+        }
+    }
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t row = 0; row < B * H * R; ++row) {
+        float* dst = out + row * Dv;
+        if (bad[row]) {
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = nan;
+            lse[row] = NEG_INF;
+        } else if (l[row] > 0.0f) {
+            const float inv = 1.0f / l[row];
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? dst[d] * inv : nan;
+            lse[row] = m[row] + std::log(l[row]);
+        } else {
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? 0.0f : nan;
+            lse[row] = NEG_INF;
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,114 @@
+"""Build and load the engine's native CPU code: one C++ file, compiled on first use, cached per CPU.
+
+The source (``decode_native.cpp``) needs only the C++ standard library and the compiler's intrinsics headers,
+so a build takes seconds, not the minute ``torch/extension.h`` costs. It is compiled with ``-march=native``:
+the build uses the widest vectors this CPU has (AVX-512, else AVX2 + FMA + F16C, else plain C++), so the
+cached library is keyed on the CPU (model and feature flags), the compiler, the flags and the source, and a
+library is never loaded on a CPU it was not built for::
+
+    ~/.cache/attention-engine/decode_native-<sha256(source, flags, compiler, cpu)[:16]>.so
+
+``ATTENTION_ENGINE_NATIVE=0`` turns native code off (the pure-torch kernels run; explain() says why);
+``ATTENTION_ENGINE_CACHE`` moves the cache; ``CXX`` names the compiler (default ``g++``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("decode_native.cpp")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+DISABLE_ENV = "ATTENTION_ENGINE_NATIVE"
+BUILD_TIMEOUT_S = 300
+
+
+class NativeLibrary:
+    """The loaded library: ``decode`` is its C entry point, ``lanes`` its vector width, ``build_s`` the seconds
+    the build took in this process (0 when the cache had it)."""
+
+    def __init__(self, path: Path, build_s: float) -> None:
+        self.path, self.build_s = path, build_s
+        self.lib = ctypes.CDLL(str(path))
+        self.decode = self.lib.decode_native
+        self.decode.restype = ctypes.c_int
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self.decode.argtypes = [ctypes.c_int, p, p, p, p, p, p, p, p, p, p, p,
+                                i64, i64, i64, i64, i64, i64, ctypes.c_int, p, p]
+        self.lib.decode_native_lanes.restype = ctypes.c_int
+        self.lanes = int(self.lib.decode_native_lanes())
+
+
+def cpu_key() -> str:
+    """What the build depends on in this CPU: its model name and feature flags (``/proc/cpuinfo``)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    seen = {}
+    for line in lines:
+        name, _, value = line.partition(":")
+        if name.strip() in wanted and name.strip() not in seen:
+            seen[name.strip()] = value.strip()
+    return f"{platform.machine()} " + " | ".join(f"{k}: {v}" for k, v in sorted(seen.items()))
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def library_path(cxx: str) -> Path:
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu_key().encode()):
+        digest.update(part)
+    root = Path(os.environ.get("ATTENTION_ENGINE_CACHE") or Path.home() / ".cache" / "attention-engine")
+    return root / f"decode_native-{digest.hexdigest()[:16]}.so"
+
+
+@functools.cache
+def load_native() -> NativeLibrary | str:
+    """The native library, built if this CPU has no cached build yet; or a string saying why it is unavailable."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return f"native code is turned off ({DISABLE_ENV}=0)"
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
+        return f"no native build for this CPU architecture ({platform.machine()})"
+    cxx = compiler()
+    if cxx is None:
+        return f"no C++ compiler found ({os.environ.get('CXX', 'g++')}): the native kernel cannot be built"
+    try:
+        path = library_path(cxx)
+        build_s = 0.0
+        if not path.exists():
+            start = time.perf_counter()
+            _build(cxx, path)
+            build_s = time.perf_counter() - start
+        return NativeLibrary(path, build_s)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as error:
+        return f"the native kernel failed to build or load: {str(error).strip()[-300:]}"
+
+
+def _build(cxx: str, path: Path, flags: tuple[str, ...] = FLAGS) -> None:
+    """Compile into a temporary file beside ``path`` and move it in place (concurrent builds never see half a file).
+    ``flags`` other than this CPU's (e.g. AVX2 only, or none: plain C++) build the other paths, for the tests."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cxx} exited with {done.returncode}: {done.stderr}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

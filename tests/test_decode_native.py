@@ -1,0 +1,388 @@
+"""The native decode kernel (C++) and the quantized KV cache, against a float64 oracle written here.
+
+Each case runs the kernel forced (``kernel="decode_native"``) and checks that it really ran (explain), so a
+silent fallback to the torch kernels cannot pass for it; ``no_native`` (conftest) runs the same calls with
+the native kernel reported unavailable, as on a machine without a compiler.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import engine
+from engine import KVCache, causal_attention, window_mask
+from engine.kernels.dispatch import KERNELS
+from engine.kernels.native_build import cpu_key, load_native
+from engine.masks import key_padding_mask
+from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
+from tests.precision import assert_within_precision, plain_attention
+
+NATIVE = not isinstance(load_native(), str)
+needs_native = pytest.mark.skipif(not NATIVE, reason=f"native kernel unavailable: {load_native()}")
+FP8 = getattr(torch, "float8_e4m3fn", None)
+QUANTIZED = [torch.int8] + ([FP8] if FP8 in QUANTIZED_DTYPES else [])
+
+
+def oracle(q, k, v, visible, scale):
+    """float64 attention: q ``[B, Hq, T, D]``, k/v ``[B, Hkv, S, *]``, visible bool ``[B|1, Hq|1, T, S]``.
+    Returns ``(out [B, Hq, T, Dv], lse [B, Hq, T])``; rows that see nothing give 0 and lse -inf."""
+    group = q.shape[1] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)  # [B, Hq, S, D]: query head h reads KV head h // G
+    v = v.double().repeat_interleave(group, dim=1)  # [B, Hq, S, Dv]
+    scores = (q.double() @ k.transpose(-2, -1)) * scale  # [B, Hq, T, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hq, T]
+    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # empty rows: 0
+    return weights @ v, lse
+
+
+def visibility(qpos, kpos, allowed=None):
+    """The rule, written out: key j visible to query i iff kpos[j] <= qpos[i] (and allowed): [B, 1|Hq, T, S]."""
+    visible = (kpos[:, None, None, :] <= qpos[:, None, :, None])  # [B, 1, T, S]
+    return visible if allowed is None else visible & allowed
+
+
+def run_native(q, k, v, qpos=None, kpos=None, allowed=None, **kwargs):
+    assert engine.explain(q, k, v, qpos, kpos, allowed, kernel="decode_native", **kwargs).kernel == "decode_native"
+    return causal_attention(q, k, v, qpos, kpos, allowed, kernel="decode_native", return_lse=True, **kwargs)
+
+
+def test_the_native_kernel_is_built_where_ci_runs():
+    # CI has g++: there the native path must really run (not skip), so both paths are tested.
+    if os.environ.get("CI") == "true":
+        assert NATIVE, load_native()
+    assert "flags" in cpu_key() or "Features" in cpu_key() or not os.path.exists("/proc/cpuinfo")
+
+
+# --- the kernel matrix: dtypes x head layouts x positions and masks ------------------------------------------
+
+SHAPES = [  # B, Hq, Hkv, T, S, D
+    (2, 8, 2, 1, 1000, 64),  # GQA, G = 4: one-token decode, S not a multiple of the key block
+    (1, 4, 4, 2, 700, 128),  # MHA, two queries per row
+    (2, 6, 1, 3, 333, 32),  # MQA, G = 6: 18 rows of one KV head
+    (1, 2, 1, 1, 200, 24),  # D = 24: not a multiple of 16 lanes (the scalar loop on AVX-512)
+    (1, 3, 3, 16, 130, 7),  # T = 16 (the most decode takes), odd D
+]
+MASKS = ["none", "row_positions", "window", "key_padding", "per_head"]
+
+
+def masked_case(shape, mask, dtype, seed=0):
+    b, hq, hkv, t, s, d = shape
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(*x, generator=g).to(dtype) for x in ((b, hq, t, d), (b, hkv, s, d), (b, hkv, s, d)))
+    kpos = torch.arange(s).expand(b, s)
+    qpos = torch.arange(s - t, s).expand(b, t)
+    allowed = None
+    if mask == "row_positions":  # each row decodes at its own position: row 1 sees only its first half
+        qpos = torch.stack([torch.arange(s - t, s), torch.arange(s // 2 - t, s // 2)][:b])
+    elif mask == "window":
+        allowed = window_mask(qpos, kpos, window=max(s // 3, 1))
+    elif mask == "key_padding":
+        allowed = key_padding_mask(torch.tensor([s, s // 4])[:b], s)
+    elif mask == "per_head":
+        allowed = torch.rand(b, hq, t, s, generator=g) > 0.3
+    return q, k, v, qpos, kpos, allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", MASKS)
+@needs_native
+def test_native_decode_matches_the_float64_oracle(dtype, shape, mask):
+    q, k, v, qpos, kpos, allowed = masked_case(shape, mask, dtype)
+    out, lse = run_native(q, k, v, qpos, kpos, allowed)
+    scale = shape[-1] ** -0.5
+    visible = visibility(qpos, kpos, allowed)
+    want, want_lse = oracle(q, k, v, visible, scale)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_within_precision(out, want, plain_attention(q, k, v, visible, scale, dtype), dtype)
+    seen = visible.expand_as(want_lse[..., None].expand(*want_lse.shape, kpos.shape[1])).any(-1)
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+def test_keys_split_across_threads_merge_exactly(threads):
+    # B * Hkv = 1: the one head's keys are cut into one run per thread and merged by lse
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, k, v, qpos, kpos, _ = masked_case((1, 4, 1, 1, 5000, 64), "none", torch.float32)
+        out, lse = run_native(q, k, v, qpos, kpos)
+    finally:
+        torch.set_num_threads(before)
+    want, want_lse = oracle(q, k, v, visibility(qpos, kpos), 64 ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
+@given(t=st.integers(1, 4), s=st.integers(1, 300), group=st.sampled_from([1, 2, 3]), d=st.sampled_from([8, 16, 20]),
+       offset=st.integers(-50, 50), seed=st.integers(0, 10_000))
+def test_property_any_positions_and_mask_match_the_oracle(t, s, group, d, offset, seed):
+    # per-row positions anywhere (before, inside or past the keys) and a random mask: the oracle's result,
+    # rows that see nothing included (0 and lse -inf)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, 2 * group, t, d, generator=g)
+    k, v = torch.randn(2, 2, s, d, generator=g), torch.randn(2, 2, s, d, generator=g)
+    kpos = torch.arange(s).expand(2, s)
+    qpos = torch.stack([torch.arange(t) + s - t + offset, torch.arange(t) + offset])  # [2, T]
+    allowed = torch.rand(2, 1, t, s, generator=g) > 0.2
+    out, lse = run_native(q, k, v, qpos, kpos, allowed)
+    want, want_lse = oracle(q, k, v, visibility(qpos, kpos, allowed), d ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(lse.isinf(), want_lse.isinf())
+    torch.testing.assert_close(lse.double()[~lse.isinf()], want_lse[~want_lse.isinf()], rtol=1e-5, atol=1e-5)
+
+
+# --- layouts, empty rows, non-finite values ------------------------------------------------------------------
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_strided_kv_cache_view_and_a_transposed_layout_give_the_contiguous_result(dtype):
+    cache = KVCache(2, 2, capacity=3000, head_dim=64, dtype=dtype)
+    cache.update(torch.randn(2, 2, 2100, 64).to(dtype), torch.randn(2, 2, 2100, 64).to(dtype))
+    k, v, kpos, _ = cache.view()  # slices of the 3000-slot buffers
+    assert not k.is_contiguous()
+    q = torch.randn(2, 8, 1, 64).to(dtype)
+    out, lse = run_native(q, k, v, None, kpos)
+    want, want_lse = run_native(q, k.contiguous(), v.contiguous(), None, kpos)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    k_t, v_t = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+    out_t, _ = run_native(q, k_t, v_t, None, kpos)  # [B, S, H, D] memory seen as [B, H, S, D]
+    assert torch.equal(out_t, want)
+
+
+@needs_native
+def test_rows_that_see_no_key_give_zero_and_lse_minus_inf():
+    q, k, v = torch.randn(2, 4, 2, 32), torch.randn(2, 2, 600, 32), torch.randn(2, 2, 600, 32)
+    kpos = torch.arange(600).expand(2, 600) + 100  # keys at 100 .. 699
+    qpos = torch.tensor([[50, 650], [99, 100]])  # rows at 50 and 99 see nothing
+    out, lse = run_native(q, k, v, qpos, kpos)
+    empty = torch.tensor([[True, False], [True, False]])[:, None, :].expand(2, 4, 2)
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and bool((lse[empty] == float("-inf")).all())
+    assert bool(torch.isfinite(lse[~empty]).all())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_non_finite_keys_and_values_follow_the_reference(dtype):
+    # masked NaN/inf never leak; a visible bad key makes its row NaN (lse -inf), a visible bad value its channel
+    s = 1000
+    q, k, v = torch.randn(1, 4, 2, 64).to(dtype), torch.randn(1, 2, s, 64).to(dtype), torch.randn(1, 2, s, 64).to(dtype)
+    qpos = torch.tensor([[500, 999]])
+    k[0, 0, 700, 3] = float("nan")  # seen only by query 1 of KV head 0's query heads (0, 1)
+    v[0, 1, 800, 5] = float("inf")  # seen only by query 1 of KV head 1's query heads (2, 3)
+    k[0, 1, 20, :] = float("-inf")  # masked by padding for everyone
+    allowed = (torch.arange(s) != 20)[None, None, None, :]
+    out, lse = run_native(q, k, v, qpos, None, allowed)
+    want, want_lse = causal_attention(q, k, v, qpos, None, allowed, kernel="reference", return_lse=True)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(lse.isinf(), want_lse.isinf())
+    assert bool(out[0, :2, 1].isnan().all()) and bool(out[0, 2:, 1, 5].isnan().all())
+    assert bool(torch.isfinite(out[0, :, 0]).all()) and int(out[0, 2:, 1].isnan().sum()) == 2
+    finite = ~want.isnan()
+    torch.testing.assert_close(out[finite].float(), want[finite].float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_native
+def test_nan_in_q_goes_to_the_torch_kernels_and_stays_in_its_row():
+    q, k, v = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1000, 32), torch.randn(1, 2, 1000, 32)
+    q[0, 1, 0, 0] = float("nan")
+    out = causal_attention(q, k, v, kernel="decode_native")
+    assert bool(out[0, 1].isnan().all()) and bool(torch.isfinite(out[0, [0, 2, 3]]).all())
+
+
+@needs_native
+def test_auto_takes_the_native_kernel_for_decode_and_the_torch_kernels_otherwise():
+    q, k = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 4096, 64)
+    assert engine.explain(q, k, k).kernel == "decode_native"
+    assert engine.explain(torch.randn(1, 8, 32, 64), k, k).kernel != "decode_native"  # T = 32 > 16
+    assert engine.explain(q, k[:, :, :100], k[:, :, :100]).kernel != "decode_native"  # S < 512
+    assert engine.explain(q.double(), k.double(), k.double()).kernel == "decode"  # fp64: the torch kernel
+    choice = engine.explain(q, k, k, softcap=3.0, kernel="decode_native")
+    assert choice.passed_over["decode_native"] == "softcap: not computed by this kernel"
+
+
+def test_without_the_native_kernel_the_same_calls_run_the_torch_kernels(no_native):
+    q, k, v, qpos, kpos, allowed = masked_case((2, 8, 2, 1, 1000, 64), "window", torch.bfloat16)
+    choice = engine.explain(q, k, v, qpos, kpos, allowed)
+    assert choice.kernel == "decode" and choice.passed_over["decode_native"] == "native code is turned off (test)"
+    out = causal_attention(q, k, v, qpos, kpos, allowed, kernel="decode_native")  # forced: the next kernel runs
+    visible = visibility(qpos, kpos, allowed)
+    want, _ = oracle(q, k, v, visible, 64 ** -0.5)
+    assert_within_precision(out, want, plain_attention(q, k, v, visible, 64 ** -0.5, torch.bfloat16), torch.bfloat16)
+
+
+# --- the quantized cache ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_quantize_keeps_each_entry_within_half_a_step(dtype):
+    x = torch.randn(2, 3, 50, 64) * torch.rand(2, 3, 50, 1) * 10
+    stored = quantize(x, dtype)
+    assert stored.data.dtype == dtype and stored.scale.shape == (2, 3, 50)
+    err = (stored.dequantize() - x).abs()
+    if dtype == torch.int8:  # round to the nearest multiple of the scale
+        assert bool((err <= stored.scale[..., None] / 2 * (1 + 1e-6)).all())
+    else:  # e4m3: 3 mantissa bits, relative error <= 2^-4 (normals); tiny entries within the subnormal step
+        bound = x.abs() / 16 + stored.scale[..., None] * 2.0 ** -9
+        assert bool((err <= bound * (1 + 1e-6)).all())
+    assert torch.equal(quantize(torch.zeros(1, 1, 2, 4), dtype).dequantize(), torch.zeros(1, 1, 2, 4))
+
+
+def test_quantized_inputs_are_validated_with_clear_messages():
+    q, k = torch.randn(1, 4, 1, 16), quantize(torch.randn(1, 2, 10, 16))
+    with pytest.raises(ValueError, match="both be QuantizedKV or both tensors"):
+        causal_attention(q, k, torch.randn(1, 2, 10, 16))
+    with pytest.raises(ValueError, match="head dim mismatch"):
+        causal_attention(torch.randn(1, 4, 1, 8), k, k)
+    with pytest.raises(ValueError, match="QuantizedKV scale must be float32"):
+        QuantizedKV(k.data, k.scale.double())
+    with pytest.raises(ValueError, match="QuantizedKV data must be a tensor of dtype"):
+        QuantizedKV(k.data.float(), k.scale)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+@pytest.mark.parametrize("native", [True, False], ids=["native", "dequantized"])
+def test_a_quantized_cache_decodes_as_attention_over_its_dequantised_values(dtype, native, request):
+    if native and not NATIVE:
+        pytest.skip(f"native kernel unavailable: {load_native()}")
+    if not native:
+        request.getfixturevalue("no_native")
+    cache = KVCache(2, 2, capacity=1500, head_dim=64, dtype=dtype)
+    k_new, v_new = torch.randn(2, 2, 1200, 64), torch.randn(2, 2, 1200, 64)
+    k, v, kpos, valid = cache.update(k_new, v_new)
+    assert isinstance(k, QuantizedKV) and k.data.dtype == dtype and k.shape == (2, 2, 1200, 64)
+    q = torch.randn(2, 8, 2, 64)
+    qpos = torch.tensor([[1198, 1199], [600, 601]])
+    allowed = key_padding_mask(torch.tensor([1200, 1000]), 1200)
+    choice = engine.explain(q, k, v, qpos, kpos, allowed)
+    assert choice.kernel == ("decode_native" if native else "dequantized")
+    out, lse = causal_attention(q, k, v, qpos, kpos, allowed, return_lse=True)
+    k64 = k.data.double() * k.scale.double()[..., None]  # the oracle dequantises on its own
+    v64 = v.data.double() * v.scale.double()[..., None]
+    want, want_lse = oracle(q, k64, v64, visibility(qpos, kpos, allowed), 64 ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    full, _ = oracle(q, k_new, v_new, visibility(qpos, kpos, allowed), 64 ** -0.5)  # the unquantized cache
+    assert (out.double() - full).abs().max() < (0.02 if dtype == torch.int8 else 0.1)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_every_kernel_forced_on_a_quantized_cache_gives_the_same_result(dtype):
+    k, v = quantize(torch.randn(1, 2, 700, 32), dtype), quantize(torch.randn(1, 2, 700, 32), dtype)
+    q = torch.randn(1, 4, 20, 32)  # T = 20: beyond decode; prefill over a quantized cache
+    want = causal_attention(q, k, v, kernel="reference")
+    for name in KERNELS:  # each runs it or hands it to the next kernel that reads a quantized cache
+        out = causal_attention(q, k, v, kernel=name)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_cache_takes_a_quarter_of_fp32_plus_its_scales():
+    fp32 = KVCache(2, 8, capacity=1024, head_dim=128)
+    int8 = KVCache(2, 8, capacity=1024, head_dim=128, dtype=torch.int8)
+    assert int8.nbytes == fp32.nbytes // 4 + 2 * 2 * 8 * 1024 * 4
+    with pytest.raises(ValueError, match="must be a float tensor"):
+        int8.update(torch.ones(2, 8, 1, 128, dtype=torch.int8), torch.ones(2, 8, 1, 128, dtype=torch.int8))
+    int8.update(torch.randn(2, 8, 3, 128, dtype=torch.bfloat16), torch.randn(2, 8, 3, 128, dtype=torch.bfloat16))
+    assert int8.length == 3 and bool((int8.key_scales[:, :, :3] > 0).all())
+
+
+def test_the_memory_formula_counts_a_quantized_cache_with_its_scales():
+    from engine.kv_cache import kv_cache_bytes
+
+    assert kv_cache_bytes(32, 1, 8, 131072, 128, 1, 4) == 8_858_370_048  # Llama-3-8B at 128k in int8
+    scales = kv_cache_bytes(32, 1, 8, 131072, 128, 1, 4) - kv_cache_bytes(32, 1, 8, 131072, 128, 1)
+    assert scales == 2 * 32 * 8 * 131072 * 4  # a fp32 scale per token, head, K and V
+    cache = KVCache(1, 8, capacity=1000, head_dim=128, dtype=torch.int8)
+    assert cache.nbytes == kv_cache_bytes(1, 1, 8, 1000, 128, 1, 4)
+
+
+def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
+    import argparse
+
+    from engine import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    args = parser.parse_args(["--kv-dtype", "int8", "--new-tokens", "6", "--prompt-len", "24", "--no-progress"])
+    assert generate.main(args) == 0  # greedy tokens agree with the full uncached forward
+    out = capsys.readouterr().out
+    assert "int8 = " in out and "+ scales" in out
+    errors = [float(x) for x in out.split("per layer (max abs / max abs of the reference): ")[1].split(",")]
+    assert len(errors) == 2 and all(0 < e < 0.05 for e in errors)  # int8 rounding: small, and not zero
+
+
+# --- the other vector paths: this CPU's build takes the widest; build the narrower ones too ----------------------
+
+PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
+
+
+@needs_native
+@pytest.mark.slow
+@pytest.mark.parametrize("flags, lanes", [(("-mavx2", "-mfma", "-mf16c"), 8), ((), 1)], ids=["avx2", "plain_cpp"])
+def test_the_avx2_and_plain_cpp_builds_match_the_oracle(flags, lanes, tmp_path):
+    # the cached build is -march=native (AVX-512 here, AVX2 on a Zen 3): the other paths are built and checked
+    # here so a CPU without AVX-512 (or without AVX2) runs code that was tested
+    from engine.kernels import native_build
+    from engine.kernels.decode_native import KINDS, _call
+
+    if flags and "avx2" not in cpu_key():
+        pytest.skip("this CPU has no AVX2")
+    path = tmp_path / "decode_native_variant.so"
+    native_build._build(native_build.compiler(), path, PLAIN + flags)
+    library = native_build.NativeLibrary(path, 0.0)
+    assert library.lanes == lanes
+    b, hkv, rows, s, d = 2, 2, 6, 300, 32
+    g = torch.Generator().manual_seed(5)
+    q_rows = torch.randn(b, hkv, rows, d, generator=g)  # [B, Hkv, R, D], already scaled
+    visible = torch.rand(b, 1, rows, s, generator=g) > 0.3  # [B, 1, R, S]
+    for kind in KINDS:
+        k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+        if kind in QUANTIZED_DTYPES:
+            kq, vq = quantize(k, kind), quantize(v, kind)
+            operands = (kq.data, kq.scale), (vq.data, vq.scale)
+            k64, v64 = kq.dequantize(torch.float64), vq.dequantize(torch.float64)
+        else:
+            operands = (k.to(kind), None), (v.to(kind), None)
+            k64, v64 = k.to(kind).double(), v.to(kind).double()
+        out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
+        _call(library, q_rows, *operands, visible, out, lse)
+        want, want_lse = oracle(q_rows, k64, v64, visible, 1.0)  # R rows of one KV head as T queries
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=str(kind))
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=str(kind))
+
+
+@needs_native
+@pytest.mark.parametrize("d, dv", [(32, 48), (0, 16), (16, 8)], ids=["dv_wider", "d_zero", "dv_narrower"])
+def test_value_width_other_than_the_key_width_and_d_zero(d, dv):
+    # Dv != D (the torch decode kernel's fused op cannot take it; this one can) and D = 0 (scores all 0)
+    q, k, v = torch.randn(2, 4, 2, d), torch.randn(2, 2, 600, d), torch.randn(2, 2, 600, dv)
+    out, lse = run_native(q, k, v, scale=1.0)
+    want, want_lse = oracle(q, k, v, visibility(torch.arange(598, 600).expand(2, 2), torch.arange(600).expand(2, 600)),
+                            1.0)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_the_dequantized_twin_merges_many_small_chunks_exactly(dtype, monkeypatch):
+    # prefill over a quantized cache: the key chunk shrinks with T so the scores stay small; 64-key chunks here
+    from engine.kernels import dequantized
+
+    monkeypatch.setattr(dequantized, "SCORES_PER_CHUNK", 1)
+    k, v = quantize(torch.randn(2, 2, 300, 16), dtype), quantize(torch.randn(2, 2, 300, 16), dtype)
+    q = torch.randn(2, 4, 40, 16)
+    qpos = torch.arange(260, 300).expand(2, 40)
+    allowed = window_mask(qpos, torch.arange(300).expand(2, 300), window=50)
+    out, lse = causal_attention(q, k, v, qpos, None, allowed, kernel="dequantized", return_lse=True)
+    want, want_lse = oracle(q, k.dequantize(torch.float64), v.dequantize(torch.float64),
+                            visibility(qpos, torch.arange(300).expand(2, 300), allowed), 16 ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)

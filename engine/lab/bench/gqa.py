@@ -21,6 +21,7 @@ import argparse
 
 import torch
 
+from engine.kernels.dispatch import explain
 from engine.lab import implementations, plots
 from engine.lab.fitting import fit_power_law
 from engine.lab.implementations import grouped_decode
@@ -31,7 +32,9 @@ from engine.lab.traffic import TrafficCounter
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Compiled kernels run as one higher-order op whose inside the dispatch mode cannot see (and must not try to:
 # a compile interrupted by the mode leaves torch.compile unable to trace that op again in this process).
-UNCOUNTABLE = {"engine:flex": "a compiled FlexAttention kernel: no aten ops to count inside it"}
+# Kernels whose work happens outside aten ops, so the traffic counter cannot see their FLOPs and bytes.
+UNCOUNTABLE = {"engine:flex": "a compiled FlexAttention kernel: no aten ops to count inside it",
+               "engine:decode_native": "a C++ kernel called through ctypes: no aten ops to count inside it"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache dtype (default bf16: 2 bytes, the seed's arithmetic)")
     parser.add_argument("--max-seconds", type=positive_float, default=3.0,
                         help="stop repeating a timing after this many seconds (default 3)")
+
+
+def _kernel_of(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """The implementation that does the work: ``engine:auto`` is the kernel dispatch picks for these inputs."""
+    return f"engine:{explain(q, k, v).kernel}" if name == "engine:auto" else name
 
 
 def decode_row(name: str, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args) -> dict:
@@ -79,7 +87,11 @@ def run_rows(args: argparse.Namespace, impls: dict) -> list[dict]:
         q = torch.randn(args.batch, args.q_heads, 1, args.head_dim, generator=generator).to(dtype)  # [B, Hq, 1, D]
         k = torch.randn(shape_kv, generator=generator).to(dtype)  # [B, Hkv, S, D]
         v = torch.randn(shape_kv, generator=generator).to(dtype)  # [B, Hkv, S, D]
-        why_not = UNCOUNTABLE.get(name) or implementations.why_not_fast(name, q, k, v)
+        uncountable = UNCOUNTABLE.get(_kernel_of(name, q, k, v))
+        if uncountable is not None:
+            print(f"{name}: Hkv={kv_heads} not measured ({uncountable})")
+            continue
+        why_not = implementations.why_not_fast(name, q, k, v)
         if why_not is not None:
             print(f"{name}: Hkv={kv_heads} not measured, its fast path does not apply ({why_not})")
             continue

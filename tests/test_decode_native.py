@@ -284,6 +284,25 @@ def test_every_kernel_forced_on_a_quantized_cache_gives_the_same_result(dtype):
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def test_gradients_through_q_over_a_quantized_cache_equal_the_float64_oracle():
+    """No kernel that reads a quantized cache without a backward runs a call that needs q's gradient: auto falls
+    through to the reference (the only kernel left), whose gradient is plain autograd over the dequantised cache."""
+    k, v = quantize(torch.randn(1, 2, 600, 32), torch.int8), quantize(torch.randn(1, 2, 600, 32), torch.int8)
+    q = torch.randn(1, 4, 3, 32, requires_grad=True)
+    choice = engine.explain(q, k, v)
+    assert choice.kernel == "reference" and "q needs gradients" in choice.passed_over["dequantized"], choice
+    out = causal_attention(q, k, v)
+    grad_out = torch.randn_like(out)
+    (dq,) = torch.autograd.grad(out, q, grad_out)
+    q64 = q.detach().double().requires_grad_()
+    k64 = k.data.double() * k.scale.double()[..., None]
+    v64 = v.data.double() * v.scale.double()[..., None]
+    want, _ = oracle(q64, k64, v64, visibility(torch.arange(597, 600)[None], torch.arange(600)[None]), 32 ** -0.5)
+    (want_dq,) = torch.autograd.grad(want, q64, grad_out.double())
+    torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dq.double(), want_dq, rtol=1e-5, atol=1e-5)
+
+
 def test_a_quantized_cache_takes_a_quarter_of_fp32_plus_its_scales():
     fp32 = KVCache(2, 8, capacity=1024, head_dim=128)
     int8 = KVCache(2, 8, capacity=1024, head_dim=128, dtype=torch.int8)

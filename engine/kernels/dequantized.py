@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype
+from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, needs_grad
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.visibility import visibility_mask
 from engine.quantized import QuantizedKV
@@ -33,6 +33,8 @@ SCORES_PER_CHUNK = 1 << 22  # ... and at most this many scores [B, Hq, T, n] at 
 def dequantized_fits(inputs: AttentionInputs) -> str | None:
     if not isinstance(inputs.k, QuantizedKV):
         return "k, v are tensors: this kernel reads QuantizedKV"
+    if needs_grad(inputs.q):
+        return "q needs gradients: this kernel has no backward (the reference differentiates through the cache)"
     return None
 
 

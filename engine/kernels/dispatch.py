@@ -138,7 +138,11 @@ def _walk(inputs: AttentionInputs, start: str | None = None, forced: bool = Fals
         if why_not is None:
             return KernelChoice(name, kernel.why, passed_over)
         passed_over[name] = why_not
-    raise AssertionError("the tiled kernel fits every input")  # every option (quantized K/V: dequantized)
+    if not forced:  # no kernel auto takes fits this call (a combination of options only the reference computes)
+        choice = _walk(inputs, start, forced=True)
+        return KernelChoice(choice.kernel, f"{KERNELS[choice.kernel].why}; no kernel auto takes fits this call",
+                            passed_over)
+    raise AssertionError("the reference kernel fits every input and takes every option")
 
 
 def _untaken(kernel: Kernel, inputs: AttentionInputs) -> str | None:

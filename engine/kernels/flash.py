@@ -4,7 +4,8 @@ The op computes ``softmax(q @ k^T * scale + mask) @ v`` and its log-sum-exp with
 scores. What the engine relies on, and works around:
 
 - it knows two patterns on its own: no mask, and ``is_causal`` (top-left: query i sees keys j <= i);
-  any other visibility enters as an additive mask (0 where visible, -inf elsewhere);
+  any other visibility enters as an additive mask (0 where visible, -inf elsewhere), and so do ALiBi and
+  biases (the bias where visible, -inf elsewhere);
 - ``is_causal`` scales its own -inf, so it gives NaN for ``scale <= 0``: such squares use an additive mask;
 - a row whose keys are all masked comes back with lse 0 (not -inf): ``flash_call`` makes it the engine's
   output 0 and lse -inf;
@@ -20,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import additive_mask, clear_unseen
+from engine.kernels.common import NEG_INF, additive_mask, clear_unseen
 
 FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -61,14 +62,24 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
-               visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               visible: torch.Tensor | None = None, bias: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fused call: ``(out [b, H, R, Dv] in q's dtype, lse [b, H, R] fp32/fp64)``.
 
     q ``[b, H, R, D]``, k/v ``[b, H|Hkv, n, D]`` (GQA heads broadcast by the op), ``visible`` an optional bool
-    mask broadcastable to ``[b, H, R, n]``; rows it hides entirely get output 0 and lse -inf.
+    mask broadcastable to ``[b, H, R, n]``; rows it hides entirely get output 0 and lse -inf. ``bias``: an
+    optional finite float bias broadcastable to ``[b, H, R, n]`` added to the scaled scores (ALiBi, a bias),
+    in the compute dtype (the op adds an fp32 mask to bf16/fp16 inputs' fp32 scores as it is).
     """
-    additive = None if visible is None else additive_mask(visible, q.dtype)
+    additive = call_mask(visible, bias, q.dtype)
     out, lse = FLASH(q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
     if visible is not None:
         out, lse = clear_unseen(out, lse, visible.any(dim=-1))
     return out, lse
+
+
+def call_mask(visible: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The op's additive mask: ``bias`` (0 without one) where visible, -inf where not; None for neither."""
+    if bias is None:
+        return None if visible is None else additive_mask(visible, dtype)
+    return bias if visible is None else bias.masked_fill(~visible, NEG_INF)

@@ -163,7 +163,7 @@ def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
     ``tiled`` kernel whatever this says. ``modifiers``: causal_attention's sinks, alibi_slopes, bias, score_mod,
     dropout_p, generator (a dropout call here draws nothing from ``generator``).
     """
-    if modifiers.get("dropout_p"):
+    if modifiers.get("dropout_p") and isinstance(modifiers.get("generator") or torch.Generator(), torch.Generator):
         modifiers["generator"] = torch.Generator(device=q.device)  # explain computes nothing: leave theirs be
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
                             **modifiers)

@@ -40,10 +40,16 @@ def additive_block(inputs: AttentionInputs, rows: slice, i0: int, i1: int, j0: i
         part = bias.block(query_pos, key_pos).to(dtype)  # [b, Hq, tq, tk]
         total = part if total is None else total + part
     elif bias is not None:  # [B|1, Hq|1, T|1, S|1]
-        part = bias[rows if bias.shape[0] > 1 else slice(None), :, i0:i1 if bias.shape[2] > 1 else slice(None),
-                    j0:j1 if bias.shape[3] > 1 else slice(None)].to(dtype)  # [b|1, Hq|1, tq|1, tk|1]
+        part = bias[_block_index(bias.shape, rows, i0, i1, j0, j1)].to(dtype)  # [b|1, Hq|1, tq|1, tk|1]
         total = part if total is None else total + part
     return total
+
+
+def _block_index(shape: torch.Size, rows: slice, i0: int, i1: int, j0: int, j1: int) -> tuple[slice, ...]:
+    """The block of a tensor ``[B|1, Hq|1, T|1, S|1]``: each axis of size 1 broadcasts, so it is taken whole."""
+    whole = slice(None)
+    return (rows if shape[0] > 1 else whole, whole, slice(i0, i1) if shape[2] > 1 else whole,
+            slice(j0, j1) if shape[3] > 1 else whole)
 
 
 def apply_score_mod(inputs: AttentionInputs, scores: torch.Tensor, rows: slice, i0: int, i1: int, j0: int,
@@ -103,8 +109,7 @@ def add_bias_grad(grad_bias: torch.Tensor, grad_scores: torch.Tensor, b: int, i0
     ``[B|1, Hq|1, T|1, S|1]``, summed over the axes the bias broadcasts along."""
     dims = [axis for axis in (1, 2, 3) if grad_bias.shape[axis] == 1]
     part = grad_scores.sum(dim=dims, keepdim=True) if dims else grad_scores  # [1, Hq|1, tq|1, tk|1]
-    grad_bias[b if grad_bias.shape[0] > 1 else 0, :, i0:i1 if grad_bias.shape[2] > 1 else slice(None),
-              j0:j1 if grad_bias.shape[3] > 1 else slice(None)] += part[0]
+    grad_bias[_block_index(grad_bias.shape, slice(b, b + 1), i0, i1, j0, j1)] += part
 
 
 def tile_view(rows_layout: torch.Tensor, tq: int) -> torch.Tensor:

@@ -52,7 +52,40 @@ class RelativePositionBias:
         far = (exact + scaled.to(torch.long)).clamp(max=per_side - 1)
         return side + torch.where(distance < exact, distance, far)
 
-    def block(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-        """``[b, Hq, tq, tk]`` bias from query_positions ``[b, tq]`` and key_positions ``[b, tk]`` (int64)."""
+    def block(self, query_positions: torch.Tensor, key_positions: torch.Tensor,
+              visible: torch.Tensor | None = None) -> torch.Tensor:
+        """``[b, Hq, tq, tk]`` bias from query_positions ``[b, tq]`` and key_positions ``[b, tk]`` (int64); with
+        ``visible`` (bool ``[b|1, tq, tk]``) hidden pairs get -inf (a fused op's additive mask)."""
+        if _consecutive(query_positions) and _consecutive(key_positions):
+            out = self._diagonals(query_positions[:, 0], key_positions[:, 0], query_positions.shape[1],
+                                  key_positions.shape[1])
+            return out if visible is None else out.masked_fill_(~visible[:, None], float("-inf"))
         relative = key_positions[:, None, :] - query_positions[:, :, None]  # [b, tq, tk]
-        return self.table[:, self.buckets(relative)].transpose(0, 1)  # [b, Hq, tq, tk]
+        buckets, table = self.buckets(relative), self.table  # [b, tq, tk], [Hq, num_buckets]
+        if visible is not None:  # hidden pairs read an extra bucket of -inf
+            hidden = torch.full_like(table[:, :1], float("-inf"))  # [Hq, 1]
+            buckets, table = buckets.masked_fill(~visible, self.num_buckets), torch.cat([table, hidden], dim=1)
+        out = table.index_select(1, buckets.flatten())  # [Hq, b*tq*tk] (index_select: ~2x faster than table[:, idx])
+        return out.view(-1, *buckets.shape).transpose(0, 1)  # [b, Hq, tq, tk]
+
+    def _diagonals(self, query_start: torch.Tensor, key_start: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
+        """The block when positions run ``start, start+1, ...``: constant along diagonals, so one line of
+        ``tq + tk - 1`` values per head, viewed as the block with its rows reversed, then read back in order
+        (one copy)::
+
+            line  = bias at key - query = r0 - (tq-1) .. r0 + tk - 1        r0 = key_start - query_start
+            query i (row tq-1-i of the view), key j  ->  line[j - i + tq - 1]
+        """
+        heads = self.table.shape[0]
+        offsets = torch.arange(-(tq - 1), tk, device=query_start.device)  # [tq + tk - 1]
+        relative = (key_start - query_start)[:, None] + offsets  # [b, L]
+        line = self.table[:, self.buckets(relative)].transpose(0, 1).contiguous()  # [b, Hq, L]
+        length = line.shape[-1]
+        rows_reversed = line.as_strided((line.shape[0], heads, tq, tk), (heads * length, length, 1, 1))
+        backwards = torch.arange(tq - 1, -1, -1, device=line.device)  # (flip keeps the view's odd strides)
+        return rows_reversed.index_select(2, backwards)  # [b, Hq, tq, tk], contiguous
+
+
+def _consecutive(positions: torch.Tensor) -> bool:
+    """True when every row of ``positions [b, n]`` counts up by one."""
+    return positions.shape[1] <= 1 or bool((positions.diff(dim=-1) == 1).all())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, additive_mask, clear_unseen
+from engine.kernels.common import additive_mask, clear_unseen
 
 FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 FLASH_BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -67,19 +67,14 @@ def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, 
     """One fused call: ``(out [b, H, R, Dv] in q's dtype, lse [b, H, R] fp32/fp64)``.
 
     q ``[b, H, R, D]``, k/v ``[b, H|Hkv, n, D]`` (GQA heads broadcast by the op), ``visible`` an optional bool
-    mask broadcastable to ``[b, H, R, n]``; rows it hides entirely get output 0 and lse -inf. ``bias``: an
-    optional finite float bias broadcastable to ``[b, H, R, n]`` added to the scaled scores (ALiBi, a bias),
-    in the compute dtype (the op adds an fp32 mask to bf16/fp16 inputs' fp32 scores as it is).
+    mask broadcastable to ``[b, H, R, n]``; rows it hides entirely get output 0 and lse -inf. ``bias``: the
+    additive mask of a call with ALiBi or a bias, ``[b|1, H|1, R, n]`` in the compute dtype (the bias where
+    visible, -inf where not: engine.kernels.scores.additive_block; the op adds an fp32 mask to bf16/fp16
+    inputs' fp32 scores as it is); it replaces the mask made from ``visible``.
     """
-    additive = call_mask(visible, bias, q.dtype)
+    additive = bias if bias is not None else None if visible is None else additive_mask(visible, q.dtype)
     out, lse = FLASH(q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
     if visible is not None:
         out, lse = clear_unseen(out, lse, visible.any(dim=-1))
     return out, lse
 
-
-def call_mask(visible: torch.Tensor | None, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The op's additive mask: ``bias`` (0 without one) where visible, -inf where not; None for neither."""
-    if bias is None:
-        return None if visible is None else additive_mask(visible, dtype)
-    return bias if visible is None else bias.masked_fill(~visible, NEG_INF)

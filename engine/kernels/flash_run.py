@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, compute_dtype, differentiable
-from engine.kernels.flash import FLASH, FLASH_BACKWARD, call_mask, flash_call, flash_operands
+from engine.kernels.common import NEG_INF, additive_mask, compute_dtype, differentiable
+from engine.kernels.flash import FLASH, FLASH_BACKWARD, flash_call, flash_operands
 from engine.kernels.flash_plan import Call, batches, single_call, span_visible
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.plan import CAUSAL, PARTIAL
@@ -68,9 +68,10 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
         parts_out, parts_lse = [], []
         for call in group:
             rows, i0, i1, j0, j1, kind = call
+            visible = span_visible(mask, call) if kind == PARTIAL else None  # [1, Hq|1, tq, tk]
             o, part_lse = flash_call(qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1], inputs.scale,
-                                     causal=kind == CAUSAL, visible=span_visible(mask, call) if kind == PARTIAL
-                                     else None, bias=_call_bias(inputs, call, compute) if biased else None
+                                     causal=kind == CAUSAL, visible=visible,
+                                     bias=_call_bias(inputs, call, compute, visible) if biased else None
                                      )  # [b, Hq, tq, Dv], [b, Hq, tq]
             parts_out.append(o.to(compute))  # merged in fp32: only each part's output is rounded
             parts_lse.append(part_lse.to(compute))
@@ -116,8 +117,9 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
     for group in groups:
         for call in group:
             rows, i0, i1, j0, j1, kind = call
-            additive = call_mask(span_visible(mask, call) if kind == PARTIAL else None,
-                                 _call_bias(inputs, call, compute) if biased else None, kt)
+            visible = span_visible(mask, call) if kind == PARTIAL else None  # [1, Hq|1, tq, tk]
+            additive = (_call_bias(inputs, call, compute, visible) if biased
+                        else None if visible is None else additive_mask(visible, kt))
             g_q, g_k, g_v = FLASH_BACKWARD(
                 grad[rows, :, i0:i1].contiguous(), qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1],
                 out_k[rows, :, i0:i1], lse_use[rows, :, i0:i1].contiguous(), 0.0, kind == CAUSAL,
@@ -128,7 +130,8 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def _call_bias(inputs: AttentionInputs, call: Call, dtype: torch.dtype) -> torch.Tensor:
-    """ALiBi plus bias of a call's span, ``[b|1, Hq|1, tq, tk]`` (engine.kernels.scores), made dense for the op."""
-    bias = additive_block(inputs, call.rows, call.i0, call.i1, call.j0, call.j1, dtype)
+def _call_bias(inputs: AttentionInputs, call: Call, dtype: torch.dtype, visible: torch.Tensor | None) -> torch.Tensor:
+    """A biased call's additive mask ``[b|1, Hq|1, tq, tk]``: ALiBi plus bias of its span where visible, -inf
+    where not (engine.kernels.scores), made dense for the op."""
+    bias = additive_block(inputs, call.rows, call.i0, call.i1, call.j0, call.j1, dtype, visible)
     return bias.expand(*bias.shape[:2], call.i1 - call.i0, call.j1 - call.j0)  # [b|1, Hq|1, tq, tk]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
+from engine.kernels.common import NEG_INF
 from engine.kernels.dropout import keep_scale
 from engine.relative_bias import RelativePositionBias
 
@@ -25,24 +26,38 @@ def _positions(inputs: AttentionInputs, rows: slice, i0: int, i1: int, j0: int, 
     return inputs.query_positions[rows, i0:i1], inputs.key_positions[rows, j0:j1]  # [b, tq], [b, tk]
 
 
-def additive_block(inputs: AttentionInputs, rows: slice, i0: int, i1: int, j0: int, j1: int,
-                   dtype: torch.dtype) -> torch.Tensor | None:
-    """ALiBi plus bias of the block, ``[b|1, Hq|1, tq|1, tk|1]`` in ``dtype``; None when the call has neither."""
+def additive_block(inputs: AttentionInputs, rows: slice, i0: int, i1: int, j0: int, j1: int, dtype: torch.dtype,
+                   visible: torch.Tensor | None = None) -> torch.Tensor | None:
+    """ALiBi plus bias of the block, ``[b|1, Hq|1, tq|1, tk|1]`` in ``dtype``; None when the call has neither.
+
+    With ``visible`` (bool, broadcastable to ``[b|1, Hq|1, tq, tk]``) the hidden entries are -inf: the fused op's
+    additive mask. The -inf goes in before a part grows to ``Hq`` heads where it can (ALiBi with positive slopes:
+    ``slope * -inf``; the relative bias: a bucket that reads -inf), so the block is written once, not three times.
+    """
     mods = inputs.modifiers
-    total = None
     query_pos, key_pos = _positions(inputs, rows, i0, i1, j0, j1)  # [b, tq], [b, tk]
+    parts, masked = [], visible is None
     if mods.alibi_slopes is not None:
         slopes = mods.alibi_slopes if mods.alibi_slopes.shape[0] == 1 else mods.alibi_slopes[rows]  # [b|1, Hq]
-        distance = (key_pos[:, None, None, :] - query_pos[:, None, :, None]).abs().to(dtype)  # [b, 1, tq, tk]
-        total = -slopes.to(dtype)[:, :, None, None] * distance  # [b, Hq, tq, tk]
+        slopes = slopes.to(dtype)[:, :, None, None]  # [b|1, Hq, 1, 1]
+        minus_distance = -(key_pos[:, None, None, :] - query_pos[:, None, :, None]).abs().to(dtype)  # [b, 1, tq, tk]
+        if not masked and bool((slopes > 0).all()):
+            minus_distance = minus_distance.masked_fill(~visible, NEG_INF)  # [b, 1|Hq, tq, tk]
+            masked = True
+        parts.append(slopes * minus_distance)  # [b, Hq, tq, tk]
     bias = mods.bias
     if isinstance(bias, RelativePositionBias):
-        part = bias.block(query_pos, key_pos).to(dtype)  # [b, Hq, tq, tk]
-        total = part if total is None else total + part
+        shared = not masked and visible.shape[1] == 1  # one mask for every head: hidden keys read a -inf bucket
+        parts.append(bias.block(query_pos, key_pos, visible[:, 0] if shared else None).to(dtype))  # [b, Hq, tq, tk]
+        masked = masked or shared
     elif bias is not None:  # [B|1, Hq|1, T|1, S|1]
-        part = bias[_block_index(bias.shape, rows, i0, i1, j0, j1)].to(dtype)  # [b|1, Hq|1, tq|1, tk|1]
-        total = part if total is None else total + part
-    return total
+        parts.append(bias[_block_index(bias.shape, rows, i0, i1, j0, j1)].to(dtype))  # [b|1, Hq|1, tq|1, tk|1]
+    if not parts:
+        return None
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total if masked else torch.where(visible, total, NEG_INF)
 
 
 def _block_index(shape: torch.Size, rows: slice, i0: int, i1: int, j0: int, j1: int) -> tuple[slice, ...]:

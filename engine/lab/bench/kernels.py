@@ -8,6 +8,7 @@ closing table checks issue 4's seven targets. Results: ``kernels.json`` / ``kern
 
     python run.py bench kernels --quick            # seconds: small sizes, no FlexAttention
     python run.py bench kernels --threads 2        # the full run of docs/BENCHMARKS.md
+    python run.py bench kernels --groups modifiers # sinks, ALiBi, relative bias (engine.lab.bench.modifier_cases)
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from engine.lab.bench import kernel_cases as cases_mod
+from engine.lab.bench.modifier_cases import modifier_cases
 from engine.lab.measure import PeakMemory, format_table, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads
 
@@ -37,14 +39,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "compile takes tens of seconds)")
     parser.add_argument("--groups", default="all",
                         help="comma-separated case groups: prefill, chunked, window, documents, decode, memory, "
-                        "bf16, cache, training (default all; bf16 and cache are outside the targets)")
+                        "bf16, cache, training, modifiers (default all; bf16, cache and modifiers are outside the "
+                        "targets)")
 
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     torch.manual_seed(args.seed)
     flex = (not args.quick) if args.flex is None else args.flex
-    cases = cases_mod.all_cases(args.quick, flex)
+    cases = cases_mod.all_cases(args.quick, flex) + modifier_cases(args.quick, 16, 64, flex)
     if args.groups != "all":
         wanted = {g.strip() for g in args.groups.split(",")}
         cases = [c for c in cases if c.group in wanted]

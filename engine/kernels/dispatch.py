@@ -7,7 +7,8 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
 | decode       | few queries against a long cache: split-KV, merged by lse   | T <= 16, no gradients, CPU op   |
-|              |                                                             | (pays off from S >= 512)        |
+|              | (ALiBi and biases enter its row masks)                      | (pays off from S >= 512);       |
+|              |                                                             | takes alibi, bias               |
 | sdpa         | one call of PyTorch's fused CPU flash op                    | no mask beyond top-left causal  |
 | sdpa_tiles   | that fused op on the tiles the mask leaves, lse-merged      | no softcap, Dv == D, CPU;       |
 |              | (ALiBi and biases enter its per-tile additive masks)        | takes alibi, bias               |
@@ -75,7 +76,8 @@ class Kernel(NamedTuple):
 # Fastest first: the order auto walks and the fallback order of a forced kernel.
 KERNELS: dict[str, Kernel] = {
     "decode": Kernel(decode_attention, decode_fits, decode_pays_off,
-                     "few queries against a long cache: reads each K/V byte once, split across chunks"),
+                     "few queries against a long cache: reads each K/V byte once, split across chunks",
+                     takes=frozenset({"alibi", "bias"})),
     "sdpa": Kernel(sdpa_attention, sdpa_fits, _always,
                    "PyTorch's fused flash kernel fits exactly (no mask beyond top-left causal)"),
     "sdpa_tiles": Kernel(sdpa_tiles_attention, sdpa_tiles_fits, _always,

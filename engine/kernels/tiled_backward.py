@@ -84,24 +84,10 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
         dq_rows = torch.zeros_like(q_rows)  # [Hkv, G*tq, D]
         for j0, j1, full in tiles:
             k_tile, v_tile = kc[b, :, j0:j1], vc[b, :, j0:j1]  # [Hkv, tk, D], [Hkv, tk, Dv]
-            scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # [Hkv, G*tq, tk]
-            capped = None
-            if inputs.softcap is not None:
-                capped = torch.tanh(scores / inputs.softcap)  # [Hkv, G*tq, tk]
-                scores = capped * inputs.softcap
-            before_mod = None
-            if mods.additive():
-                scores = tile_view(scores, i1 - i0) + additive_block(inputs, slice(b, b + 1), i0, i1, j0, j1,
-                                                                      compute)  # [1, Hq, tq, tk]
-                scores = scores.reshape(kv_heads, rows, j1 - j0)
-            if mods.score_mod is not None:
-                before_mod = scores
-                scores = apply_score_mod(inputs, tile_view(scores, i1 - i0), slice(b, b + 1), i0, i1, j0, j1)
-                scores = scores.reshape(kv_heads, rows, j1 - j0)  # [Hkv, G*tq, tk], a new tensor
+            scores, capped, before_mod = _tile_scores(inputs, q_rows, k_tile, b, i0, i1, j0, j1)
             visible = None
             if not full:
                 visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
-                scores = scores.clone() if scores is before_mod else scores
                 scores.view(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0).masked_fill_(~visible, NEG_INF)
             p = (scores - lse_rows).exp_()  # [Hkv, G*tq, tk], the softmax weights (before dropout)
             dp = torch.bmm(do_rows, v_tile.transpose(1, 2))  # [Hkv, G*tq, tk], d loss / d (dropped weights)
@@ -128,3 +114,21 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias.to(mods.bias.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
+
+def _tile_scores(inputs: AttentionInputs, q_rows: torch.Tensor, k_tile: torch.Tensor, b: int, i0: int, i1: int,
+                 j0: int, j1: int):
+    """A tile's scores as the forward made them, ``[Hkv, G*tq, tk]`` (a tensor of its own), with what their
+    derivatives need: ``tanh(raw / cap)`` (softcap, else None) and the scores before score_mod (else None)."""
+    scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # [Hkv, G*tq, tk]
+    capped = before_mod = None
+    if inputs.softcap is not None:
+        capped = torch.tanh(scores / inputs.softcap)  # [Hkv, G*tq, tk]
+        scores = capped * inputs.softcap
+    if inputs.modifiers.additive():
+        bias = additive_block(inputs, slice(b, b + 1), i0, i1, j0, j1, scores.dtype)  # [1, Hq|1, tq|1, tk|1]
+        scores = (tile_view(scores, i1 - i0) + bias).reshape(scores.shape)  # [Hkv, G*tq, tk]
+    if inputs.modifiers.score_mod is not None:
+        before_mod = scores
+        modded = apply_score_mod(inputs, tile_view(scores, i1 - i0), slice(b, b + 1), i0, i1, j0, j1)
+        scores = modded.reshape(scores.shape)  # [Hkv, G*tq, tk], a new tensor
+    return scores, capped, before_mod

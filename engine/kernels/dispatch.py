@@ -166,7 +166,7 @@ def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
     dropout_p, generator (a dropout call here draws nothing from ``generator``).
     """
     if modifiers.get("dropout_p") and isinstance(modifiers.get("generator") or torch.Generator(), torch.Generator):
-        modifiers["generator"] = torch.Generator(device=q.device)  # explain computes nothing: leave theirs be
+        modifiers["generator"] = torch.Generator()  # explain computes nothing: it leaves the caller's generator be
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
                             **modifiers)
     auto = _walk(inputs)

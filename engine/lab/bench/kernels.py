@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.lab.bench import kernel_cases as cases_mod
-from engine.lab.bench.modifier_cases import modifier_cases
+from engine.lab.bench.modifier_cases import modifier_cases, plot_modifiers
 from engine.lab.measure import PeakMemory, format_table, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads
 
@@ -70,7 +70,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nnote: the load average was {load_before} at the start: other work shared the CPUs")
     out = Path(args.out)
     paths = save_results(out, "kernels", rows, {**meta, "targets": targets})
-    paths += plot(rows, out)
+    paths += plot(rows, out) + plot_modifiers(rows, out)
     print("\nsaved " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -138,3 +138,25 @@ def relative_bias_case(t: int, heads: int, d: int, flex: bool) -> Case:
 def modifier_cases(quick: bool, heads: int, d: int, flex: bool) -> list[Case]:
     lengths = (512, 1024) if quick else (4096, 8192, 16384)
     return [make(t, heads, d, flex) for make in (sinks_case, alibi_case, relative_bias_case) for t in lengths]
+
+
+def plot_modifiers(rows: list[dict[str, Any]], out) -> list:
+    """``kernels_modifiers.png``: median ms per call vs T for each modifier, every implementation (empty: no file)."""
+    from engine.lab import plots
+
+    measured = [r for r in rows if r["group"] == "modifiers" and "ms" in r]
+    if not measured:
+        return []
+    kinds = list(dict.fromkeys(r["case"].split(",")[0] for r in measured))  # sinks, ALiBi, relative bias
+    fig, axes = plots.figure(ncols=len(kinds))
+    for ax, kind in zip(axes, kinds):
+        mine = [r for r in measured if r["case"].split(",")[0] == kind]
+        labels = sorted({r["impl"].split(" (")[0] if r["impl"].startswith("engine (") else r["impl"] for r in mine},
+                        key=lambda s: (not s.startswith("engine"), s))
+        for index, label in enumerate(labels):
+            points = sorted((r["T"], r["ms"]) for r in mine
+                            if r["impl"] == label or (label == "engine" and r["impl"].startswith("engine (")))
+            plots.series(ax, [t for t, _ in points], [ms for _, ms in points], label, index)
+        plots.loglog(ax, f"{kind}, causal prefill (fp32, Hq=16, D=64)", "sequence length T", "median ms per call")
+        ax.legend(fontsize=7)
+    return [plots.save(fig, out / "kernels_modifiers.png")]

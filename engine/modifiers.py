@@ -49,13 +49,13 @@ class Modifiers:
     def names(self) -> set[str]:
         """The options these modifiers add to a call (sinks add none: every kernel returns the lse they need).
 
-        ``"bias_grad"``: a dense bias that requires grad (the fused op's backward gives no bias gradient)."""
+        ``"bias_grad"``: a dense bias whose gradient is wanted (the fused op's backward gives none)."""
         names = set()
         if self.alibi_slopes is not None:
             names.add("alibi")
         if self.bias is not None:
             names.add("bias")
-            if isinstance(self.bias, torch.Tensor) and self.bias.requires_grad:
+            if isinstance(self.bias, torch.Tensor) and self.bias.requires_grad and torch.is_grad_enabled():
                 names.add("bias_grad")
         if self.score_mod is not None:
             names.add("score_mod")

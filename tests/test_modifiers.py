@@ -255,6 +255,8 @@ def test_explain_names_the_kernel_of_each_modifier():
     dense_bias = torch.randn(1, HQ, 300, 300, requires_grad=True)
     assert explain(q, k, v, bias=dense_bias).kernel == "tiled"  # the fused backward gives no bias gradient
     assert explain(q, k, v, bias=dense_bias.detach()).kernel == "sdpa_tiles"
+    with torch.no_grad():  # no gradient wanted: the fused kernel again
+        assert explain(q, k, v, bias=dense_bias).kernel == "sdpa_tiles"
 
 
 BAD = [

@@ -40,6 +40,7 @@ def _flex(q, k, v, score_mod, mask_mod) -> Impl:
     state: dict[str, Any] = {}
 
     def setup() -> None:
+        torch._dynamo.reset()  # nine cases would pass dynamo's recompile limit: the last would run unfused (O(T^2))
         state["mask"] = create_block_mask(mask_mod, None, None, q.shape[2], k.shape[2], device="cpu")
         state["fn"] = torch.compile(flex_attention, dynamic=False)
         run()

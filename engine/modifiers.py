@@ -119,7 +119,8 @@ def _float_tensor(x, name: str, device: torch.device) -> torch.Tensor:
 
 
 def _finite(x: torch.Tensor, name: str, hint: str = "") -> None:
-    if not bool(torch.isfinite(x.detach()).all()):
+    """ValueError on NaN/inf: min and max are finite exactly when every entry is (one pass, no bool copy of x)."""
+    if x.numel() and not all(bool(torch.isfinite(end)) for end in torch.aminmax(x.detach())):
         raise ValueError(f"{name} must be finite{hint}, got NaN/inf")
 
 

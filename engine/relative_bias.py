@@ -82,8 +82,9 @@ class RelativePositionBias:
         line = self.table[:, self.buckets(relative)].transpose(0, 1).contiguous()  # [b, Hq, L]
         length = line.shape[-1]
         rows_reversed = line.as_strided((line.shape[0], heads, tq, tk), (heads * length, length, 1, 1))
-        backwards = torch.arange(tq - 1, -1, -1, device=line.device)  # (flip keeps the view's odd strides)
-        return rows_reversed.index_select(2, backwards)  # [b, Hq, tq, tk], contiguous
+        # (flip keeps the view's odd strides; index_select on this overlapping view is ~50x slower on 2 threads)
+        backwards = torch.arange(tq - 1, -1, -1, device=line.device)
+        return rows_reversed[:, :, backwards]  # [b, Hq, tq, tk], contiguous
 
 
 def _consecutive(positions: torch.Tensor) -> bool:

@@ -25,6 +25,7 @@ from engine.masks import (
     padding_positions,
 )
 from engine.masks.structured import StructuredMask, as_structured
+from engine.relative_bias import RelativePositionBias
 from engine.rope import apply_rope, rope_frequencies
 from engine.softmax import naive_softmax, online_softmax, stable_softmax
 
@@ -45,6 +46,7 @@ __all__ = [
     "document_positions",
     "StructuredMask",
     "as_structured",
+    "RelativePositionBias",
     "MultiHeadAttention",
     "KVCache",
     "kv_cache_bytes",

@@ -26,6 +26,8 @@ import torch
 from engine.inputs import prepare_inputs
 from engine.kernels.dispatch import run_attention
 from engine.masks.window import window_mask
+from engine.modifiers import ScoreMod
+from engine.relative_bias import RelativePositionBias
 
 __all__ = ["causal_attention", "split_heads", "merge_heads", "window_mask"]
 
@@ -41,6 +43,12 @@ def causal_attention(
     *,
     causal: bool = True,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    bias: torch.Tensor | RelativePositionBias | None = None,
+    score_mod: ScoreMod | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
     return_lse: bool = False,
     kernel: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +69,17 @@ def causal_attention(
         causal: keyword-only; False drops the position rule so only ``allowed`` restricts
             (encoders, cross-attention).
         softcap: keyword-only; if set, scores become ``softcap * tanh(scores / softcap)`` after scaling.
+        sinks: keyword-only ``[Hq]`` float; one logit per query head added to each row's softmax denominator
+            with no value (gpt-oss); differentiable. The returned lse includes it.
+        alibi_slopes: keyword-only ``[Hq]`` or ``[B, Hq]``; adds ``-slope * |key_pos - query_pos|`` to the scores
+            (``slope * (key_pos - query_pos)`` under the causal rule).
+        bias: keyword-only; a float tensor broadcastable to ``[B, Hq, T, S]`` added to the scores (differentiable),
+            or an ``engine.RelativePositionBias`` (a bucketed table read per tile from positions).
+        score_mod: keyword-only callable ``(score, batch, head, query_pos, key_pos) -> score`` on broadcastable
+            tensors (``[b, Hq, tq, tk]``, ``[b,1,1,1]``, ``[1,Hq,1,1]``, ``[b,1,tq,1]``, ``[b,1,1,tk]``).
+        dropout_p: keyword-only; drop each attention weight with this probability and scale the kept ones by
+            ``1 / (1 - dropout_p)``; the pattern's seed is drawn from ``generator`` (default: torch's).
+        (The order of softcap, bias, ALiBi, score_mod, sinks and dropout: engine.modifiers.)
         return_lse: keyword-only; also return the log-sum-exp of each row's visible scores,
             ``[B, Hq, T]`` in the compute dtype (fp32, fp64 for fp64 inputs; base e, ``-inf`` for rows
             that see nothing).
@@ -74,8 +93,10 @@ def causal_attention(
 
         out = causal_attention(q1, k58, v58)              # default positions: query at 57
     """
+    modifiers = dict(sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod, dropout_p=dropout_p,
+                     generator=generator)
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale,
-                            causal=causal, softcap=softcap)
+                            causal=causal, softcap=softcap, **modifiers)
     out, lse = run_attention(inputs, kernel=kernel, return_lse=return_lse)
     return (out, lse) if return_lse else out
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.masks.structured import StructuredMask
+from engine.modifiers import NONE, Modifiers, prepare_modifiers
 from engine.quantized import QuantizedKV, checked_as_tensors
 
 __all__ = ["AttentionInputs", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions"]
@@ -26,7 +27,8 @@ class AttentionInputs:
     q ``[B, Hq, T, D]``, k ``[B, Hkv, S, D]``, v ``[B, Hkv, S, Dv]``; query_positions ``[B, T]`` and
     key_positions ``[B, S]`` (int64, possibly expanded views); allowed is None, a bool tensor
     broadcastable to ``[B, Hq, T, S]``, or a StructuredMask (engine.masks) of such a shape. k and v may
-    both be ``QuantizedKV`` (engine.quantized: int8 / fp8 with per-token scales): the option ``"quantized_kv"``.
+    both be ``QuantizedKV`` (engine.quantized: int8 / fp8 with per-token scales): the option ``"quantized_kv"``;
+    modifiers: sinks, ALiBi, bias, score_mod, dropout (engine.modifiers).
     """
 
     q: torch.Tensor
@@ -38,6 +40,7 @@ class AttentionInputs:
     scale: float
     causal: bool
     softcap: float | None
+    modifiers: Modifiers = NONE
 
     def options(self) -> frozenset[str]:
         """The optional parts of this call, by name (``"softcap"``, ...): each kernel lists in ``KERNELS`` the
@@ -48,6 +51,7 @@ class AttentionInputs:
             names.add("softcap")
         if isinstance(self.k, QuantizedKV):
             names.add("quantized_kv")
+        names |= self.modifiers.names()  # alibi, bias, bias_grad, score_mod, dropout
         return frozenset(names)
 
 
@@ -62,8 +66,10 @@ def prepare_inputs(
     *,
     causal: bool = True,
     softcap: float | None = None,
+    **modifiers,
 ) -> AttentionInputs:
-    """Validate the arguments of causal_attention and resolve their defaults (no copies of q, k, v)."""
+    """Validate the arguments of causal_attention and resolve their defaults (no copies of q, k, v);
+    ``modifiers``: sinks, alibi_slopes, bias, score_mod, dropout_p, generator (engine.modifiers)."""
     _check_qkv(q, *checked_as_tensors(q, k, v))
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool (True: the position rule applies), got {causal!r} "
@@ -85,7 +91,8 @@ def prepare_inputs(
         softcap = _real_number(softcap, "softcap")
         if not (softcap > 0 and math.isfinite(softcap)):
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
-    return AttentionInputs(q, k, v, qp, kp, allowed, scale, causal, softcap)
+    mods = prepare_modifiers((batch, q_heads, t, s), q.device, **modifiers) if modifiers else NONE
+    return AttentionInputs(q, k, v, qp, kp, allowed, scale, causal, softcap, mods)
 
 
 def _real_number(value: object, name: str) -> float:

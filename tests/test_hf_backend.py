@@ -25,6 +25,7 @@ from transformers.masking_utils import (  # noqa: E402
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 
+from engine import causal_attention  # noqa: E402
 from tests.precision import assert_within_precision, plain_attention  # noqa: E402
 
 
@@ -107,12 +108,17 @@ def test_caller_masks_and_no_mask():
     by_float, _ = hf.engine_attention_forward(module, q, k, v, additive)
     by_none, _ = hf.engine_attention_forward(module, q, k, v, None)
     assert torch.equal(by_bool, by_float) and torch.equal(by_bool, by_none)
-    with pytest.raises(ValueError, match="bias"):
-        hf.engine_attention_forward(module, q, k, v, additive + 0.5)
+    bias = torch.randn(1, 2, 4, 6)  # an additive mask that also carries a bias: mask and bias are told apart
+    by_bias, _ = hf.engine_attention_forward(module, q, k, v, additive + bias)
+    want = causal_attention(q, k, v, allowed=causal, bias=bias, causal=False).transpose(1, 2)
+    torch.testing.assert_close(by_bias, want, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match=r"must cover the S=6 keys .* got shape \(1, 1, 4, 1\)"):
         hf.engine_attention_forward(module, q, k, v, causal[None, None, :, -1:])  # would broadcast over keys
-    with pytest.raises(ValueError, match="dropout"):
-        hf.engine_attention_forward(module, q, k, v, None, dropout=0.1)
+    torch.manual_seed(3)
+    dropped, _ = hf.engine_attention_forward(module, q, k, v, None, dropout=0.5)
+    torch.manual_seed(3)
+    assert torch.equal(hf.engine_attention_forward(module, q, k, v, None, dropout=0.5)[0], dropped)
+    assert not torch.allclose(dropped, by_none)  # dropout runs (seeded by torch's generator)
     for name in hf.UNSUPPORTED_ATTENTION_KWARGS:  # score-changing keywords are refused, never ignored
         with pytest.raises(ValueError, match=name):
             hf.engine_attention_forward(module, q, k, v, None, **{name: torch.zeros(2)})
@@ -276,12 +282,15 @@ def test_packed_sequences_use_the_dense_fallback_and_match_eager():
     torch.testing.assert_close(engine[:, 4:], second_alone, rtol=0, atol=1e-4)  # documents do not mix
 
 
-def test_training_with_attention_dropout_raises():
+def test_training_with_attention_dropout_runs_the_engines_dropout():
     model = tiny_llama(attention_dropout=0.1).train()
-    with pytest.raises(ValueError, match="dropout"):
-        model(torch.randint(0, 64, (1, 5)))
+    ids = torch.randint(0, 64, (1, 5))
+    torch.manual_seed(7)
+    first = model(ids).logits
+    torch.manual_seed(7)
+    assert torch.equal(model(ids).logits, first)  # reproducible from torch's generator
     model.eval()
-    assert model(torch.randint(0, 64, (1, 5))).logits.shape == (1, 5, 64)  # eval: dropout is 0
+    assert not torch.allclose(model(ids).logits, first)  # eval: dropout is 0
 
 
 def test_output_attentions_warns_that_weights_are_not_materialised():

@@ -35,12 +35,26 @@ FAMILIES = {
     "gemma2-softcap": lambda: transformers.Gemma2Config(  # sliding/full alternating, score and logit softcaps
         **SMALL, num_key_value_heads=2, head_dim=16, sliding_window=5, attn_logit_softcapping=3.0,
         final_logit_softcapping=30.0, query_pre_attn_scalar=24),
+    "gpt-oss-sinks": lambda: transformers.GptOssConfig(  # attention sinks, sliding/full alternating, MoE
+        **SMALL, num_key_value_heads=2, head_dim=16, sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
+        experts_implementation="eager",  # the grouped-mm experts take no fp64 (the oracle runs in fp64)
+        layer_types=["sliding_attention", "full_attention"], rope_parameters={"rope_type": "default",
+                                                                              "rope_theta": 10000.0}),
 }
+
+
+def _large_sinks(model) -> None:
+    """gpt-oss initialises its sinks near 0 (~0.1); spread them over [-2, 3] so that they weigh in every row."""
+    for layer in model.model.layers:
+        if hasattr(layer.self_attn, "sinks"):
+            with torch.no_grad():
+                layer.self_attn.sinks.copy_(torch.linspace(-2.0, 3.0, layer.self_attn.sinks.shape[0]))
 
 
 def build(family: str, implementation: str = "eager"):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(FAMILIES[family](), attn_implementation=implementation)
+    _large_sinks(model)
     return model.eval()
 
 
@@ -136,11 +150,12 @@ def test_chunked_prefill_matches_one_prefill(family):
 
 
 def test_the_window_and_the_softcap_matter_in_these_configs():
-    # Guards the tests above: if the engine ignored the window or the softcap, they would have to fail.
+    # Guards the tests above: if the engine ignored the window, the softcap or the sinks, they would have to fail.
     ids, mask = left_padded_batch()
     with torch.no_grad():
         for family, field, off in [("mistral-sliding", "sliding_window", 10**6),
-                                   ("gemma2-softcap", "attn_logit_softcapping", None)]:
+                                   ("gemma2-softcap", "attn_logit_softcapping", None),
+                                   ("gpt-oss-sinks", "sinks", torch.nn.Parameter(torch.full((4,), -1e4)))]:
             model = build(family)
             windowed = model(ids, attention_mask=mask).logits
             setattr(model.config, field, off)

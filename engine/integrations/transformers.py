@@ -18,15 +18,20 @@ How the library's arguments become the engine's (one convention: cache index = p
     sliding-window mask function (window w)   allowed = window_mask(...) (w keys, own included)
     2-D padding mask [B, N]                   allowed &= key_valid[:, None, None, :]      [B, 1, 1, S]
     scaling, softcap                          scale=scaling, softcap=softcap
+    s_aux / sinks (gpt-oss) [Hq]              sinks=...
+    position_bias (T5) [1|B, Hq, T, S]        bias=... (dropped when all zero and not learned)
+    an additive float mask with a bias        allowed = not blocked, bias = the mask where not blocked
+    dropout (training)                        dropout_p=dropout (torch's default generator)
 
 No ``[B, 1, T, S]`` mask is built for these cases. Any other mask function (packed sequences, block
 overlays, chunked attention, custom ``or``/``and`` functions) is evaluated by the library's ``sdpa_mask``
 into a dense bool mask and passed as ``allowed`` with ``causal=False``: slower, never wrong.
 
 A query row that sees no key (a left-pad token) returns 0, where eager returns an average of masked values;
-real tokens are unaffected because pad keys are masked for them. Dropout is not supported: a non-zero
-``dropout`` (a module in training mode with attention dropout) raises. Attention weights are never
-materialised: ``output_attentions=True`` warns, and the attention function returns None for them.
+real tokens are unaffected because pad keys are masked for them. Attention dropout (a module in training
+mode) runs with the engine's own pattern (the same expectation as eager's, not the same random draws).
+Attention weights are never materialised: ``output_attentions=True`` warns, and the attention function
+returns None for them.
 
 A sliding-window cache may hand over more keys than its mask describes (transformers' dynamic sliding layer
 keeps every key when ``sliding_window == 1``); the extra keys are the oldest ones, before every query's
@@ -187,8 +192,9 @@ def engine_mask(
                       key_valid=_key_valid(attention_mask, kv_length, kv_offset))
 
 
-def _dense_to_allowed(mask: torch.Tensor, s: int) -> torch.Tensor:
-    """A 4-D mask from the caller: bool as is; an additive float mask of 0 / very negative becomes bool."""
+def _dense_to_allowed(mask: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A 4-D mask from the caller as ``(allowed, bias or None)``: bool as is; an additive float mask's very
+    negative entries hide their keys, and any other value it holds is a bias on the visible ones."""
     if mask.dim() != 4:
         raise ValueError(f"a tensor attention_mask must be 4-D [B, 1, T, S], got shape {tuple(mask.shape)}")
     if mask.shape[-1] < s:  # a last dimension of 1 would broadcast one key's entry over every key
@@ -196,12 +202,11 @@ def _dense_to_allowed(mask: torch.Tensor, s: int) -> torch.Tensor:
                          f"got shape {tuple(mask.shape)}")
     mask = mask[..., :s]  # [B, 1 or H, T, S]
     if mask.dtype == torch.bool:
-        return mask
+        return mask, None
     blocked = mask <= torch.finfo(mask.dtype).min / 2  # [B, 1 or H, T, S]
-    if not bool(((mask == 0) | blocked).all()):
-        raise ValueError("the engine takes boolean masks (or additive masks of 0 and -inf); this additive mask "
-                         "carries a bias, which causal_attention does not support")
-    return ~blocked
+    if bool(((mask == 0) | blocked).all()):
+        return ~blocked, None
+    return ~blocked, mask.masked_fill(blocked, 0.0)  # [B, 1 or H, T, S]: the bias on the visible keys
 
 
 def _keys_the_mask_describes(mask: EngineMask, key: torch.Tensor, value: torch.Tensor, t: int
@@ -233,7 +238,21 @@ def _keys_the_mask_describes(mask: EngineMask, key: torch.Tensor, value: torch.T
 
 
 # Keywords some models pass to their attention function that change the result; the engine refuses them.
-UNSUPPORTED_ATTENTION_KWARGS = ("position_bias", "s_aux", "sinks", "indices", "block_indices")
+UNSUPPORTED_ATTENTION_KWARGS = ("indices", "block_indices")
+
+
+def _bias_of(position_bias: torch.Tensor | None, s: int) -> torch.Tensor | None:
+    """T5's ``position_bias [1|B, Hq, T, S']`` for the S keys the layer attends to (its last S), or None when it
+    is all zero and not learned (T5's layers without a relative bias pass zeros)."""
+    if position_bias is None:
+        return None
+    if position_bias.dim() != 4 or position_bias.shape[-1] < s:
+        raise ValueError(f"position_bias must be 4-D [B, Hq, T, S] covering the S={s} keys, "
+                         f"got shape {tuple(position_bias.shape)}")
+    bias = position_bias[..., position_bias.shape[-1] - s:]  # [1|B, Hq, T, S]
+    if not bias.requires_grad and not bool(bias.any()):
+        return None
+    return bias
 
 
 def engine_attention_forward(
@@ -256,8 +275,10 @@ def engine_attention_forward(
         attention_mask: an ``EngineMask`` (from ``engine_mask``), a 4-D bool/additive mask, or None
             (then ``is_causal`` / ``module.is_causal`` and ``sliding_window`` decide, with the queries at
             the last T key positions).
-        dropout: must be 0.
+        dropout: attention dropout probability (training).
         scaling: score multiplier; softcap: Gemma-2 score cap.
+        kwargs: ``s_aux`` or ``sinks`` ``[Hq]`` (gpt-oss attention sinks), ``position_bias`` (T5's relative
+            bias ``[1|B, Hq, T, S]``).
 
     Returns:
         ``(out [B, T, Hq, Dv], None)``: attention weights are never materialised for the caller
@@ -268,15 +289,13 @@ def engine_attention_forward(
                       "gives None / an empty tuple for them. To get the weights, run that call with "
                       "attn_implementation='eager' (model.set_attn_implementation('eager'))", UserWarning,
                       stacklevel=2)
-    if dropout:
-        raise ValueError(f"the engine attention has no dropout; got dropout={dropout} "
-                         "(call model.eval() or set the attention dropout to 0)")
     for name in UNSUPPORTED_ATTENTION_KWARGS:  # each changes the scores: ignoring it would be silently wrong
         if kwargs.get(name) is not None:
             raise ValueError(f"the engine attention does not support {name!r} (a score bias, attention sinks or a "
                              "sparse selection); use attn_implementation='eager' for this model")
     t = query.shape[2]
-    query_positions = key_positions = allowed = None
+    query_positions = key_positions = allowed = mask_bias = None
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
     if isinstance(attention_mask, EngineMask):
         key, value = _keys_the_mask_describes(attention_mask, key, value, t)  # [B, Hkv, S, D]
         query_positions, key_positions = attention_mask.query_positions, attention_mask.key_positions
@@ -292,12 +311,16 @@ def engine_attention_forward(
             allowed = window_mask(torch.arange(s - t, s, device=query.device),
                                   torch.arange(s, device=query.device), sliding_window)  # [T, S]
     elif isinstance(attention_mask, torch.Tensor):
-        causal, allowed = False, _dense_to_allowed(attention_mask, key.shape[2])  # the mask holds the whole rule
+        causal = False  # the mask holds the whole rule
+        allowed, mask_bias = _dense_to_allowed(attention_mask, key.shape[2])
     else:
         raise ValueError(f"attention_mask must be an EngineMask, a 4-D tensor or None, "
                          f"got {type(attention_mask).__name__}")
-    out = causal_attention(query, key, value, query_positions, key_positions, allowed, scaling,
-                           causal=causal, softcap=softcap)  # [B, Hq, T, Dv]
+    bias = _bias_of(kwargs.get("position_bias"), key.shape[2])
+    if mask_bias is not None:
+        bias = mask_bias if bias is None else bias + mask_bias
+    out = causal_attention(query, key, value, query_positions, key_positions, allowed, scaling, causal=causal,
+                           softcap=softcap, sinks=sinks, bias=bias, dropout_p=dropout)  # [B, Hq, T, Dv]
     return out.transpose(1, 2).contiguous(), None  # [B, T, Hq, Dv]
 
 

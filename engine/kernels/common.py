@@ -67,17 +67,20 @@ def clear_unseen(out: torch.Tensor, lse: torch.Tensor, seen: torch.Tensor) -> tu
 
 def differentiable(inputs, forward: Callable, backward: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``forward(inputs) -> (out, lse, saved_out)``, with autograd through ``backward(inputs,
-    saved_out, lse, grad_out, grad_lse) -> (dq, dk, dv)`` when q, k or v need gradients (either grad may be
-    None). ``saved_out`` is the output as the backward wants it (e.g. before the cast to q's dtype)."""
-    if needs_grad(inputs.q, inputs.k, inputs.v):
-        return _Differentiable.apply(inputs.q, inputs.k, inputs.v, inputs, forward, backward)
+    saved_out, lse, grad_out, grad_lse) -> (dq, dk, dv[, dbias])`` when q, k, v (or a dense bias) need gradients
+    (either grad may be None). ``saved_out`` is the output as the backward wants it (e.g. before the cast to q's
+    dtype); the backward returns ``dbias`` only for a dense ``inputs.modifiers.bias`` that requires grad."""
+    bias = inputs.modifiers.bias
+    bias = bias if isinstance(bias, torch.Tensor) and bias.requires_grad else None
+    if needs_grad(inputs.q, inputs.k, inputs.v) or (bias is not None and torch.is_grad_enabled()):
+        return _Differentiable.apply(inputs.q, inputs.k, inputs.v, bias, inputs, forward, backward)
     out, lse, _ = forward(inputs)
     return out, lse
 
 
 class _Differentiable(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, inputs, forward, backward):
+    def forward(ctx, q, k, v, bias, inputs, forward, backward):
         inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
         out, lse, saved_out = forward(inputs)
         ctx.save_for_backward(q, k, v, saved_out, lse)
@@ -89,7 +92,8 @@ class _Differentiable(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, saved_out, lse = ctx.saved_tensors
         if grad_out is None and grad_lse is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         inputs = dataclasses.replace(ctx.inputs, q=q, k=k, v=v)
-        dq, dk, dv = ctx.backward(inputs, saved_out, lse, grad_out, grad_lse)
-        return dq, dk, dv, None, None, None
+        grads = ctx.backward(inputs, saved_out, lse, grad_out, grad_lse)
+        dbias = grads[3] if len(grads) > 3 else None
+        return grads[0], grads[1], grads[2], dbias, None, None, None

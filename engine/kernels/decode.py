@@ -15,10 +15,11 @@ layout choices keep those bytes read once:
 
        k [B, Hkv, S, D] -> view [B*Hkv, n, S/n, D];   q rows repeated per chunk;   merge over n
 
-Masks (positions, windows, padding) enter as an additive mask over the rows; key chunks that no row
-sees are cut off. Inputs the fused op cannot take exactly (softcap, Dv != D), gradients and more than
-``MAX_QUERIES`` queries do not fit: dispatch runs the next kernel (the ``tiled`` kernel takes few queries as
-one query tile against long key tiles, which shares K/V across the group too). Readable twin: ``tiled``.
+Masks (positions, windows, padding) enter as an additive mask over the rows, and so do ALiBi and biases
+(their values where visible); key chunks that no row sees are cut off. Inputs the fused op cannot take
+exactly (softcap, score_mod, Dv != D), gradients and more than ``MAX_QUERIES`` queries do not fit: dispatch
+runs the next kernel (the ``tiled`` kernel takes few queries as one query tile against long key tiles, which
+shares K/V across the group too). Readable twin: ``tiled``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, needs_grad
 from engine.kernels.flash import flash_call, flash_fits, flash_operands
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
+from engine.kernels.scores import additive_block
 from engine.kernels.visibility import causal_pattern, row_visibility, visibility_mask, visible_span
 
 MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row
@@ -80,13 +82,19 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
         visible = None
         if mask is not None and (inputs.allowed is not None or causal_pattern(inputs) != "none"):
             visible = row_visibility(mask, batch, kv_heads, group, t, j0, j1)  # [B|1, Hkv|1, G*T, n]
-        out, lse = _split_kv(q_rows, kc, vc, visible, inputs.scale)
+        additive = None
+        if inputs.modifiers.additive():  # ALiBi / bias of the span, -inf where hidden, in the rows layout
+            bias = additive_block(inputs, slice(0, batch), 0, t, j0, j1, compute)  # [B|1, Hq|1, T|1, n|1]
+            bias = bias.expand(bias.shape[0], q_heads, t, j1 - j0).reshape(-1, kv_heads, group * t, j1 - j0)
+            additive = bias if visible is None else torch.where(visible, bias, NEG_INF)  # [B|1, Hkv, G*T, n]
+        out, lse = _split_kv(q_rows, kc, vc, visible, inputs.scale, additive)
     out = out.reshape(batch, q_heads, t, d).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
     return out, lse.reshape(batch, q_heads, t)
 
 
-def _split_kv(q_rows, k, v, visible, scale):
-    """One fused call over ``n`` key chunks seen as heads, merged by lse: ``[B, Hkv, R, Dv]``, ``[B, Hkv, R]``."""
+def _split_kv(q_rows, k, v, visible, scale, additive=None):
+    """One fused call over ``n`` key chunks seen as heads, merged by lse: ``[B, Hkv, R, Dv]``, ``[B, Hkv, R]``.
+    ``additive``: the additive mask of ALiBi / a bias ``[B|1, Hkv, R, S]`` (-inf where hidden), split alike."""
     batch, kv_heads, rows, d = q_rows.shape
     s = k.shape[2]
     n = 1
@@ -94,7 +102,7 @@ def _split_kv(q_rows, k, v, visible, scale):
         n *= 2
     compute = compute_dtype(q_rows.dtype)
     if n == 1 or not (_heads_fold(k) and _heads_fold(v)):
-        o, lse = flash_call(q_rows, k, v, scale, visible=visible)
+        o, lse = flash_call(q_rows, k, v, scale, visible=visible, bias=additive)
         return o, lse.to(compute)
     chunk = s // n
     k_split = k.flatten(0, 1).unflatten(1, (n, chunk))  # [B*Hkv, n, S/n, D]: a view, chunk c of (b, h) is head c
@@ -105,7 +113,12 @@ def _split_kv(q_rows, k, v, visible, scale):
         if visible.shape[0] > 1 or visible.shape[1] > 1:
             visible = visible.expand(batch, kv_heads, rows, s)
         visible_split = visible.flatten(0, 1).unflatten(2, (n, chunk)).transpose(1, 2)
-    o, part_lse = flash_call(q_split, k_split, v_split, scale, visible=visible_split)  # [B*Hkv, n, R, *]
+    additive_split = None
+    if additive is not None:  # [B|1, Hkv, R, S] -> [B*Hkv|Hkv, n, R, S/n]
+        additive = additive.expand(batch, kv_heads, rows, s)
+        additive_split = additive.flatten(0, 1).unflatten(2, (n, chunk)).transpose(1, 2)
+    o, part_lse = flash_call(q_split, k_split, v_split, scale, visible=visible_split,
+                             bias=additive_split)  # [B*Hkv, n, R, *]
     part_lse = part_lse.to(compute)
     o = o.view(batch, kv_heads, n, rows, -1)  # [B, Hkv, n, R, Dv]
     part_lse = part_lse.expand(batch * kv_heads, n, rows).reshape(batch, kv_heads, n, rows)  # [B, Hkv, n, R]

@@ -12,6 +12,7 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import compute_dtype
+from engine.kernels.scores import dropout_block, modify_scores
 from engine.kernels.visibility import dense_visibility
 from engine.quantized import QuantizedKV
 
@@ -38,6 +39,8 @@ def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
     scores = (q.to(compute) @ kf.transpose(-2, -1)) * inputs.scale  # [B, Hq, T, S]
     if inputs.softcap is not None:
         scores = inputs.softcap * torch.tanh(scores / inputs.softcap)
+    everything = (slice(0, q.shape[0]), 0, q.shape[2], 0, k.shape[2])  # one block: every row, query and key
+    scores = modify_scores(inputs, scores, *everything)  # ALiBi, bias, score_mod (engine.modifiers)
     if key_bad is not None:  # a *visible* non-finite key poisons its row, as it would without masking
         bad = key_bad.repeat_interleave(group, dim=1)[:, :, None, :] & mask  # [B, Hq, T, S]
         scores = torch.where(bad, float("nan"), scores)
@@ -47,6 +50,8 @@ def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
     exp = torch.exp(scores - row_max)  # [B, Hq, T, S]; masked entries are exactly 0
     denom = exp.sum(dim=-1, keepdim=True)  # [B, Hq, T, 1]
     weights = exp / torch.where(denom > 0, denom, 1.0)  # empty rows stay 0, never 0/0
+    if inputs.modifiers.dropout_p > 0:  # the lse is of the weights before dropout
+        weights = weights * dropout_block(inputs, *everything, q.shape[1], compute, q.device)  # [B, Hq, T, S]
     out = weights @ vf  # [B, Hq, T, Dv]
     if val_bad is not None:  # visible non-finite values give non-finite outputs; masked ones do not leak
         bad_v = val_bad.repeat_interleave(group, dim=1).to(compute)  # [B, Hq, S, Dv]

@@ -9,15 +9,20 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 | decode_native| few queries against a long cache in C++: each K/V row read  | T <= 16, no gradients, CPU, a   |
 |              | once, converted in registers; reads int8 / fp8 caches too   | build (pays off from S >= 512)  |
 | decode       | few queries against a long cache: split-KV, merged by lse   | T <= 16, no gradients, CPU op   |
-|              |                                                             | (pays off from S >= 512)        |
+|              | (ALiBi and biases enter its row masks)                      | (pays off from S >= 512);       |
+|              |                                                             | takes alibi, bias               |
 | sdpa         | one call of PyTorch's fused CPU flash op                    | no mask beyond top-left causal  |
 | sdpa_cuda    | one call of PyTorch's fused CUDA SDPA (flash/cuDNN/eff.)    | as sdpa, on CUDA                |
-| sdpa_tiles   | that fused op on the tiles the mask leaves, lse-merged      | no softcap, Dv == D, CPU        |
+| sdpa_tiles   | that fused op on the tiles the mask leaves, lse-merged      | no softcap, Dv == D, CPU;       |
+|              | (ALiBi and biases enter its per-tile additive masks)        | takes alibi, bias               |
 | flex         | FlexAttention on a BlockMask from the mask's tile bounds    | CPU (forced; no grad) and CUDA  |
-| tiled        | online softmax over tiles in torch ops, skips empty tiles   | everything                      |
+| tiled        | online softmax over tiles in torch ops, skips empty tiles   | everything (every modifier)     |
 | dequantized  | quantized K/V dequantised a chunk at a time (readable twin) | QuantizedKV k, v (which only    |
 |              |                                                             | decode_native also reads)       |
 | reference    | dense scores ``[B, Hq, T, S]`` (the oracle)                 | everything, small sizes only    |
+
+Score modifiers (engine.modifiers) are options a kernel takes or not; sinks are none: they act on each row's
+lse after whichever kernel ran (engine.kernels.sinks), and ``explain`` says so.
 
 ``auto`` takes the first kernel that fits and pays off (never the reference). A forced kernel runs when it
 fits; otherwise, and when a kernel finds while running that its fast path cannot be exact (NaN/inf in q:
@@ -47,6 +52,7 @@ from engine.kernels.flex import flex_attention, flex_fits, flex_pays_off
 from engine.kernels.sdpa import sdpa_attention, sdpa_fits
 from engine.kernels.sdpa_cuda import sdpa_cuda_attention, sdpa_cuda_fits
 from engine.kernels.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
+from engine.kernels.sinks import apply_sinks
 from engine.kernels.tiled import tiled_attention
 
 logger = logging.getLogger("engine.kernels")
@@ -83,25 +89,28 @@ KERNELS: dict[str, Kernel] = {
                             "few queries against a long cache, in C++: each K/V row read once for its query group, "
                             "converted in registers", takes=frozenset({"quantized_kv"})),
     "decode": Kernel(decode_attention, decode_fits, decode_pays_off,
-                     "few queries against a long cache: reads each K/V byte once, split across chunks"),
+                     "few queries against a long cache: reads each K/V byte once, split across chunks",
+                     takes=frozenset({"alibi", "bias"})),
     "sdpa": Kernel(sdpa_attention, sdpa_fits, _always,
                    "PyTorch's fused flash kernel fits exactly (no mask beyond top-left causal)"),
     "sdpa_cuda": Kernel(sdpa_cuda_attention, sdpa_cuda_fits, _always,
                         "PyTorch's fused CUDA attention (flash/cuDNN/efficient) fits exactly (no mask beyond "
                         "top-left causal)"),
     "sdpa_tiles": Kernel(sdpa_tiles_attention, sdpa_tiles_fits, _always,
-                         "the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp"),
+                         "the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp",
+                         takes=frozenset({"alibi", "bias"})),
     "flex": Kernel(flex_attention, flex_fits, flex_pays_off,
                    "FlexAttention, compiled, on a BlockMask from the mask's tile bounds (masks, per-row positions, "
                    "softcap, GQA)", takes=frozenset({"softcap"})),
     "tiled": Kernel(tiled_attention, _always, _always,
-                    "the general tiled kernel (softcap, Dv != D, per-head masks, any device)",
-                    takes=frozenset({"softcap"})),
+                    "the general tiled kernel (softcap, score modifiers, Dv != D, per-head masks, any device)",
+                    takes=frozenset({"softcap", "alibi", "bias", "bias_grad", "score_mod", "dropout"})),
     "dequantized": Kernel(dequantized_attention, dequantized_fits, _always,
                           "a quantized KV cache, dequantised a chunk of keys at a time (readable twin)",
                           takes=frozenset({"softcap", "quantized_kv"})),
     "reference": Kernel(dense_attention, _always, _never_auto, "the dense reference (the oracle)",
-                        takes=frozenset({"softcap", "quantized_kv"})),
+                        takes=frozenset({"softcap", "alibi", "bias", "bias_grad", "score_mod", "dropout",
+                                         "quantized_kv"})),
 }
 
 
@@ -119,10 +128,12 @@ class KernelChoice:
     kernel: str
     reason: str
     passed_over: dict[str, str] = field(default_factory=dict)
+    modifiers: list[str] = field(default_factory=list)  # where each score modifier of the call is computed
 
     def __str__(self) -> str:
         lines = [f"kernel: {self.kernel} ({self.reason})"]
         lines += [f"  not {name}: {why}" for name, why in self.passed_over.items()]
+        lines += [f"  {line}" for line in self.modifiers]
         return "\n".join(lines)
 
 
@@ -167,7 +178,7 @@ def _forced(inputs: AttentionInputs, kernel: str) -> KernelChoice:
 
 
 def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, *,
-            causal: bool = True, softcap: float | None = None, kernel: str = "auto") -> KernelChoice:
+            causal: bool = True, softcap: float | None = None, kernel: str = "auto", **modifiers) -> KernelChoice:
     """Which kernel ``causal_attention`` with these arguments runs, and why (nothing is computed).
 
     Example::
@@ -178,16 +189,30 @@ def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
           not sdpa: a mask is given (allowed): its tiles need sdpa_tiles or tiled
 
     NaN/inf in q (or in K/V when gradients are needed) is found only while running: such a call runs the
-    ``tiled`` kernel whatever this says.
+    ``tiled`` kernel whatever this says. ``modifiers``: causal_attention's sinks, alibi_slopes, bias, score_mod,
+    dropout_p, generator (a dropout call here draws nothing from ``generator``).
     """
-    inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap)
+    if modifiers.get("dropout_p") and isinstance(modifiers.get("generator") or torch.Generator(), torch.Generator):
+        modifiers["generator"] = torch.Generator()  # explain computes nothing: it leaves the caller's generator be
+    inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
+                            **modifiers)
     auto = _walk(inputs)
     if kernel == "auto":
-        return auto
+        return _with_modifiers(auto, inputs)
     _check_name(kernel)
     choice = _forced(inputs, kernel)
     if choice.kernel != auto.kernel:
         choice.reason += f"; auto would pick {auto.kernel}: {auto.reason}"
+    return _with_modifiers(choice, inputs)
+
+
+def _with_modifiers(choice: KernelChoice, inputs: AttentionInputs) -> KernelChoice:
+    """The choice with a line on where the call's options and sinks are computed."""
+    options = sorted(inputs.options())
+    if options:
+        choice.modifiers.append(f"{', '.join(options)}: computed by {choice.kernel}")
+    if inputs.modifiers.sinks is not None:
+        choice.modifiers.append(f"sinks: applied to {choice.kernel}'s out and lse after it runs (any kernel)")
     return choice
 
 
@@ -200,6 +225,15 @@ def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: boo
     """Run the chosen kernel, or the next exact one down the order; ``(out [B, Hq, T, Dv], lse [B, Hq, T] or None)``."""
     if kernel != "auto":
         _check_name(kernel)
+    sinks = inputs.modifiers.sinks
+    if sinks is not None:  # a step after the kernel, on its out and lse (engine.kernels.sinks)
+        out, lse = _run_kernel(inputs, kernel, return_lse=True)
+        out, lse = apply_sinks(out, lse, sinks)
+        return out, (lse if return_lse else None)
+    return _run_kernel(inputs, kernel, return_lse)
+
+
+def _run_kernel(inputs: AttentionInputs, kernel: str, return_lse: bool):
     batch, q_heads, t, _ = inputs.q.shape
     if batch * q_heads * t == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
         return _empty_result(inputs, return_lse)
@@ -228,7 +262,7 @@ def _warn_if_slow(inputs: AttentionInputs) -> None:
     if batch * q_heads * t * inputs.k.shape[2] > SLOW_REFERENCE_SCORES:
         warnings.warn(f"the materialising reference kernel builds a [B, Hq, T, S] = "
                       f"{[batch, q_heads, t, inputs.k.shape[2]]} score tensor; use kernel='auto'",
-                      SlowPathWarning, stacklevel=4)
+                      SlowPathWarning, stacklevel=5)
 
 
 def _empty_result(inputs: AttentionInputs, return_lse: bool):

@@ -4,7 +4,8 @@ The op computes ``softmax(q @ k^T * scale + mask) @ v`` and its log-sum-exp with
 scores. What the engine relies on, and works around:
 
 - it knows two patterns on its own: no mask, and ``is_causal`` (top-left: query i sees keys j <= i);
-  any other visibility enters as an additive mask (0 where visible, -inf elsewhere);
+  any other visibility enters as an additive mask (0 where visible, -inf elsewhere), and so do ALiBi and
+  biases (the bias where visible, -inf elsewhere);
 - ``is_causal`` scales its own -inf, so it gives NaN for ``scale <= 0``: such squares use an additive mask;
 - a row whose keys are all masked comes back with lse 0 (not -inf): ``flash_call`` makes it the engine's
   output 0 and lse -inf;
@@ -61,14 +62,19 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool = False,
-               visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               visible: torch.Tensor | None = None, bias: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """One fused call: ``(out [b, H, R, Dv] in q's dtype, lse [b, H, R] fp32/fp64)``.
 
     q ``[b, H, R, D]``, k/v ``[b, H|Hkv, n, D]`` (GQA heads broadcast by the op), ``visible`` an optional bool
-    mask broadcastable to ``[b, H, R, n]``; rows it hides entirely get output 0 and lse -inf.
+    mask broadcastable to ``[b, H, R, n]``; rows it hides entirely get output 0 and lse -inf. ``bias``: the
+    additive mask of a call with ALiBi or a bias, ``[b|1, H|1, R, n]`` in the compute dtype (the bias where
+    visible, -inf where not: engine.kernels.scores.additive_block; the op adds an fp32 mask to bf16/fp16
+    inputs' fp32 scores as it is); it replaces the mask made from ``visible``.
     """
-    additive = None if visible is None else additive_mask(visible, q.dtype)
+    additive = bias if bias is not None else None if visible is None else additive_mask(visible, q.dtype)
     out, lse = FLASH(q, k, v, 0.0, causal, attn_mask=additive, scale=scale)
     if visible is not None:
         out, lse = clear_unseen(out, lse, visible.any(dim=-1))
     return out, lse
+

@@ -66,7 +66,7 @@ def plan_calls(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int = B
         rows = slice(0, batch) if shared else slice(b, b + 1)
         plan = plan_tiles(mask, b, t, s, block_q, block_k)
         for i0, i1, tiles in plan.query_tiles():
-            calls = [Call(rows, i0, i1, j0, j1, FULL if full else _partial_kind(mask, b, i0, i1, j0, j1, inputs.scale))
+            calls = [Call(rows, i0, i1, j0, j1, FULL if full else _partial_kind(mask, b, i0, i1, j0, j1, inputs))
                      for j0, j1, full in plan.runs(tiles)]
             if not calls:
                 continue
@@ -97,9 +97,10 @@ def span_visible(mask: StructuredMask, call: Call) -> torch.Tensor:
     return visible[None]  # [1, Hq|1, tq, tk]
 
 
-def _partial_kind(mask, b: int, i0: int, i1: int, j0: int, j1: int, scale: float) -> str:
-    """CAUSAL when a partial span is square and exactly top-left causal, else PARTIAL."""
-    if j1 - j0 != i1 - i0 or not causal_call_fits(scale):
+def _partial_kind(mask, b: int, i0: int, i1: int, j0: int, j1: int, inputs: AttentionInputs) -> str:
+    """CAUSAL when a partial span is square and exactly top-left causal, else PARTIAL (always with a bias: it
+    enters the same additive mask)."""
+    if j1 - j0 != i1 - i0 or not causal_call_fits(inputs.scale) or inputs.modifiers.additive():
         return PARTIAL
     return CAUSAL if bool((mask.block(b, i0, i1, j0, j1) == _lower_triangle(i1 - i0)).all()) else PARTIAL
 
@@ -142,14 +143,17 @@ def _fold_partial(calls: list[Call]) -> list[Call]:
     return [Call(first.rows, first.i0, first.i1, first.j0, calls[-1].j1, PARTIAL)]
 
 
-def batches(mask: StructuredMask | None, groups: list[list[Call]]) -> list[tuple[bool, list[Call]]]:
+def batches(mask: StructuredMask | None, groups: list[list[Call]], join: bool = True
+            ) -> list[tuple[bool, list[Call]]]:
     """The groups folded (``_fold_partial``) as ``(False, group)``, and runs of translated copies of one masked
-    call joined as ``(True, [one call per query tile])``.
+    call joined as ``(True, [one call per query tile])`` (unless ``join`` is False: a bias differs per tile).
 
     A run: query tiles back to back whose spans have the same sizes, kinds and offsets from the query tile
     and whose masked spans have the same mask blocks (checked exactly; full and causal spans are exact by
     their kind), so their folded calls share one mask.
     """
+    if not join:
+        return [(False, _fold_partial(group)) for group in groups]
     joined: list[tuple[bool, list[Call]]] = []
     run_shape, run_blocks = None, None
     for group in groups:

@@ -4,6 +4,8 @@ Each query tile's calls are merged exactly by ``merge_attention_states``; runs o
 masked call go to the op as one batched call (the query tiles and their overlapping key spans as strided
 views ``[n, Hq, tq, D]`` / ``[n, Hkv, tk, D]`` with one shared mask).
 
+ALiBi and biases ride in each call's additive mask (no batched calls then: a bias differs per tile).
+
 Gradients: the fused op's backward applied per span, fed the *merged* output and lse, gives each span's
 exact share of dq, dk, dv (the flash backward only needs the softmax weights ``exp(s - lse)`` and
 ``delta = rowsum(dout * out)``, both global). A gradient that reaches the lse itself (the op's backward has
@@ -22,6 +24,7 @@ from engine.kernels.flash import FLASH, FLASH_BACKWARD, flash_call, flash_operan
 from engine.kernels.flash_plan import Call, batches, single_call, span_visible
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.plan import CAUSAL, PARTIAL
+from engine.kernels.scores import additive_block
 from engine.kernels.tiled_backward import tiled_backward
 from engine.kernels.visibility import visibility_mask
 
@@ -48,7 +51,8 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
     batch, q_heads, t, _ = q.shape
     compute = compute_dtype(q.dtype)
     qc, kc, vc = flash_operands(q, inputs.k, v)
-    only = single_call(groups, batch, t, inputs.k.shape[2])
+    biased = inputs.modifiers.additive()  # ALiBi / bias: every call carries its span's bias in its additive mask
+    only = None if biased else single_call(groups, batch, t, inputs.k.shape[2])
     if only is not None:  # one call: no merging
         o, part_lse = FLASH(qc, kc, vc, 0.0, only.kind == CAUSAL, scale=inputs.scale)
         return o.to(q.dtype), part_lse.to(compute), o
@@ -57,16 +61,18 @@ def flash_forward(inputs: AttentionInputs, groups: list[list[Call]]):
     alloc = torch.empty if covered else torch.zeros  # rows no call covers stay 0
     out = alloc(batch, q_heads, t, v.shape[3], dtype=compute, device=q.device)  # [B, Hq, T, Dv]
     lse = torch.full((batch, q_heads, t), NEG_INF, dtype=compute, device=q.device)  # [B, Hq, T]
-    for batched, group in batches(mask, groups):
+    for batched, group in batches(mask, groups, join=not biased):
         if batched:  # query tiles sharing one masked call shape and mask
             _run_batch(qc, kc, vc, mask, group, inputs.scale, out, lse)
             continue
         parts_out, parts_lse = [], []
         for call in group:
             rows, i0, i1, j0, j1, kind = call
+            visible = span_visible(mask, call) if kind == PARTIAL else None  # [1, Hq|1, tq, tk]
             o, part_lse = flash_call(qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1], inputs.scale,
-                                     causal=kind == CAUSAL, visible=span_visible(mask, call) if kind == PARTIAL
-                                     else None)  # [b, Hq, tq, Dv], [b, Hq, tq]
+                                     causal=kind == CAUSAL, visible=visible,
+                                     bias=_call_bias(inputs, call, compute, visible) if biased else None
+                                     )  # [b, Hq, tq, Dv], [b, Hq, tq]
             parts_out.append(o.to(compute))  # merged in fp32: only each part's output is rounded
             parts_lse.append(part_lse.to(compute))
         o, part_lse = (parts_out[0], parts_lse[0]) if len(group) == 1 else merge_attention_states(parts_out, parts_lse)
@@ -99,7 +105,8 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
     kt = qc.dtype  # the dtype the fused op runs in; its out and grad inputs must match it
     grad = torch.zeros_like(out_ct, dtype=kt) if grad_out is None else grad_out.to(kt)  # [B, Hq, T, Dv]
     out_k = out_ct.to(kt)  # [B, Hq, T, Dv]
-    only = single_call(groups, q.shape[0], q.shape[2], k.shape[2])
+    biased = inputs.modifiers.additive()
+    only = None if biased else single_call(groups, q.shape[0], q.shape[2], k.shape[2])
     if only is not None:
         g_q, g_k, g_v = FLASH_BACKWARD(grad.contiguous(), qc, kc, vc, out_k, lse.to(compute), 0.0, only.kind == CAUSAL,
                                         scale=inputs.scale)
@@ -110,7 +117,9 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
     for group in groups:
         for call in group:
             rows, i0, i1, j0, j1, kind = call
-            additive = additive_mask(span_visible(mask, call), kt) if kind == PARTIAL else None
+            visible = span_visible(mask, call) if kind == PARTIAL else None  # [1, Hq|1, tq, tk]
+            additive = (_call_bias(inputs, call, compute, visible) if biased
+                        else None if visible is None else additive_mask(visible, kt))
             g_q, g_k, g_v = FLASH_BACKWARD(
                 grad[rows, :, i0:i1].contiguous(), qc[rows, :, i0:i1], kc[rows, :, j0:j1], vc[rows, :, j0:j1],
                 out_k[rows, :, i0:i1], lse_use[rows, :, i0:i1].contiguous(), 0.0, kind == CAUSAL,
@@ -119,3 +128,10 @@ def flash_backward(inputs: AttentionInputs, groups: list[list[Call]], out_ct: to
             dk[rows, :, j0:j1] += g_k
             dv[rows, :, j0:j1] += g_v
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _call_bias(inputs: AttentionInputs, call: Call, dtype: torch.dtype, visible: torch.Tensor | None) -> torch.Tensor:
+    """A biased call's additive mask ``[b|1, Hq|1, tq, tk]``: ALiBi plus bias of its span where visible, -inf
+    where not (engine.kernels.scores), made dense for the op."""
+    bias = additive_block(inputs, call.rows, call.i0, call.i1, call.j0, call.j1, dtype, visible)
+    return bias.expand(*bias.shape[:2], call.i1 - call.i0, call.j1 - call.j0)  # [b|1, Hq|1, tq, tk]

@@ -14,8 +14,10 @@ updates, per query row (the loop of FlashAttention)::
 
 Everything above runs in fp32 (fp64 for fp64 inputs); memory is ``O(tile)`` beyond q, k, v and out.
 Empty tiles (from positions, windows, documents, padding) are skipped without reading their K/V;
-full tiles need no mask; partial tiles are masked exactly. Gradients come from ``tiled_backward``,
-which recomputes each tile's weights from the saved log-sum-exp.
+full tiles need no mask; partial tiles are masked exactly. Score modifiers (ALiBi, bias, score_mod,
+dropout: engine.modifiers) are computed per tile from positions by engine.kernels.scores: this is their
+readable general path. Gradients come from ``tiled_backward``, which recomputes each tile's weights from
+the saved log-sum-exp (and the dropout pattern from its seed).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, compute_dtype, differentiable, group_rows, head_mask
 from engine.kernels.nonfinite import guard_non_finite
 from engine.kernels.plan import batch_query_tiles
+from engine.kernels.scores import dropout_tile, modified_tile
 from engine.kernels.tiled_backward import BLOCK_K, BLOCK_Q, tiled_backward
 from engine.kernels.visibility import visibility_mask
 
@@ -72,7 +75,7 @@ def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int 
         if not tiles:
             continue  # no visible key: out 0, lse -inf
         q_rows = group_rows(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
-        o, part_lse = _query_tile(q_rows, kc[b], vc[b], tiles, mask, b, i0, i1, inputs.softcap, guard)
+        o, part_lse = _query_tile(inputs, q_rows, kc[b], vc[b], tiles, mask, b, i0, i1, guard)
         out[b, :, i0:i1] = o.view(q_heads, i1 - i0, dv).to(q.dtype)
         lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)
     return out, lse
@@ -86,16 +89,20 @@ def tile_scores(q_rows: torch.Tensor, k_tile: torch.Tensor, softcap: float | Non
     return scores
 
 
-def _query_tile(q_rows, k_b, v_b, tiles, mask, b, i0, i1, softcap, guard):
+def _query_tile(inputs, q_rows, k_b, v_b, tiles, mask, b, i0, i1, guard):
     """Online softmax over the key tiles of one query tile: ``(out [Hkv, G*tq, Dv], lse [Hkv, G*tq, 1])``."""
     kv_heads, rows, _ = q_rows.shape
     q_heads, tq = rows // (i1 - i0) * kv_heads, i1 - i0
+    mods = inputs.modifiers
+    changes_scores = mods.additive() or mods.score_mod is not None
     m_i = q_rows.new_full((kv_heads, rows, 1), NEG_INF)  # running max
     l_i = q_rows.new_zeros((kv_heads, rows, 1))  # running sum of exp(s - m_i)
     acc = q_rows.new_zeros((kv_heads, rows, v_b.shape[-1]))  # running sum of exp(s - m_i) * v
     reached = None  # visible non-finite values per (row, channel), only when V has some
     for j0, j1, full in tiles:
-        s = tile_scores(q_rows, k_b[:, j0:j1], softcap)  # [Hkv, G*tq, tk]
+        s = tile_scores(q_rows, k_b[:, j0:j1], inputs.softcap)  # [Hkv, G*tq, tk]
+        if changes_scores:
+            s = modified_tile(inputs, s, b, i0, i1, j0, j1)  # [Hkv, G*tq, tk]
         if guard is not None and guard.key_bad is not None:
             s.masked_fill_(guard.key_bad[b][:, None, j0:j1], float("nan"))  # visible bad keys poison the row
         visible = None
@@ -106,7 +113,9 @@ def _query_tile(q_rows, k_b, v_b, tiles, mask, b, i0, i1, softcap, guard):
         m_use = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows that saw nothing yet: exp(-inf - 0) = 0
         p = s.sub_(m_use).exp_()  # [Hkv, G*tq, tk], masked entries exactly 0
         alpha = torch.exp(m_i - m_use)  # [Hkv, G*tq, 1]
-        l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+        l_i.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))  # the lse is of the weights before dropout
+        if mods.dropout_p > 0:
+            p = p * dropout_tile(inputs, kv_heads, rows, b, i0, i1, j0, j1, p.dtype, p.device)
         acc.mul_(alpha).baddbmm_(p, v_b[:, j0:j1])  # [Hkv, G*tq, Dv]
         m_i = m_new
         if guard is not None and guard.value_bad is not None:

@@ -8,8 +8,13 @@ With ``p = exp(s - lse)`` (exact softmax weights, no second normalisation pass) 
 
     dv_tile += p^T @ dout                    [Hkv, tk, Dv]   (sums the G query heads of a KV head)
     dp       = dout @ v_tile^T               [Hkv, G*tq, tk]
-    ds       = p * (dp - delta)              gradient of the (capped) scores
+    ds       = p * (dp - delta)              gradient of the modified scores
+    ds       = ds * d score_mod               by autograd on the tile, only with score_mod
+    dbias   += ds                            only for a dense bias that requires grad
     ds      *= 1 - tanh(raw / cap)^2         only with softcap
+
+With dropout, ``out = (p * keep / (1 - p_drop)) @ v``: the pattern is regenerated from its seed, ``dv`` uses the
+dropped weights and ``dp`` is multiplied by the same ``keep / (1 - p_drop)`` (delta = rowsum(dout * out) as is).
     dq_tile += ds @ k_tile * scale
     dk_tile += ds^T @ (q * scale)
 
@@ -26,6 +31,14 @@ from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
 from engine.kernels.nonfinite import guard_non_finite
 from engine.kernels.plan import batch_query_tiles
+from engine.kernels.scores import (
+    add_bias_grad,
+    additive_block,
+    apply_score_mod,
+    dropout_tile,
+    score_mod_backward,
+    tile_view,
+)
 from engine.kernels.visibility import visibility_mask
 
 BLOCK_Q = 128  # queries per tile (times every head of the KV group): the tiled kernel's forward and backward
@@ -56,6 +69,10 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
     dk = torch.zeros(kc.shape, dtype=compute, device=q.device)  # [B, Hkv, S, D]
     dv = torch.zeros(vc.shape, dtype=compute, device=q.device)  # [B, Hkv, S, Dv]
     mask = visibility_mask(inputs)
+    mods = inputs.modifiers
+    grad_bias = None  # [B|1, Hq|1, T|1, S|1]: a dense bias that requires grad gets its gradient here
+    if isinstance(mods.bias, torch.Tensor) and mods.bias.requires_grad:
+        grad_bias = torch.zeros(mods.bias.shape, dtype=compute, device=q.device)
     for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
         if not tiles:
             continue
@@ -67,20 +84,51 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
         dq_rows = torch.zeros_like(q_rows)  # [Hkv, G*tq, D]
         for j0, j1, full in tiles:
             k_tile, v_tile = kc[b, :, j0:j1], vc[b, :, j0:j1]  # [Hkv, tk, D], [Hkv, tk, Dv]
-            scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # [Hkv, G*tq, tk]
-            capped = None
-            if inputs.softcap is not None:
-                capped = torch.tanh(scores / inputs.softcap)  # [Hkv, G*tq, tk]
-                scores = capped * inputs.softcap
+            scores, capped, before_mod = _tile_scores(inputs, q_rows, k_tile, b, i0, i1, j0, j1)
+            visible = None
             if not full:
                 visible = head_mask(mask.block(b, i0, i1, j0, j1), kv_heads, q_heads)
                 scores.view(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0).masked_fill_(~visible, NEG_INF)
-            p = scores.sub_(lse_rows).exp_()  # [Hkv, G*tq, tk], the softmax weights
-            dv[b, :, j0:j1] += torch.bmm(p.transpose(1, 2), do_rows)  # [Hkv, tk, Dv]
-            ds = torch.bmm(do_rows, v_tile.transpose(1, 2)).sub_(delta_rows).mul_(p)  # [Hkv, G*tq, tk]
+            p = (scores - lse_rows).exp_()  # [Hkv, G*tq, tk], the softmax weights (before dropout)
+            dp = torch.bmm(do_rows, v_tile.transpose(1, 2))  # [Hkv, G*tq, tk], d loss / d (dropped weights)
+            if mods.dropout_p > 0:  # the pattern again, from its seed: out = (p * keep) @ v
+                keep = dropout_tile(inputs, kv_heads, rows, b, i0, i1, j0, j1, compute, q.device)
+                dv[b, :, j0:j1] += torch.bmm((p * keep).transpose(1, 2), do_rows)  # [Hkv, tk, Dv]
+                dp.mul_(keep)
+            else:
+                dv[b, :, j0:j1] += torch.bmm(p.transpose(1, 2), do_rows)  # [Hkv, tk, Dv]
+            ds = dp.sub_(delta_rows).mul_(p)  # [Hkv, G*tq, tk], gradient of the modified scores
+            if before_mod is not None:
+                ds = score_mod_backward(inputs, tile_view(before_mod, i1 - i0), tile_view(ds, i1 - i0),
+                                        slice(b, b + 1), i0, i1, j0, j1).reshape(kv_heads, rows, j1 - j0)
+                if visible is not None:  # hidden keys have p = 0: no gradient, whatever score_mod's slope there
+                    ds.view(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0).masked_fill_(~visible, 0.0)
+            if grad_bias is not None:
+                add_bias_grad(grad_bias, tile_view(ds, i1 - i0), b, i0, i1, j0, j1)
             if capped is not None:
                 ds.mul_(1.0 - capped * capped)
             dq_rows.baddbmm_(ds, k_tile)  # [Hkv, G*tq, D]
             dk[b, :, j0:j1] += torch.bmm(ds.transpose(1, 2), q_rows)  # [Hkv, tk, D]
         dq[b, :, i0:i1] = (dq_rows * inputs.scale).view(q_heads, i1 - i0, d)
+    if grad_bias is not None:
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias.to(mods.bias.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _tile_scores(inputs: AttentionInputs, q_rows: torch.Tensor, k_tile: torch.Tensor, b: int, i0: int, i1: int,
+                 j0: int, j1: int):
+    """A tile's scores as the forward made them, ``[Hkv, G*tq, tk]`` (a tensor of its own), with what their
+    derivatives need: ``tanh(raw / cap)`` (softcap, else None) and the scores before score_mod (else None)."""
+    scores = torch.bmm(q_rows, k_tile.transpose(1, 2))  # [Hkv, G*tq, tk]
+    capped = before_mod = None
+    if inputs.softcap is not None:
+        capped = torch.tanh(scores / inputs.softcap)  # [Hkv, G*tq, tk]
+        scores = capped * inputs.softcap
+    if inputs.modifiers.additive():
+        bias = additive_block(inputs, slice(b, b + 1), i0, i1, j0, j1, scores.dtype)  # [1, Hq|1, tq|1, tk|1]
+        scores = (tile_view(scores, i1 - i0) + bias).reshape(scores.shape)  # [Hkv, G*tq, tk]
+    if inputs.modifiers.score_mod is not None:
+        before_mod = scores
+        modded = apply_score_mod(inputs, tile_view(scores, i1 - i0), slice(b, b + 1), i0, i1, j0, j1)
+        scores = modded.reshape(scores.shape)  # [Hkv, G*tq, tk], a new tensor
+    return scores, capped, before_mod

@@ -10,6 +10,7 @@ closing table checks issue 4's seven targets and issue 13's decode targets. Resu
     python run.py bench kernels --quick            # seconds: small sizes, no FlexAttention
     python run.py bench kernels --threads 2        # the full run of docs/BENCHMARKS.md
     python run.py bench kernels --device cuda      # the GPU cases (engine.lab.bench.kernel_cases_cuda)
+    python run.py bench kernels --groups modifiers # sinks, ALiBi, relative bias (engine.lab.bench.modifier_cases)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from engine.lab.bench import kernel_cases as cases_mod
 from engine.lab.bench import kernel_cases_cuda
+from engine.lab.bench.modifier_cases import modifier_cases, plot_modifiers
 from engine.lab.measure import CudaPeakMemory, PeakMemory, format_table, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads
 
@@ -40,8 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "compile takes tens of seconds)")
     parser.add_argument("--groups", default="all",
                         help="comma-separated case groups: prefill, chunked, window, documents, decode, memory, "
-                        "bf16, cache, training (default all; bf16 and cache are outside the targets); on CUDA: "
-                        "prefill, chunked, window, documents, ragged, decode, training")
+                        "bf16, cache, training, modifiers (default all; bf16, cache and modifiers are outside the "
+                        "targets); on CUDA: prefill, chunked, window, documents, ragged, decode, training")
     parser.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                         help="start no new case after this many seconds; the cases run so far are saved (for a "
                         "device lease of fixed length)")
@@ -57,7 +59,10 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda, but torch.cuda.is_available() is False (no CUDA device or a CPU build of torch)")
         return 2
-    cases = kernel_cases_cuda.cuda_cases(args.quick) if args.device == "cuda" else cases_mod.all_cases(args.quick, flex)
+    if args.device == "cuda":
+        cases = kernel_cases_cuda.cuda_cases(args.quick)
+    else:
+        cases = cases_mod.all_cases(args.quick, flex) + modifier_cases(args.quick, 16, 64, flex)
     if args.groups != "all":
         wanted = {g.strip() for g in args.groups.split(",")}
         cases = [c for c in cases if c.group in wanted]
@@ -89,7 +94,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"\nnote: the load average was {load_before} at the start: other work shared the CPUs")
     out = Path(args.out)
     paths = save_results(out, "kernels", rows, {**meta, "targets": targets})
-    paths += plot(rows, out, args.device)
+    paths += plot(rows, out, args.device) + (plot_modifiers(rows, out) if args.device == "cpu" else [])
     print("\nsaved " + ", ".join(str(p) for p in paths))
     return 0
 

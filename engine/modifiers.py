@@ -1,0 +1,148 @@
+"""Score modifiers: what a call does to the scores between ``q @ k^T * scale`` and the softmax, validated.
+
+The order, stated once (each step is optional)::
+
+    s = q @ k^T * scale                                             [B, Hq, T, S]
+    s = softcap * tanh(s / softcap)                                 softcap
+    s = s + bias[b, h, i, j] - slope[b, h] * |key_pos - query_pos|  bias (dense or RelativePositionBias), ALiBi
+    s = score_mod(s, batch, head, query_pos, key_pos)               any elementwise function of these tensors
+    s = -inf where the rule hides the key                           positions, allowed
+    p = exp(s - lse),  lse = log(sum_visible exp(s) [+ exp(sink[h])])   sinks: a key with no value
+    out = (p * keep / (1 - dropout_p)) @ v                          dropout on the weights (lse unchanged)
+
+ALiBi under the causal rule is ``slope * (key_pos - query_pos)`` (keys at or before the query); with
+``causal=False`` the same ``-slope * |key_pos - query_pos|`` holds on both sides, which with default
+positions (queries at the last T of S keys) is flash-attn's ``-slope * |i + S - T - j|``.
+
+``prepare_modifiers`` checks each argument and returns one ``Modifiers`` record (``AttentionInputs.modifiers``);
+``Modifiers.names()`` are the options a kernel must take (engine.kernels.dispatch). Sinks are no such
+option: they act on each row's lse after any kernel (engine.kernels.sinks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.relative_bias import RelativePositionBias
+
+ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """The score modifiers of one call (all None / 0: plain attention).
+
+    sinks ``[Hq]``; alibi_slopes ``[B|1, Hq]``; bias a float tensor ``[B|1, Hq|1, T|1, S|1]`` (padded to 4-D)
+    or a RelativePositionBias; score_mod a callable; dropout_p in ``[0, 1)`` with the seed of its pattern.
+    """
+
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    bias: torch.Tensor | RelativePositionBias | None = None
+    score_mod: ScoreMod | None = None
+    dropout_p: float = 0.0
+    dropout_seed: int = 0
+
+    def names(self) -> set[str]:
+        """The options these modifiers add to a call (sinks add none: every kernel returns the lse they need).
+
+        ``"bias_grad"``: a dense bias whose gradient is wanted (the fused op's backward gives none)."""
+        names = set()
+        if self.alibi_slopes is not None:
+            names.add("alibi")
+        if self.bias is not None:
+            names.add("bias")
+            if isinstance(self.bias, torch.Tensor) and self.bias.requires_grad and torch.is_grad_enabled():
+                names.add("bias_grad")
+        if self.score_mod is not None:
+            names.add("score_mod")
+        if self.dropout_p > 0:
+            names.add("dropout")
+        return names
+
+    def additive(self) -> bool:
+        """True when the scores get an additive term (ALiBi or a bias)."""
+        return self.alibi_slopes is not None or self.bias is not None
+
+
+NONE = Modifiers()
+
+
+def prepare_modifiers(shape: tuple[int, int, int, int], device: torch.device, *, sinks=None, alibi_slopes=None,
+                      bias=None, score_mod=None, dropout_p: float = 0.0,
+                      generator: torch.Generator | None = None) -> Modifiers:
+    """Check the modifier arguments of a call with scores ``shape = (B, Hq, T, S)``; a ValueError names what was
+    expected and what was given. A dropout call draws its pattern's seed from ``generator`` (the default
+    generator when None): the same generator state gives the same pattern."""
+    batch, q_heads, _, _ = shape
+    if sinks is not None:
+        sinks = _float_tensor(sinks, "sinks", device)
+        if tuple(sinks.shape) != (q_heads,):
+            raise ValueError(f"sinks must have shape [Hq] = [{q_heads}] (one logit per query head), "
+                             f"got {list(sinks.shape)}")
+        _finite(sinks, "sinks", " (a sink of -inf is no sink: leave it out)")
+    if alibi_slopes is not None:
+        alibi_slopes = _float_tensor(alibi_slopes, "alibi_slopes", device)
+        if alibi_slopes.requires_grad:
+            raise ValueError("alibi_slopes requires grad: learned ALiBi slopes are not supported (their gradient "
+                             "would be dropped); pass them detached")
+        if tuple(alibi_slopes.shape) not in ((q_heads,), (batch, q_heads)):
+            raise ValueError(f"alibi_slopes must have shape [Hq] = [{q_heads}] or [B, Hq] = [{batch}, {q_heads}], "
+                             f"got {list(alibi_slopes.shape)}")
+        _finite(alibi_slopes, "alibi_slopes")
+        alibi_slopes = alibi_slopes.reshape(-1, q_heads)  # [B|1, Hq]
+    if bias is not None:
+        bias = _check_bias(bias, shape, device)
+    if score_mod is not None and not callable(score_mod):
+        raise ValueError(f"score_mod must be a callable (score, batch, head, query_pos, key_pos) -> score, "
+                         f"got {type(score_mod).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    seed = 0
+    if dropout_p > 0:
+        seed = int(torch.randint(0, 2**62, (), generator=generator))
+    return Modifiers(sinks, alibi_slopes, bias, score_mod, float(dropout_p), seed)
+
+
+def _float_tensor(x, name: str, device: torch.device) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        kind = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a floating-point tensor, got {kind}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {x.device}")
+    return x
+
+
+def _finite(x: torch.Tensor, name: str, hint: str = "") -> None:
+    """ValueError on NaN/inf: min and max are finite exactly when every entry is (one pass, no bool copy of x)."""
+    if x.numel() and not all(bool(torch.isfinite(end)) for end in torch.aminmax(x.detach())):
+        raise ValueError(f"{name} must be finite{hint}, got NaN/inf")
+
+
+def _check_bias(bias, shape: tuple[int, int, int, int], device: torch.device):
+    """A dense bias padded to 4-D ``[B|1, Hq|1, T|1, S|1]``, or a RelativePositionBias with ``Hq`` rows."""
+    if isinstance(bias, RelativePositionBias):
+        table = _float_tensor(bias.table, "bias.table", device)
+        if table.dim() != 2 or table.shape[0] != shape[1] or table.shape[1] < 2:
+            raise ValueError(f"a RelativePositionBias table must be [Hq, num_buckets] = [{shape[1]}, >= 2], "
+                             f"got {list(table.shape)}")
+        if not (isinstance(bias.max_distance, int) and bias.max_distance > table.shape[1] // 2):
+            raise ValueError(f"RelativePositionBias.max_distance must be an int > num_buckets // 2 (the exact "
+                             f"buckets), got {bias.max_distance!r}")
+        return bias
+    bias = _float_tensor(bias, "bias", device)
+    try:
+        ok = bias.dim() <= 4 and torch.broadcast_shapes(tuple(bias.shape), shape) == torch.Size(shape)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"bias must be a float tensor broadcastable to [B, Hq, T, S] = {list(shape)} or a "
+                         f"RelativePositionBias, got shape {list(bias.shape)}")
+    _finite(bias, "bias", " (hide keys with allowed, not with a -inf bias)")
+    return bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))  # [B|1, Hq|1, T|1, S|1]
+

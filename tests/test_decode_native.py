@@ -340,7 +340,7 @@ def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
 
 # --- the other vector paths: this CPU's build takes the widest; build the narrower ones too ----------------------
 
-PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
+PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")  # no -march=native, no -fopenmp (plain threads)
 
 
 @needs_native

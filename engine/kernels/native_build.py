@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_native.cpp")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+# -fopenmp: the kernel's threads are torch's OpenMP workers (the libgomp.so.1 torch has loaded serves this library too)
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 DISABLE_ENV = "ATTENTION_ENGINE_NATIVE"
 BUILD_TIMEOUT_S = 300
 

@@ -205,15 +205,22 @@ def _ratio_rows(rows, group, peer_prefix, case_part=None):
     return out
 
 
-def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 4's targets (and issue 13's) as measured in this run: the worst case of each, with the threshold."""
-    targets: list[dict[str, Any]] = []
+def _adder(targets: list[dict[str, Any]]):
+    """``add(name, [(case, value), ...], threshold, how)``: record a target's worst case (skipped if unmeasured)."""
 
     def add(name, pairs, threshold, how):
         if pairs:
             case, value = min(pairs, key=lambda p: p[1])
             targets.append({"target": name, "measured": value, "threshold": threshold, "met": value >= threshold,
                             "how": f"{how}; worst: {case}"})
+
+    return add
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 4's targets (and issue 13's) as measured in this run: the worst case of each, with the threshold."""
+    targets: list[dict[str, Any]] = []
+    add = _adder(targets)
 
     add("1 prefill vs sdpa is_causal", _ratio_rows(rows, "prefill", "sdpa is_causal"), 0.95, "throughput ratio")
     add("2 chunked vs sdpa dense", _ratio_rows(rows, "chunked", "sdpa dense"), 1.5, "speed-up")
@@ -244,12 +251,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def check_cuda_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 11's GPU targets as measured in this run: the worst case of each, with the threshold."""
     targets: list[dict[str, Any]] = []
-
-    def add(name, pairs, threshold, how):
-        if pairs:
-            case, value = min(pairs, key=lambda p: p[1])
-            targets.append({"target": name, "measured": value, "threshold": threshold, "met": value >= threshold,
-                            "how": f"{how}; worst: {case}"})
+    add = _adder(targets)
 
     def vs_best_sdpa(group):
         out = []

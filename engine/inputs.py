@@ -80,6 +80,8 @@ def prepare_inputs(
     kp = resolve_positions(key_positions, batch, s, 0, q.device, "key_positions")  # [B, S]
     if allowed is not None:
         check_allowed(allowed, (batch, q_heads, t, s))
+        if isinstance(allowed, torch.Tensor) and allowed.device != q.device:  # a dense mask is read where q is
+            raise ValueError(f"allowed must be on q's device {q.device}, got {allowed.device}")
     if scale is None:
         if d == 0:
             raise ValueError("head dim D = 0: the default scale 1 / sqrt(D) is undefined; pass scale explicitly")
@@ -154,6 +156,8 @@ def resolve_positions(
                          f"got {type(positions).__name__}")
     if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
         raise ValueError(f"{name} must have an integer dtype, got {positions.dtype}")
+    if positions.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: positions need values (got device {positions.device})")
     if positions.dim() == 1 and positions.shape[0] == length:
         return positions.to(device=device, dtype=torch.long).expand(batch, length)  # [B, L]
     if positions.dim() == 2 and tuple(positions.shape) == (batch, length):

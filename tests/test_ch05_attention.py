@@ -257,6 +257,9 @@ def test_bad_tensors_raise_a_clear_value_error(make, message):
         ({"allowed": torch.ones(5, 6, dtype=torch.bool)}, r"allowed must be broadcastable to \[B, Hq, T, S\] = "
                                                            r"\[1, 4, 6, 6\], got shape \[5, 6\]"),
         ({"allowed": torch.ones(1, 1, 1, 6, 6, dtype=torch.bool)}, r"allowed must be broadcastable"),
+        ({"allowed": torch.ones(6, 6, dtype=torch.bool, device="meta")},
+         r"allowed must be on q's device cpu, got meta"),  # a dense mask elsewhere than q (a CUDA/CPU mix)
+        ({"key_positions": torch.arange(6, device="meta")}, r"key_positions is a meta tensor: positions need values"),
         ({"scale": float("nan")}, r"scale must be a finite number"),
         ({"softcap": -1.0}, r"softcap must be a positive finite number"),
         ({"softcap": float("inf")}, r"softcap must be a positive finite number"),
@@ -267,6 +270,7 @@ def test_bad_tensors_raise_a_clear_value_error(make, message):
         ({"causal": 0}, r"causal must be a bool"),
     ],
     ids=["qpos-len", "kpos-batch", "qpos-float", "qpos-list", "allowed-float", "allowed-shape", "allowed-5d",
+         "allowed-device", "kpos-meta",
          "scale-nan", "softcap-neg", "softcap-inf", "scale-bool", "scale-str", "scale-grad", "causal-str",
          "causal-int"],
 )

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.masks.structured import StructuredMask
-from engine.modifiers import NONE, Modifiers, prepare_modifiers
+from engine.modifiers import NONE, Modifiers, broadcasts_to, prepare_modifiers
 from engine.quantized import QuantizedKV, checked_as_tensors
 
 __all__ = ["AttentionInputs", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions"]
@@ -171,10 +171,6 @@ def check_allowed(allowed: torch.Tensor | StructuredMask, full: tuple[int, int, 
         kind = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
         raise ValueError(f"allowed must be a bool tensor broadcastable to [B, Hq, T, S] = {list(full)}, "
                          f"got {kind}")
-    try:
-        ok = allowed.dim() <= 4 and torch.broadcast_shapes(tuple(allowed.shape), full) == torch.Size(full)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(allowed, full):
         raise ValueError(f"allowed must be broadcastable to [B, Hq, T, S] = {list(full)}, "
                          f"got shape {list(allowed.shape)}")

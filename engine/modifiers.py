@@ -109,6 +109,14 @@ def prepare_modifiers(shape: tuple[int, int, int, int], device: torch.device, *,
     return Modifiers(sinks, alibi_slopes, bias, score_mod, float(dropout_p), seed)
 
 
+def broadcasts_to(x, full: tuple[int, ...]) -> bool:
+    """True when ``x`` (a tensor or anything with ``dim()`` and ``shape``) broadcasts to ``full``, without more dims."""
+    try:
+        return x.dim() <= len(full) and torch.broadcast_shapes(tuple(x.shape), full) == torch.Size(full)
+    except RuntimeError:
+        return False
+
+
 def _float_tensor(x, name: str, device: torch.device) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         kind = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -136,11 +144,7 @@ def _check_bias(bias, shape: tuple[int, int, int, int], device: torch.device):
                              f"buckets), got {bias.max_distance!r}")
         return bias
     bias = _float_tensor(bias, "bias", device)
-    try:
-        ok = bias.dim() <= 4 and torch.broadcast_shapes(tuple(bias.shape), shape) == torch.Size(shape)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(bias, shape):
         raise ValueError(f"bias must be a float tensor broadcastable to [B, Hq, T, S] = {list(shape)} or a "
                          f"RelativePositionBias, got shape {list(bias.shape)}")
     _finite(bias, "bias", " (hide keys with allowed, not with a -inf bias)")

@@ -192,7 +192,7 @@ def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
     ``tiled`` kernel whatever this says. ``modifiers``: causal_attention's sinks, alibi_slopes, bias, score_mod,
     dropout_p, generator (a dropout call here draws nothing from ``generator``).
     """
-    if modifiers.get("dropout_p") and isinstance(modifiers.get("generator") or torch.Generator(), torch.Generator):
+    if modifiers.get("dropout_p") and isinstance(modifiers.get("generator"), (torch.Generator, type(None))):
         modifiers["generator"] = torch.Generator()  # explain computes nothing: it leaves the caller's generator be
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
                             **modifiers)

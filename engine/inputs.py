@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.masks.structured import StructuredMask
-from engine.modifiers import NONE, Modifiers, broadcasts_to, prepare_modifiers
+from engine.modifiers import NONE, Modifiers, broadcasts_to, check_score_mod_captures, prepare_modifiers
 from engine.quantized import QuantizedKV, checked_as_tensors
 
 __all__ = ["AttentionInputs", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions"]
@@ -94,6 +94,7 @@ def prepare_inputs(
         if not (softcap > 0 and math.isfinite(softcap)):
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     mods = prepare_modifiers((batch, q_heads, t, s), q.device, **modifiers) if modifiers else NONE
+    check_score_mod_captures(mods.score_mod, qp, kp, torch.float64 if q.dtype == torch.float64 else torch.float32)
     return AttentionInputs(q, k, v, qp, kp, allowed, scale, causal, softcap, mods)
 
 

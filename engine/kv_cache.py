@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.inputs import SUPPORTED_DTYPES
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
 
 __all__ = ["KVCache", "kv_cache_bytes"]
@@ -73,9 +74,11 @@ class KVCache:
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         self.quantized = isinstance(dtype, torch.dtype) and dtype in QUANTIZED_DTYPES
-        if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or self.quantized):
-            raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.float16) or a quantized one "
-                             f"(torch.int8, torch.float8_e4m3fn), got {dtype!r} ({type(dtype).__name__})")
+        if not isinstance(dtype, torch.dtype) or not (dtype in SUPPORTED_DTYPES or self.quantized):
+            plain = ", ".join(str(x) for x in SUPPORTED_DTYPES)
+            quantized = ", ".join(str(x) for x in QUANTIZED_DTYPES)
+            raise ValueError(f"dtype must be a floating-point torch.dtype the kernels compute ({plain}) or a "
+                             f"quantized one ({quantized}), got {dtype!r} ({type(dtype).__name__})")
         if device is not None:
             try:
                 device = torch.device(device)

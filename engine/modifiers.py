@@ -49,19 +49,29 @@ class Modifiers:
     def names(self) -> set[str]:
         """The options these modifiers add to a call (sinks add none: every kernel returns the lse they need).
 
-        ``"bias_grad"``: a dense bias whose gradient is wanted (the fused op's backward gives none)."""
+        ``"bias_grad"``: a bias whose gradient is wanted, dense or a RelativePositionBias's table (the fused
+        ops' backward gives none)."""
         names = set()
         if self.alibi_slopes is not None:
             names.add("alibi")
         if self.bias is not None:
             names.add("bias")
-            if isinstance(self.bias, torch.Tensor) and self.bias.requires_grad and torch.is_grad_enabled():
+            if self.learned_bias() is not None:
                 names.add("bias_grad")
         if self.score_mod is not None:
             names.add("score_mod")
         if self.dropout_p > 0:
             names.add("dropout")
         return names
+
+    def bias_tensor(self) -> torch.Tensor | None:
+        """The bias's tensor: the dense bias, or a RelativePositionBias's table (None without a bias)."""
+        return self.bias.table if isinstance(self.bias, RelativePositionBias) else self.bias
+
+    def learned_bias(self) -> torch.Tensor | None:
+        """``bias_tensor()`` when autograd wants its gradient (it requires grad, grad mode is on), else None."""
+        bias = self.bias_tensor()
+        return bias if bias is not None and bias.requires_grad and torch.is_grad_enabled() else None
 
     def additive(self) -> bool:
         """True when the scores get an additive term (ALiBi or a bias)."""
@@ -109,6 +119,24 @@ def prepare_modifiers(shape: tuple[int, int, int, int], device: torch.device, *,
     return Modifiers(sinks, alibi_slopes, bias, score_mod, float(dropout_p), seed)
 
 
+def check_score_mod_captures(score_mod: ScoreMod | None, query_positions: torch.Tensor,
+                             key_positions: torch.Tensor, dtype: torch.dtype) -> None:
+    """ValueError when ``score_mod`` returns scores that require grad from scores that do not: it captures a
+    tensor that requires grad, and no kernel computes that tensor's gradient (gradients flow through score_mod
+    to q and k only). Probed once per call on one score (batch 0, head 0, the first query and key), only in
+    grad mode: under ``torch.no_grad()`` nothing is differentiated, and such a score_mod runs."""
+    if score_mod is None or not torch.is_grad_enabled() or not query_positions.numel() or not key_positions.numel():
+        return
+    index = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=query_positions.device)  # [1, 1, 1, 1]
+    score = torch.zeros(1, 1, 1, 1, dtype=dtype, device=query_positions.device)  # [1, 1, 1, 1]
+    out = score_mod(score, index, index, query_positions[:1, :1, None, None], key_positions[:1, :1, None, None])
+    if isinstance(out, torch.Tensor) and out.requires_grad:
+        raise ValueError("score_mod captures a tensor that requires grad: no kernel computes that tensor's gradient "
+                         "(gradients flow through score_mod to q and k only). Learn a bias with bias= (a dense "
+                         "tensor or a RelativePositionBias table, both get their gradient), or detach the tensor, "
+                         "or call under torch.no_grad()")
+
+
 def broadcasts_to(x, full: tuple[int, ...]) -> bool:
     """True when ``x`` (a tensor or anything with ``dim()`` and ``shape``) broadcasts to ``full``, without more dims."""
     try:
@@ -136,12 +164,16 @@ def _check_bias(bias, shape: tuple[int, int, int, int], device: torch.device):
     """A dense bias padded to 4-D ``[B|1, Hq|1, T|1, S|1]``, or a RelativePositionBias with ``Hq`` rows."""
     if isinstance(bias, RelativePositionBias):
         table = _float_tensor(bias.table, "bias.table", device)
-        if table.dim() != 2 or table.shape[0] != shape[1] or table.shape[1] < 2:
-            raise ValueError(f"a RelativePositionBias table must be [Hq, num_buckets] = [{shape[1]}, >= 2], "
-                             f"got {list(table.shape)}")
-        if not (isinstance(bias.max_distance, int) and bias.max_distance > table.shape[1] // 2):
-            raise ValueError(f"RelativePositionBias.max_distance must be an int > num_buckets // 2 (the exact "
-                             f"buckets), got {bias.max_distance!r}")
+        if not isinstance(bias.bidirectional, bool):
+            raise ValueError(f"RelativePositionBias.bidirectional must be a bool, got {bias.bidirectional!r}")
+        least = 4 if bias.bidirectional else 2  # per direction: at least one exact and one logarithmic bucket
+        if table.dim() != 2 or table.shape[0] != shape[1] or table.shape[1] < least:
+            raise ValueError(f"a RelativePositionBias table must be [Hq, num_buckets] = [{shape[1]}, >= {least}] "
+                             f"(bidirectional={bias.bidirectional}: {least // 2} buckets per direction at least, "
+                             f"one exact and one logarithmic), got {list(table.shape)}")
+        if not (isinstance(bias.max_distance, int) and bias.max_distance > bias.exact_buckets):
+            raise ValueError(f"RelativePositionBias.max_distance must be an int > {bias.exact_buckets} (the exact "
+                             f"buckets: half of each direction's), got {bias.max_distance!r}")
         return bias
     bias = _float_tensor(bias, "bias", device)
     if not broadcasts_to(bias, shape):

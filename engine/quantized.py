@@ -8,8 +8,11 @@ cache, reads that much less. Each key (and value) vector ``x [D]`` of one token 
 
     x = [0.5, -1.0, 0.25]  ->  scale = 1/127,  data = [64, -127, 32]  ->  [0.504, -1.0, 0.252]
 
-so the error of an entry is at most half a step, ``scale / 2`` (int8), or 1/16 of its own size (e4m3's 3
-mantissa bits). ``QuantizedKV`` is accepted by ``causal_attention`` as ``k`` and ``v``: the call gets the
+so the error of an entry is at most half a step, ``scale / 2`` (int8). fp8 e4m3 keeps 3 mantissa bits for
+entries with ``|x| >= 2^-6 * scale`` (e4m3's smallest normal number, scaled): their error is at most 1/16 of
+their own size; smaller ones fall into e4m3's subnormal range, whose steps are ``2^-9 * scale``, so the bound that holds
+for every entry is ``max(|x| / 16, 2^-10 * scale)`` (an entry 1e-6 beside a row maximum of 1.0 reads back as 0).
+``QuantizedKV`` is accepted by ``causal_attention`` as ``k`` and ``v``: the call gets the
 option ``"quantized_kv"`` (``AttentionInputs.options()``), so only kernels that read it run it (the native
 decode kernel dequantises in registers; the ``dequantized`` kernel is its readable twin).
 """

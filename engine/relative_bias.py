@@ -37,16 +37,25 @@ class RelativePositionBias:
     def num_buckets(self) -> int:
         return self.table.shape[-1]
 
+    @property
+    def per_side(self) -> int:
+        """Buckets for each direction: half of them when bidirectional, else all."""
+        return self.num_buckets // 2 if self.bidirectional else self.num_buckets
+
+    @property
+    def exact_buckets(self) -> int:
+        """Distances below this get one bucket each (half of a direction's buckets); the rest are logarithmic."""
+        return self.per_side // 2
+
     def buckets(self, relative: torch.Tensor) -> torch.Tensor:
         """int64 bucket of each ``relative = key_pos - query_pos`` (any shape)."""
-        per_side = self.num_buckets // 2 if self.bidirectional else self.num_buckets
+        per_side, exact = self.per_side, self.exact_buckets
         if self.bidirectional:
             side = (relative > 0).long() * per_side  # keys after the query: the upper half
             distance = relative.abs()
         else:
             side = torch.zeros_like(relative)
             distance = (-relative).clamp(min=0)  # keys after the query are masked anyway: bucket 0
-        exact = per_side // 2  # distances below this get one bucket each
         # the same float32 steps as T5's own bucketing, so a bucket edge falls on the same distance
         scaled = (torch.log(distance.float() / exact) / math.log(self.max_distance / exact) * (per_side - exact))
         far = (exact + scaled.to(torch.long)).clamp(max=per_side - 1)
@@ -67,6 +76,15 @@ class RelativePositionBias:
             buckets, table = buckets.masked_fill(~visible, self.num_buckets), torch.cat([table, hidden], dim=1)
         out = table.index_select(1, buckets.flatten())  # [Hq, b*tq*tk] (index_select: ~2x faster than table[:, idx])
         return out.view(-1, *buckets.shape).transpose(0, 1)  # [b, Hq, tq, tk]
+
+    def add_block_grad(self, grad_table: torch.Tensor, grad_block: torch.Tensor, query_positions: torch.Tensor,
+                       key_positions: torch.Tensor) -> None:
+        """Add the gradient of a block that ``block`` read, ``grad_block [b, Hq, tq, tk]`` (0 where hidden), to
+        ``grad_table [Hq, num_buckets]``: the block gathers ``table[h, bucket]``, so its gradient scatter-adds
+        each entry into its bucket."""
+        buckets = self.buckets(key_positions[:, None, :] - query_positions[:, :, None])  # [b, tq, tk]
+        heads = grad_table.shape[0]
+        grad_table.index_add_(1, buckets.flatten(), grad_block.transpose(0, 1).reshape(heads, -1))  # [Hq, buckets]
 
     def _diagonals(self, query_start: torch.Tensor, key_start: torch.Tensor, tq: int, tk: int) -> torch.Tensor:
         """The block when positions run ``start, start+1, ...``: constant along diagonals, so one line of

@@ -230,10 +230,24 @@ def test_quantize_keeps_each_entry_within_half_a_step(dtype):
     err = (stored.dequantize() - x).abs()
     if dtype == torch.int8:  # round to the nearest multiple of the scale
         assert bool((err <= stored.scale[..., None] / 2 * (1 + 1e-6)).all())
-    else:  # e4m3: 3 mantissa bits, relative error <= 2^-4 (normals); tiny entries within the subnormal step
-        bound = x.abs() / 16 + stored.scale[..., None] * 2.0 ** -9
+    else:  # e4m3: the bound engine.quantized states, max(|x| / 16, 2^-10 * scale)
+        bound = torch.maximum(x.abs() / 16, stored.scale[..., None] * 2.0 ** -10)
         assert bool((err <= bound * (1 + 1e-6)).all())
     assert torch.equal(quantize(torch.zeros(1, 1, 2, 4), dtype).dequantize(), torch.zeros(1, 1, 2, 4))
+
+
+@pytest.mark.skipif(FP8 not in QUANTIZED, reason="this torch has no float8_e4m3fn")
+def test_fp8_entries_far_below_their_rows_maximum_meet_the_stated_bound_not_a_relative_one():
+    # e4m3's subnormals: entries under 2^-6 of the row's scale lose relative precision, down to 0 (the docstring's
+    # example: 1e-6 beside 1.0); 1/16 of an entry's own size holds only above that
+    x = torch.tensor([1.0, 1e-6, 3e-5, 1e-5, 2e-3, 0.3]).reshape(1, 1, 1, 6)
+    stored = quantize(x, FP8)
+    back, scale = stored.dequantize().flatten(), float(stored.scale.flatten()[0])
+    err = (back - x.flatten()).abs()
+    assert float(back[1]) == 0.0 and float(err[3]) > 1e-5 / 16  # relative bounds fail down there ...
+    assert bool((err <= torch.maximum(x.flatten().abs() / 16, torch.tensor(scale * 2.0 ** -10)) * (1 + 1e-6)).all())
+    normal = x.flatten().abs() >= scale * 2.0 ** -6  # ... and hold for normals
+    assert bool((err[normal] <= x.flatten()[normal].abs() / 16 * (1 + 1e-6)).all())
 
 
 def test_quantized_inputs_are_validated_with_clear_messages():

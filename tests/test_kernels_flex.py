@@ -204,6 +204,20 @@ def test_training_on_cpu_hands_over_to_the_next_kernel_with_the_reason():
     torch.testing.assert_close(grads, torch.autograd.grad(expected.square().sum(), (q, k, v)), rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("return_lse", [True, False], ids=["unfused_lse", "unfused_fp64"])
+def test_under_no_grad_leaves_that_require_grad_run_flex(return_lse):
+    # no backward is coming under no_grad, so the leaves' requires_grad must not reach Flex (which refused them on
+    # CPU as if one were: "FlexAttention does not support backward on CPU"); fp64 runs the unfused path, no compile
+    shape, kwargs, visible = case("window")
+    q, k, v = (x.requires_grad_(True) for x in qkv(*shape))
+    with torch.no_grad():
+        assert engine.explain(q, k, v, kernel="flex", **kwargs).kernel == "flex"
+        result = causal_attention(q, k, v, kernel="flex", return_lse=return_lse, **kwargs)
+    out = result[0] if return_lse else result
+    torch.testing.assert_close(out, oracle(q.detach(), k.detach(), v.detach(), visible)[0], rtol=1e-10, atol=1e-12)
+    assert not out.requires_grad
+
+
 def test_auto_never_takes_flex_on_cpu_and_says_why():
     # Softcap: the CPU's fused kernels do not take it, so auto reaches flex, passes it over, and runs tiled.
     shape, kwargs, _ = case("softcap")

@@ -134,6 +134,10 @@ def test_llama3_8b_at_128k_tokens_is_17_2_gb():
     (dict(head_dim=2.5), "head_dim must be a positive int, got 2.5"),
     (dict(value_dim=0), "value_dim must be a positive int, got 0"),
     (dict(dtype=torch.int64), r"dtype must be a floating-point torch.dtype .*got torch.int64"),
+    (dict(dtype=torch.float8_e5m2), r"dtype must be .*\(torch.float16, torch.bfloat16, torch.float32, "
+                                    r"torch.float64\) or a quantized one \(torch.int8, torch.float8_e4m3fn\), "
+                                    r"got torch.float8_e5m2"),
+    (dict(dtype=torch.complex64), r"dtype must be a floating-point torch.dtype .*got torch.complex64"),
     (dict(dtype="float32"), r"dtype must be a floating-point torch.dtype .*got 'float32' \(str\)"),
     (dict(dtype=float), r"dtype must be a floating-point torch.dtype .*got <class 'float'> \(type\)"),
     (dict(device="gpu0"), r"device must be a torch.device, a device string .*got 'gpu0'"),

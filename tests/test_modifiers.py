@@ -147,6 +147,10 @@ def test_gradients_match_the_oracle_through_out_and_lse(name, where, kernel):
     learned = [x for key, x in ours.items() if key in ("sinks", "bias") and isinstance(x, torch.Tensor)]
     for x in learned:
         x.requires_grad_()
+    if isinstance(ours.get("bias"), RelativePositionBias):  # a learned T5 table: its gradient is a scatter-add
+        table = ours["bias"].table.requires_grad_()
+        theirs["bias"] = dense_relative(table, qpos, kpos, not causal, max_distance=40)
+        learned.append(table)
     g = torch.Generator().manual_seed(4)
     w_out, w_lse = torch.randn(B, HQ, t, D, generator=g, dtype=torch.float64), torch.randn(B, HQ, t, generator=g,
                                                                                          dtype=torch.float64)
@@ -272,7 +276,11 @@ BAD = [
     (dict(bias=torch.full((6, 6), float("-inf"))), "hide keys with allowed, not with a -inf bias"),
     (dict(bias=torch.zeros(6, 6, dtype=torch.bool)), "bias must be a floating-point tensor, got a torch.bool"),
     (dict(bias=RelativePositionBias(torch.zeros(3, 8))), "a RelativePositionBias table must be [Hq, num_buckets]"),
-    (dict(bias=RelativePositionBias(torch.zeros(4, 32), max_distance=8)), "max_distance must be an int > "),
+    (dict(bias=RelativePositionBias(torch.zeros(4, 32), max_distance=8)), "max_distance must be an int > 8"),
+    (dict(bias=RelativePositionBias(torch.zeros(4, 2))), "must be [Hq, num_buckets] = [4, >= 4] (bidirectional"),
+    (dict(bias=RelativePositionBias(torch.zeros(4, 3), max_distance=64)), "must be [Hq, num_buckets] = [4, >= 4]"),
+    (dict(bias=RelativePositionBias(torch.zeros(4, 1), False)), "must be [Hq, num_buckets] = [4, >= 2]"),
+    (dict(bias=RelativePositionBias(torch.zeros(4, 8), bidirectional=1)), "bidirectional must be a bool, got 1"),
     (dict(score_mod="tanh"), "score_mod must be a callable"),
     (dict(dropout_p=1.0), "dropout_p must be a number in [0, 1), got 1.0"),
     (dict(dropout_p=-0.1), "dropout_p must be a number in [0, 1)"),
@@ -303,3 +311,62 @@ def test_score_mod_must_return_scores_of_their_shape(returned, message):
     for kernel in ("tiled", "reference"):
         with pytest.raises(ValueError, match=message):
             causal_attention(q, k, v, score_mod=returned, kernel=kernel)
+
+
+# --- learned biases: a gradient on every kernel, or a clear refusal; never a dropped one -------------------------
+
+
+@pytest.mark.parametrize("kernel", ["auto", "decode", "decode_native", "sdpa_tiles", "tiled", "reference"])
+@pytest.mark.parametrize("q_grad", [True, False], ids=["q_grad", "table_only"])
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_learned_relative_bias_table_gets_the_oracles_gradient_on_every_kernel(where, q_grad, kernel):
+    # T5 training: the table requires grad. A kernel that cannot give it its gradient does not fit the call
+    # (the option "bias_grad"), so every kernel name ends in one that does; before, fast kernels dropped it
+    t, s = (20, 20) if where == "prefill" else (1, 600)
+    q, k, v = qkv(t, s, seed=7)
+    q.requires_grad_(q_grad)
+    table = torch.randn(HQ, 32, generator=torch.Generator().manual_seed(8), dtype=torch.float64, requires_grad=True)
+    bias = RelativePositionBias(table, False, 64)
+    assert explain(q, k, v, bias=bias, kernel=kernel).kernel in ("tiled", "reference")
+    out = causal_attention(q, k, v, bias=bias, kernel=kernel)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    qpos, kpos = torch.arange(s - t, s).expand(B, t), torch.arange(s).expand(B, s)
+    want = oracle(q, k, v, bias=dense_relative(table, qpos, kpos, False, 64))[0]
+    wanted = [table, q] if q_grad else [table]
+    got, expected = torch.autograd.grad((out * w).sum(), wanted), torch.autograd.grad((want * w).sum(), wanted)
+    for ours_grad, oracle_grad in zip(got, expected):
+        torch.testing.assert_close(ours_grad, oracle_grad, rtol=1e-8, atol=1e-8)
+    with torch.no_grad():  # no gradient wanted: the fast kernels take the table again
+        assert explain(q, k, v, bias=bias).kernel in ("sdpa_tiles", "decode")
+        torch.testing.assert_close(causal_attention(q, k, v, bias=bias), want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "tiled", "reference"])
+def test_a_dense_bias_that_requires_grad_gets_its_gradient_with_q_frozen(kernel):
+    q, k, v = qkv(9, 40, seed=10)
+    bias = torch.randn(1, HQ, 9, 40, generator=torch.Generator().manual_seed(11), dtype=torch.float64,
+                       requires_grad=True)
+    got = torch.autograd.grad(causal_attention(q, k, v, bias=bias, kernel=kernel).sum(), bias)[0]
+    want = torch.autograd.grad(oracle(q, k, v, bias=bias)[0].sum(), bias)[0]
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "tiled", "reference"])
+@pytest.mark.parametrize("q_grad", [True, False], ids=["q_grad", "q_frozen"])
+def test_a_score_mod_that_captures_a_tensor_requiring_grad_is_refused_on_every_kernel(q_grad, kernel):
+    # no kernel computes a captured tensor's gradient: one clear error everywhere (before: the reference gave a
+    # gradient, the tiled kernels crashed inside autograd); under no_grad nothing is differentiated and it runs
+    q, k, v = qkv(20, 20, seed=12)
+    q.requires_grad_(q_grad)
+    shift = torch.randn(HQ, dtype=torch.float64, requires_grad=True)
+    mod = lambda s, b, h, i, j: s + shift[h] * (i - j)  # noqa: E731
+    with pytest.raises(ValueError, match="score_mod captures a tensor that requires grad"):
+        causal_attention(q, k, v, score_mod=mod, kernel=kernel)
+    with pytest.raises(ValueError, match="score_mod captures a tensor that requires grad"):
+        explain(q, k, v, score_mod=mod, kernel=kernel)
+    with torch.no_grad():
+        torch.testing.assert_close(causal_attention(q, k, v, score_mod=mod, kernel=kernel),
+                                   oracle(q, k, v, score_mod=mod)[0], rtol=1e-9, atol=1e-9)
+    frozen = lambda s, b, h, i, j: s + shift.detach()[h] * (i - j)  # noqa: E731
+    torch.testing.assert_close(causal_attention(q, k, v, score_mod=frozen, kernel=kernel),
+                               oracle(q, k, v, score_mod=frozen)[0], rtol=1e-9, atol=1e-9)

@@ -69,10 +69,10 @@ def differentiable(inputs, forward: Callable, backward: Callable) -> tuple[torch
     """``(out, lse)`` of ``forward(inputs) -> (out, lse, saved_out)``, with autograd through ``backward(inputs,
     saved_out, lse, grad_out, grad_lse) -> (dq, dk, dv[, dbias])`` when q, k, v (or a dense bias) need gradients
     (either grad may be None). ``saved_out`` is the output as the backward wants it (e.g. before the cast to q's
-    dtype); the backward returns ``dbias`` only for a dense ``inputs.modifiers.bias`` that requires grad."""
-    bias = inputs.modifiers.bias
-    bias = bias if isinstance(bias, torch.Tensor) and bias.requires_grad else None
-    if needs_grad(inputs.q, inputs.k, inputs.v) or (bias is not None and torch.is_grad_enabled()):
+    dtype); the backward returns ``dbias`` only for a learned bias (``Modifiers.learned_bias()``: a dense bias,
+    or a RelativePositionBias's table, that requires grad), in that tensor's shape."""
+    bias = inputs.modifiers.learned_bias()
+    if needs_grad(inputs.q, inputs.k, inputs.v) or bias is not None:
         return _Differentiable.apply(inputs.q, inputs.k, inputs.v, bias, inputs, forward, backward)
     out, lse, _ = forward(inputs)
     return out, lse

@@ -89,7 +89,10 @@ def flex_attention(inputs: AttentionInputs, return_lse: bool = False):
 def _flex_call(inputs: AttentionInputs, return_lse: bool):
     """One FlexAttention call: compiled where torch compiles it, Flex's unfused implementation otherwise."""
     q, k, v = inputs.q, inputs.k, inputs.v
-    mask = flex_mask(inputs, backward=needs_grad(q, k, v))
+    backward = needs_grad(q, k, v)
+    if not backward:  # e.g. under no_grad with leaves that require grad: Flex on CPU refuses those as if a
+        q, k, v = q.detach(), k.detach(), v.detach()  # backward were coming; none is, so it gets plain tensors
+    mask = flex_mask(inputs, backward=backward)
     score_mod = None if inputs.softcap is None else softcap_mod(inputs.softcap)
     compiled = q.device.type == "cuda" or (q.dtype in COMPILED_CPU_DTYPES and not return_lse)
     run = compiled_flex(q.device.type) if compiled else _unfused

@@ -118,10 +118,15 @@ def dropout_block(inputs: AttentionInputs, rows: slice, i0: int, i1: int, j0: in
     return keep_scale(mods.dropout_seed, mods.dropout_p, batch, head, query, key, dtype)
 
 
-def add_bias_grad(grad_bias: torch.Tensor, grad_scores: torch.Tensor, b: int, i0: int, i1: int, j0: int,
-                  j1: int) -> None:
-    """Add a tile's score gradient ``[1, Hq, tq, tk]`` (batch row b) to the dense bias's gradient
-    ``[B|1, Hq|1, T|1, S|1]``, summed over the axes the bias broadcasts along."""
+def add_bias_grad(inputs: AttentionInputs, grad_bias: torch.Tensor, grad_scores: torch.Tensor, b: int, i0: int,
+                  i1: int, j0: int, j1: int) -> None:
+    """Add a tile's score gradient ``[1, Hq, tq, tk]`` (batch row b) to the learned bias's gradient: a dense bias's
+    ``[B|1, Hq|1, T|1, S|1]`` (summed over the axes it broadcasts along), or a RelativePositionBias table's
+    ``[Hq, num_buckets]`` (scattered into the tile's buckets)."""
+    bias = inputs.modifiers.bias
+    if isinstance(bias, RelativePositionBias):
+        bias.add_block_grad(grad_bias, grad_scores, *_positions(inputs, slice(b, b + 1), i0, i1, j0, j1))
+        return
     dims = [axis for axis in (1, 2, 3) if grad_bias.shape[axis] == 1]
     part = grad_scores.sum(dim=dims, keepdim=True) if dims else grad_scores  # [1, Hq|1, tq|1, tk|1]
     grad_bias[_block_index(grad_bias.shape, slice(b, b + 1), i0, i1, j0, j1)] += part

@@ -10,7 +10,8 @@ With ``p = exp(s - lse)`` (exact softmax weights, no second normalisation pass) 
     dp       = dout @ v_tile^T               [Hkv, G*tq, tk]
     ds       = p * (dp - delta)              gradient of the modified scores
     ds       = ds * d score_mod               by autograd on the tile, only with score_mod
-    dbias   += ds                            only for a dense bias that requires grad
+    dbias   += ds                            only for a bias that requires grad (a relative bias's
+                                             table: scattered into each pair's bucket)
     ds      *= 1 - tanh(raw / cap)^2         only with softcap
 
 With dropout, ``out = (p * keep / (1 - p_drop)) @ v``: the pattern is regenerated from its seed, ``dv`` uses the
@@ -70,9 +71,10 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
     dv = torch.zeros(vc.shape, dtype=compute, device=q.device)  # [B, Hkv, S, Dv]
     mask = visibility_mask(inputs)
     mods = inputs.modifiers
-    grad_bias = None  # [B|1, Hq|1, T|1, S|1]: a dense bias that requires grad gets its gradient here
-    if isinstance(mods.bias, torch.Tensor) and mods.bias.requires_grad:
-        grad_bias = torch.zeros(mods.bias.shape, dtype=compute, device=q.device)
+    learned = mods.bias_tensor()  # a dense bias or a relative bias's table: its gradient, if it requires grad
+    grad_bias = None  # [B|1, Hq|1, T|1, S|1] or [Hq, num_buckets]
+    if learned is not None and learned.requires_grad:
+        grad_bias = torch.zeros(learned.shape, dtype=compute, device=q.device)
     for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
         if not tiles:
             continue
@@ -104,14 +106,14 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
                 if visible is not None:  # hidden keys have p = 0: no gradient, whatever score_mod's slope there
                     ds.view(kv_heads, q_heads // kv_heads, i1 - i0, j1 - j0).masked_fill_(~visible, 0.0)
             if grad_bias is not None:
-                add_bias_grad(grad_bias, tile_view(ds, i1 - i0), b, i0, i1, j0, j1)
+                add_bias_grad(inputs, grad_bias, tile_view(ds, i1 - i0), b, i0, i1, j0, j1)
             if capped is not None:
                 ds.mul_(1.0 - capped * capped)
             dq_rows.baddbmm_(ds, k_tile)  # [Hkv, G*tq, D]
             dk[b, :, j0:j1] += torch.bmm(ds.transpose(1, 2), q_rows)  # [Hkv, tk, D]
         dq[b, :, i0:i1] = (dq_rows * inputs.scale).view(q_heads, i1 - i0, d)
     if grad_bias is not None:
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias.to(mods.bias.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grad_bias.to(learned.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

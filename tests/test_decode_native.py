@@ -355,23 +355,47 @@ def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
 # --- the other vector paths: this CPU's build takes the widest; build the narrower ones too ----------------------
 
 PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")  # no -march=native, no -fopenmp (plain threads)
+# Each vector path with its own flags (cpu_key's name for what it needs, its lanes); the cached build is
+# -march=native, the widest this CPU has (AVX-512 here, AVX2 on a Zen 3), so the others are built here and checked
+# too: a CPU without AVX-512 (or without AVX2) runs code that was tested.
+VARIANTS = {
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
+               ("avx512f", "avx512bw", "avx512dq"), 16),
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), 8),
+    "plain_cpp": ((), (), 1),
+}
+
+
+@pytest.fixture(scope="module")
+def variant_library(tmp_path_factory):
+    """``variant_library(name)``: the native library built with that vector path's flags (once per module), or a
+    skip where this CPU lacks the instructions."""
+    from engine.kernels import native_build
+
+    built = {}
+
+    def build(name):
+        flags, needs, lanes = VARIANTS[name]
+        missing = [flag for flag in needs if flag not in cpu_key().split()]
+        if missing:
+            pytest.skip(f"this CPU has no {', '.join(missing)}")
+        if name not in built:
+            path = tmp_path_factory.mktemp(name) / "decode_native_variant.so"
+            native_build._build(native_build.compiler(), path, PLAIN + flags)
+            built[name] = native_build.NativeLibrary(path, 0.0)
+            assert built[name].lanes == lanes
+        return built[name]
+
+    return build
 
 
 @needs_native
 @pytest.mark.slow
-@pytest.mark.parametrize("flags, lanes", [(("-mavx2", "-mfma", "-mf16c"), 8), ((), 1)], ids=["avx2", "plain_cpp"])
-def test_the_avx2_and_plain_cpp_builds_match_the_oracle(flags, lanes, tmp_path):
-    # the cached build is -march=native (AVX-512 here, AVX2 on a Zen 3): the other paths are built and checked
-    # here so a CPU without AVX-512 (or without AVX2) runs code that was tested
-    from engine.kernels import native_build
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "plain_cpp"])
+def test_each_vector_path_matches_the_oracle(variant, variant_library):
     from engine.kernels.decode_native import KINDS, _call
 
-    if flags and "avx2" not in cpu_key():
-        pytest.skip("this CPU has no AVX2")
-    path = tmp_path / "decode_native_variant.so"
-    native_build._build(native_build.compiler(), path, PLAIN + flags)
-    library = native_build.NativeLibrary(path, 0.0)
-    assert library.lanes == lanes
+    library = variant_library(variant)
     b, hkv, rows, s, d = 2, 2, 6, 300, 32
     g = torch.Generator().manual_seed(5)
     q_rows = torch.randn(b, hkv, rows, d, generator=g)  # [B, Hkv, R, D], already scaled
@@ -390,6 +414,32 @@ def test_the_avx2_and_plain_cpp_builds_match_the_oracle(flags, lanes, tmp_path):
         want, want_lse = oracle(q_rows, k64, v64, visible, 1.0)  # R rows of one KV head as T queries
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=str(kind))
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=str(kind))
+
+
+@needs_native
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "plain_cpp"])
+@pytest.mark.parametrize("kind", [torch.float32, torch.bfloat16], ids=str)
+def test_a_nan_or_inf_key_inside_an_unmasked_full_block_poisons_its_rows_on_each_vector_path(kind, variant,
+                                                                                          variant_library):
+    # no mask and D = 64: full 64-key blocks take the vector finite_max; a NaN key (KV head 0) and an inf key
+    # (KV head 1) there must make their heads' rows NaN with lse -inf, the reference's semantics
+    from engine.kernels.decode_native import _call
+
+    library = variant_library(variant)
+    b, hkv, rows, s, d = 2, 2, 4, 256, 64
+    g = torch.Generator().manual_seed(6)
+    q_rows = torch.randn(b, hkv, rows, d, generator=g) / 8  # [B, Hkv, R, D], already scaled
+    k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    want, want_lse = oracle(q_rows, k.to(kind).double(), v.to(kind).double(), torch.ones(1, 1, rows, s,
+                                                                                          dtype=torch.bool), 1.0)
+    k[0, 0, 70, 5] = float("nan")  # block 1 of batch row 0, KV head 0
+    k[0, 1, 130, :] = float("inf")  # block 2 of batch row 0, KV head 1
+    out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
+    _call(library, q_rows, (k.to(kind), None), (v.to(kind), None), None, out, lse)
+    assert bool(out[0].isnan().all()) and bool((lse[0] == float("-inf")).all())  # both heads of row 0 poisoned
+    torch.testing.assert_close(out[1].double(), want[1], rtol=1e-5, atol=1e-5)  # batch row 1 is clean
+    torch.testing.assert_close(lse[1].double(), want_lse[1], rtol=1e-5, atol=1e-5)
 
 
 @needs_native

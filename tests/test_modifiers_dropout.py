@@ -18,22 +18,25 @@ def qkv(seed=0, t=T, s=S):
     return [torch.randn(B, h, n, D, generator=g, dtype=torch.float64) for h, n in ((HQ, t), (HKV, s), (HKV, s))]
 
 
-def pattern(seed_generator: torch.Generator, p: float, t=T, s=S) -> torch.Tensor:
+def pattern(seed_generator: torch.Generator, p: float, t=T, s=S, b=B, hq=HQ) -> torch.Tensor:
     """The keep / (1 - p) pattern a call with this generator state uses, ``[B, Hq, T, S]``, from its definition:
     the call draws one seed, then hashes (seed, b, h, query index, key index)."""
     seed = int(torch.randint(0, 2**62, (), generator=seed_generator))
     index = [torch.arange(n).reshape([-1 if axis == i else 1 for axis in range(4)]) for i, n in
-             enumerate((B, HQ, t, s))]
+             enumerate((b, hq, t, s))]
     return keep_scale(seed, p, *index, torch.float64)
 
 
 @pytest.mark.parametrize("kernel", ["reference", "tiled", "auto"])
-def test_dropout_equals_the_oracle_with_the_same_pattern_forward_and_backward(kernel):
-    q, k, v = (x.requires_grad_() for x in qkv())
-    allowed = window_mask(torch.arange(S - T, S), torch.arange(S), 12)
+@pytest.mark.parametrize("t, s", [(T, S), (140, 150)], ids=["short", "two_query_tiles"])
+def test_dropout_equals_the_oracle_with_the_same_pattern_forward_and_backward(kernel, t, s):
+    # T = 140: the backward's query tiles are 128 rows, so the second tile regenerates the pattern of rows
+    # 128..139 (global query indices, not tile-local ones)
+    q, k, v = (x.requires_grad_() for x in qkv(t=t, s=s))
+    allowed = window_mask(torch.arange(s - t, s), torch.arange(s), 12)
     out, lse = causal_attention(q, k, v, allowed=allowed, dropout_p=0.3, generator=torch.Generator().manual_seed(5),
                                 kernel=kernel, return_lse=True)
-    keep = pattern(torch.Generator().manual_seed(5), 0.3)
+    keep = pattern(torch.Generator().manual_seed(5), 0.3, t=t, s=s)
     want, want_lse = oracle(q, k, v, allowed=allowed, keep=keep)
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse, want_lse, rtol=1e-10, atol=1e-10)  # the lse is of the weights before dropout

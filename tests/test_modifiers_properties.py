@@ -1,5 +1,5 @@
-"""Property test: random shapes, masks, tile sizes and any mix of modifiers; the kernels that take them equal
-the float64 oracle (tests/modifier_oracle.py)."""
+"""Property test: random shapes, masks, tile sizes and any mix of modifiers (dropout too); the kernels that take
+them equal the float64 oracle (tests/modifier_oracle.py), forward and backward."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from engine.masks import document_mask, window_mask
 from engine.relative_bias import RelativePositionBias
 from tests.modifier_oracle import oracle
 from tests.test_modifiers import dense_relative
+from tests.test_modifiers_dropout import pattern
 
 SCORE_MODS = {
     "none": None,
@@ -67,6 +68,10 @@ def problems(draw):
         ours["score_mod"] = theirs["score_mod"] = score_mod
     if draw(st.booleans()):
         ours["softcap"] = theirs["softcap"] = 4.0
+    if draw(st.booleans()):  # dropout: the pattern from its definition, for the seed the call draws
+        p, drop_seed = draw(st.sampled_from([0.2, 0.5])), draw(st.integers(0, 10_000))
+        ours["dropout_p"], ours["generator"] = p, torch.Generator().manual_seed(drop_seed)
+        theirs["keep"] = pattern(torch.Generator().manual_seed(drop_seed), p, t=t, s=s, b=b, hq=hq)
     return (b, hq, hkv, t, s, d), allowed, causal, seed, ours, theirs
 
 
@@ -80,7 +85,7 @@ def test_kernels_with_any_modifiers_equal_the_oracle_for_any_tile_size(problem, 
     inputs = prepare_inputs(q, k, v, None, None, allowed, None, causal=causal, softcap=softcap, **ours)
     want, want_lse = oracle(q, k, v, allowed=allowed, causal=causal, **theirs)
     kernels = [tiled_attention]
-    if softcap is None and "score_mod" not in ours:  # what sdpa_tiles takes: ALiBi and biases
+    if softcap is None and "score_mod" not in ours and "dropout_p" not in ours:  # sdpa_tiles: ALiBi, biases
         kernels.append(sdpa_tiles_attention)
     for kernel in kernels:
         out, lse = kernel(inputs, True, block_q=block_q, block_k=block_k)

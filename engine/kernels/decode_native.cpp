@@ -9,9 +9,12 @@
 //     for each work item (b, kv_head, keys [j0, j1))          items split B * Hkv * S evenly across threads
 //       for each block of BLOCK keys                          K/V rows read once, converted in registers
 //         scores  s[r][j] = q[r] . k[j]  (* k_scale[j])       two keys at a time, NR rows per pass
-//         online softmax: m[r] running max, l[r] running sum, acc[r] rescaled by exp(m_old - m_new)
-//         acc[r] += p[r][j] * v[j]  (* v_scale[j])            Dv in register tiles, each V row loaded once
-//     merge the items of one (b, kv_head) by log-sum-exp       out = acc / l, lse = m + log(l)
+//         online softmax: m[r] running max, l[r] running sum of p = exp(s - m)
+//         acc[r] = acc[r] * l_old / l_new                       acc is the output so far, normalised as it goes,
+//         acc[r] += p[r][j] / l_new * v[j]  (* v_scale[j])      so it never leaves V's range (no overflow near
+//                                                              the float max); Dv in register tiles, each V row
+//                                                              loaded once
+//     merge the items of one (b, kv_head) by log-sum-exp       out = sum of acc * (item's share), lse = m + log(l)
 //
 // Element kinds of K and V: fp32, bf16, fp16, int8 and fp8 e4m3 (the last two with per-key scales); every
 // kind is converted to fp32 in registers and accumulated in fp32. Guarantees: a key some row does not see
@@ -27,7 +30,7 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define DN_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -500,13 +503,7 @@ struct Item {
                 for (int jj = 0; jj < n; ++jj) sr[jj] = 0.0f;
                 continue;
             }
-            if (m_new > m_old) {
-                const float alpha = std::exp(m_old - m_new);  // 0 when m_old = -inf
-                part.l[r] *= alpha;
-                float* a = &part.acc[r * Dv];
-                for (int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
-                part.m[r] = m_new;
-            }
+            const float alpha = m_new > m_old ? std::exp(m_old - m_new) : 1.0f;  // 0 when m_old = -inf
             int jj = 0;
             float sum = 0.0f;
 #if DN_AVX512 || DN_AVX2
@@ -525,9 +522,21 @@ struct Item {
                 sr[jj] = std::exp(sr[jj] - m_new);
                 sum += sr[jj];
             }
-            part.l[r] += sum;
-            if (vsc || o.v_unit != 1.0f)
-                for (int jj2 = 0; jj2 < n; ++jj2) sr[jj2] *= vscale[jj2];
+            // acc stays normalised (the output so far, within max|v|: no overflow for values near the float
+            // max): rescale it to the new sum and add this block's weights divided by that sum
+            const float l_old = part.l[r] * alpha, l_new = l_old + sum;  // l_new >= 1: the max's own weight
+            const float keep_old = l_old / l_new, inv = 1.0f / l_new;
+            part.l[r] = l_new;
+            part.m[r] = m_new;
+            if (keep_old != 1.0f) {
+                float* a = &part.acc[r * Dv];
+                for (int64_t d = 0; d < Dv; ++d) a[d] *= keep_old;
+            }
+            if (vsc || o.v_unit != 1.0f) {
+                for (int jj2 = 0; jj2 < n; ++jj2) sr[jj2] *= vscale[jj2] * inv;
+            } else {
+                for (int jj2 = 0; jj2 < n; ++jj2) sr[jj2] *= inv;
+            }
         }
     }
 
@@ -651,7 +660,8 @@ int decode_native(int kind, const void* k, const int64_t* k_strides, const float
     for (auto& th : pool) th.join();
 #endif
 
-    // Merge the items of each (b, kv_head) by log-sum-exp, then normalise.
+    // Merge the items of each (b, kv_head) by log-sum-exp: each item's output is normalised, and so is the
+    // merged one (shares of the items' sums that add up to 1), so no step leaves the values' range.
     std::vector<float> m(B * H * R, NEG_INF), l(B * H * R, 0.0f);
     std::vector<uint8_t> bad(B * H * R, 0);
     std::fill(out, out + B * H * R * Dv, 0.0f);
@@ -662,11 +672,13 @@ int decode_native(int kind, const void* k, const int64_t* k_strides, const float
                 bad[row] |= p.bad[r];
                 if (p.m[r] == NEG_INF) continue;  // this item saw nothing for the row
                 const float m_new = std::max(m[row], p.m[r]);
-                const float a_old = std::exp(m[row] - m_new), a_new = std::exp(p.m[r] - m_new);
+                const float l_old = l[row] * std::exp(m[row] - m_new), l_item = p.l[r] * std::exp(p.m[r] - m_new);
+                const float l_new = l_old + l_item;
+                const float a_old = l_old / l_new, a_new = l_item / l_new;
                 float* dst = out + row * Dv;
                 const float* src = &p.acc[r * Dv];
                 for (int64_t d = 0; d < Dv; ++d) dst[d] = dst[d] * a_old + src[d] * a_new;
-                l[row] = l[row] * a_old + p.l[r] * a_new;
+                l[row] = l_new;
                 m[row] = m_new;
             }
         }
@@ -677,9 +689,8 @@ int decode_native(int kind, const void* k, const int64_t* k_strides, const float
         if (bad[row]) {
             for (int64_t d = 0; d < Dv; ++d) dst[d] = nan;
             lse[row] = NEG_INF;
-        } else if (l[row] > 0.0f) {
-            const float inv = 1.0f / l[row];
-            for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? dst[d] * inv : nan;
+        } else if (l[row] > 0.0f) {  // a non-finite channel met a visible NaN/inf value: NaN, as the reference
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? dst[d] : nan;
             lse[row] = m[row] + std::log(l[row]);
         } else {
             for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? 0.0f : nan;

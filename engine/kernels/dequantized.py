@@ -86,7 +86,8 @@ def _attend(q, k, v, visible, inputs: AttentionInputs):
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     weights = torch.exp(scores - row_max)  # [B, Hkv, R, n]; masked entries are exactly 0
     denom = weights.sum(dim=-1, keepdim=True)  # [B, Hkv, R, 1]
-    out = (weights @ v) / torch.where(denom > 0, denom, 1.0)  # [B, Hkv, R, Dv]
+    out = (weights / torch.where(denom > 0, denom, 1.0)) @ v  # [B, Hkv, R, Dv]: normalised first, so the sum
+    # stays within V's range (no overflow for values near the float max)
     reached = (visible.to(q.dtype) @ value_bad.to(q.dtype)) > 0  # [B, Hkv, R, Dv]: a visible bad value
     out = out.masked_fill(reached, float("nan"))
     lse = torch.where(denom[..., 0] > 0, row_max[..., 0] + torch.log(denom[..., 0]), NEG_INF)  # [B, Hkv, R]

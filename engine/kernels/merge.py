@@ -42,11 +42,11 @@ def merge_attention_states(outputs: Iterable[torch.Tensor], lses: Iterable[torch
     top = top.masked_fill(top == NEG_INF, 0.0)  # every part empty: weights exp(-inf) = 0, no NaN
     weights = torch.exp(lse_all - top)  # [P, ...]
     total = weights.sum(dim=0)  # [...]
-    merged = torch.zeros(outputs[0].shape, dtype=compute, device=outputs[0].device)  # [..., Dv]
-    for w, out in zip(weights, outputs):
-        merged += w[..., None] * out.to(compute)  # an empty part (out 0, weight 0) adds exactly 0
     seen = total > 0
-    merged = merged / torch.where(seen, total, 1.0)[..., None]  # [..., Dv]
+    shares = weights / torch.where(seen, total, 1.0)  # [P, ...], summing to 1 (0 where no part saw a key)
+    merged = torch.zeros(outputs[0].shape, dtype=compute, device=outputs[0].device)  # [..., Dv]
+    for share, out in zip(shares, outputs):  # a convex combination: never beyond the parts' range (no overflow)
+        merged += share[..., None] * out.to(compute)  # an empty part (out 0, share 0) adds exactly 0
     lse = torch.where(seen, top + torch.log(total), NEG_INF)  # [...]
     return merged.to(outputs[0].dtype), lse
 

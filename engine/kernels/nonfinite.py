@@ -21,6 +21,7 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, head_mask, needs_grad
+from engine.kernels.overflow import with_headroom
 from engine.kernels.plan import plan_tiles
 from engine.kernels.visibility import visibility_mask
 
@@ -137,9 +138,10 @@ def run_guarded(inputs: AttentionInputs, return_lse: bool, fast):
     Finite K goes straight through, and a finite output proves q and V were finite wherever the kernel
     looked (a NaN/inf value meets ``p = 0`` or ``p > 0``: both give NaN/inf), so only K, whose bad entries
     could hide behind a ``-inf`` score, is checked up front. Otherwise the exact path: NaN/inf in K or V
-    are zeroed, the kernel runs, the outputs are poisoned. NaN/inf in q, or in K/V when gradients are
-    needed, do not fit a fused kernel: ``DoesNotFit`` sends dispatch straight to the ``tiled`` kernel, which
-    handles both inline.
+    are zeroed, the kernel runs, the outputs are poisoned. A non-finite output from finite inputs is an
+    overflow of the kernel's sums (V near the float max): it runs again with room (engine.kernels.overflow).
+    NaN/inf in q, or in K/V when gradients are needed, do not fit a fused kernel: ``DoesNotFit`` sends
+    dispatch straight to the ``tiled`` kernel, which handles both inline.
     """
     q, k, v = inputs.q, inputs.k, inputs.v
     if all_finite(k):  # NaN/inf in q or V always shows in the output (0 * NaN is NaN): check it there
@@ -152,8 +154,10 @@ def run_guarded(inputs: AttentionInputs, return_lse: bool, fast):
     if guard is not None and needs_grad(q, k, v):
         raise DoesNotFit("NaN/inf in K/V with gradients: only the tiled kernel differentiates around them",
                          resume="tiled")
-    if guard is None:
-        return fast(inputs, return_lse)
+    if guard is None:  # finite q, K and V, yet a non-finite output: the sums overflowed (V near the float max)
+        return with_headroom(inputs, return_lse, fast)
     out, lse = fast(clean, True)
+    if not all_finite(out):
+        out, lse = with_headroom(clean, True, fast)
     out, lse = poison(inputs, guard, out, lse)
     return out, (lse if return_lse else None)

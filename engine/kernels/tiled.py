@@ -22,11 +22,14 @@ the saved log-sum-exp (and the dropout pattern from its seed).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, compute_dtype, differentiable, group_rows, head_mask
-from engine.kernels.nonfinite import guard_non_finite
+from engine.kernels.nonfinite import all_finite, guard_non_finite
+from engine.kernels.overflow import with_headroom
 from engine.kernels.plan import batch_query_tiles
 from engine.kernels.scores import dropout_tile, modified_tile
 from engine.kernels.tiled_backward import BLOCK_K, BLOCK_Q, tiled_backward
@@ -69,15 +72,23 @@ def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int 
     if guard is not None:
         kc, vc = guard.k, guard.v
     mask = visibility_mask(inputs)
-    out = torch.zeros(batch, q_heads, t, dv, dtype=q.dtype, device=q.device)  # rows left alone stay 0
-    lse = torch.full((batch, q_heads, t), NEG_INF, dtype=compute, device=q.device)
-    for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
-        if not tiles:
-            continue  # no visible key: out 0, lse -inf
-        q_rows = group_rows(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
-        o, part_lse = _query_tile(inputs, q_rows, kc[b], vc[b], tiles, mask, b, i0, i1, guard)
-        out[b, :, i0:i1] = o.view(q_heads, i1 - i0, dv).to(q.dtype)
-        lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)
+
+    def by_tiles(x: AttentionInputs, with_lse: bool):  # x.v: vc, or vc with room for its sums (overflow)
+        out = torch.zeros(batch, q_heads, t, dv, dtype=q.dtype, device=q.device)  # rows left alone stay 0
+        lse = torch.full((batch, q_heads, t), NEG_INF, dtype=compute, device=q.device)
+        for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
+            if not tiles:
+                continue  # no visible key: out 0, lse -inf
+            q_rows = group_rows(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+            o, part_lse = _query_tile(inputs, q_rows, kc[b], x.v[b], tiles, mask, b, i0, i1, guard)
+            out[b, :, i0:i1] = o.view(q_heads, i1 - i0, dv).to(q.dtype)
+            lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)
+        return out, lse
+
+    values = dataclasses.replace(inputs, v=vc)
+    out, lse = by_tiles(values, True)
+    if not all_finite(out):  # NaN from q or a visible bad entry, or sums that overflowed: only the last reruns
+        out, lse = with_headroom(values, True, by_tiles)
     return out, lse
 
 

@@ -13,7 +13,7 @@ The transformers backend is opt-in: ``import engine.integrations.transformers`` 
 """
 
 from engine.attention import causal_attention, merge_heads, split_heads, window_mask
-from engine.kernels import KernelChoice, SlowPathWarning, explain, merge_attention_states
+from engine.kernels import KernelChoice, SlowPathWarning, merge_attention_states
 from engine.kv_cache import KVCache, kv_cache_bytes
 from engine.layer import MultiHeadAttention
 from engine.masks import (
@@ -25,12 +25,15 @@ from engine.masks import (
     padding_positions,
 )
 from engine.masks.structured import StructuredMask, as_structured
+from engine.planning import AttentionPlan, explain, plan
 from engine.relative_bias import RelativePositionBias
 from engine.rope import apply_rope, rope_frequencies
 from engine.softmax import naive_softmax, online_softmax, stable_softmax
 
 __all__ = [
     "causal_attention",
+    "plan",
+    "AttentionPlan",
     "explain",
     "merge_attention_states",
     "KernelChoice",

@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.inputs import prepare_inputs
-from engine.kernels.dispatch import run_attention
 from engine.masks.window import window_mask
 from engine.modifiers import ScoreMod
+from engine.planning import plan, plan_for_shapes
 from engine.relative_bias import RelativePositionBias
 
 __all__ = ["causal_attention", "split_heads", "merge_heads", "window_mask"]
@@ -93,12 +92,15 @@ def causal_attention(
 
         out = causal_attention(q1, k58, v58)              # default positions: query at 57
     """
-    modifiers = dict(sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod, dropout_p=dropout_p,
-                     generator=generator)
-    inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale,
-                            causal=causal, softcap=softcap, **modifiers)
-    out, lse = run_attention(inputs, kernel=kernel, return_lse=return_lse)
-    return (out, lse) if return_lse else out
+    plain = (query_positions is None and key_positions is None and allowed is None and sinks is None
+             and alibi_slopes is None and bias is None and score_mod is None and not dropout_p)
+    if plain:  # only shapes decide: the plan made for the first call of these shapes serves this one
+        call_plan = plan_for_shapes(q, k, v, scale, causal, softcap, kernel)
+    else:
+        call_plan = plan(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
+                         kernel=kernel, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
+                         dropout_p=dropout_p, generator=generator)
+    return call_plan.run(q, k, v, return_lse=return_lse)
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

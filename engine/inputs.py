@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -41,6 +43,28 @@ class AttentionInputs:
     causal: bool
     softcap: float | None
     modifiers: Modifiers = NONE
+    default_positions: bool = False  # both positions were left to their defaults (queries at the last T keys)
+    # Decisions that depend on shapes, positions, masks and modifiers only (never on q, k, v's values): made
+    # once, then shared by every AttentionInputs that ``with_tensors`` derives from this one (one plan's runs).
+    # ``dataclasses.replace`` starts an empty one, so inputs with other positions or masks never see them.
+    decisions: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def with_tensors(self, q=None, k=None, v=None) -> AttentionInputs:
+        """These inputs with other q, k, v of the same shapes (a plan's run, sanitized or rescaled values, autograd's
+        saved tensors), sharing the decisions made so far."""
+        new = object.__new__(AttentionInputs)  # a copy of every field, decisions included (a plan's hot path:
+        new.__dict__.update(self.__dict__)  # dataclasses.replace would validate and rebuild them all)
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x is not None:
+                object.__setattr__(new, name, x)
+        return new
+
+    def decided(self, name: str, decide: Callable[[], Any]) -> Any:
+        """``decide()``, computed once for these inputs and every ``with_tensors`` copy (keyed by ``name``)."""
+        decisions = self.decisions
+        if name not in decisions:
+            decisions[name] = decide()
+        return decisions[name]
 
     def options(self) -> frozenset[str]:
         """The optional parts of this call, by name (``"softcap"``, ...): each kernel lists in ``KERNELS`` the
@@ -95,7 +119,8 @@ def prepare_inputs(
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     mods = prepare_modifiers((batch, q_heads, t, s), q.device, **modifiers) if modifiers else NONE
     check_score_mod_captures(mods.score_mod, qp, kp, torch.float64 if q.dtype == torch.float64 else torch.float32)
-    return AttentionInputs(q, k, v, qp, kp, allowed, scale, causal, softcap, mods)
+    return AttentionInputs(q, k, v, qp, kp, allowed, scale, causal, softcap, mods,
+                           default_positions=query_positions is None and key_positions is None)
 
 
 def _real_number(value: object, name: str) -> float:

@@ -203,7 +203,7 @@ def test_auto_takes_the_native_kernel_for_decode_and_the_torch_kernels_otherwise
     q, k = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 4096, 64)
     assert engine.explain(q, k, k).kernel == "decode_native"
     assert engine.explain(torch.randn(1, 8, 32, 64), k, k).kernel != "decode_native"  # T = 32 > 16
-    assert engine.explain(q, k[:, :, :100], k[:, :, :100]).kernel != "decode_native"  # S < 512
+    assert engine.explain(q, k[:, :, :100], k[:, :, :100]).kernel == "decode_native"  # any S: it pays off once planned
     assert engine.explain(q.double(), k.double(), k.double()).kernel == "decode"  # fp64: the torch kernel
     choice = engine.explain(q, k, k, softcap=3.0, kernel="decode_native")
     assert choice.passed_over["decode_native"] == "softcap: not computed by this kernel"
@@ -410,7 +410,7 @@ def test_each_vector_path_matches_the_oracle(variant, variant_library):
             operands = (k.to(kind), None), (v.to(kind), None)
             k64, v64 = k.to(kind).double(), v.to(kind).double()
         out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
-        _call(library, q_rows, *operands, visible, out, lse)
+        _call(library, q_rows, 1.0, *operands, visible, out, lse)
         want, want_lse = oracle(q_rows, k64, v64, visible, 1.0)  # R rows of one KV head as T queries
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=str(kind))
         torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=str(kind))
@@ -436,7 +436,7 @@ def test_a_nan_or_inf_key_inside_an_unmasked_full_block_poisons_its_rows_on_each
     k[0, 0, 70, 5] = float("nan")  # block 1 of batch row 0, KV head 0
     k[0, 1, 130, :] = float("inf")  # block 2 of batch row 0, KV head 1
     out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
-    _call(library, q_rows, (k.to(kind), None), (v.to(kind), None), None, out, lse)
+    _call(library, q_rows, 1.0, (k.to(kind), None), (v.to(kind), None), None, out, lse)
     assert bool(out[0].isnan().all()) and bool((lse[0] == float("-inf")).all())  # both heads of row 0 poisoned
     torch.testing.assert_close(out[1].double(), want[1], rtol=1e-5, atol=1e-5)  # batch row 1 is clean
     torch.testing.assert_close(lse[1].double(), want_lse[1], rtol=1e-5, atol=1e-5)

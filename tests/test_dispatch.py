@@ -11,8 +11,9 @@ import torch
 import engine.kernels.dispatch as dispatch
 from engine.attention import causal_attention
 from engine.inputs import prepare_inputs
-from engine.kernels.dispatch import SlowPathWarning, explain, select_kernel
+from engine.kernels.dispatch import SlowPathWarning, select_kernel
 from engine.masks import key_padding_mask, window_mask
+from engine.planning import explain
 
 
 def rand(b, hq, hkv, t, s, d, dv=None):
@@ -69,9 +70,10 @@ def test_explain_names_the_kernel_and_why_faster_ones_did_not_fit():
 
 
 def test_every_choice_is_logged_at_debug_level(caplog):
+    q, k, v = rand(1, 2, 1, 8, 8, 4)
     with caplog.at_level(logging.DEBUG, logger="engine.kernels"):
-        causal_attention(*rand(1, 2, 1, 8, 8, 4))
-    assert any("kernel=sdpa" in record.getMessage() for record in caplog.records)
+        causal_attention(q, k, v)
+    assert any(f"kernel={explain(q, k, v).kernel}" in record.getMessage() for record in caplog.records)
 
 
 def test_forcing_the_reference_at_a_slow_size_warns(monkeypatch):

@@ -12,10 +12,11 @@ import json
 import pytest
 import torch
 
-from engine.kernels.dispatch import KERNELS, explain
+from engine.kernels.dispatch import KERNELS
 from engine.lab.bench import gqa, roofline, scaling
 from engine.lab.fitting import fit_power_law
 from engine.lab.implementations import PEER
+from engine.planning import explain
 
 
 def run(module, *flags: str) -> int:

@@ -29,7 +29,7 @@ Building blocks:
 - ``merge``: ``merge_attention_states``; ``common``: compute dtype, GQA rows, empty-row fix-up.
 """
 
-from engine.kernels.dispatch import KERNELS, KernelChoice, SlowPathWarning, explain, select_kernel
+from engine.kernels.dispatch import KERNELS, KernelChoice, SlowPathWarning, select_kernel
 from engine.kernels.merge import merge_attention_states
 
-__all__ = ["KERNELS", "KernelChoice", "SlowPathWarning", "explain", "select_kernel", "merge_attention_states"]
+__all__ = ["KERNELS", "KernelChoice", "SlowPathWarning", "select_kernel", "merge_attention_states"]

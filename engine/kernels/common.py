@@ -9,7 +9,6 @@ of one KV head's group are stacked as rows of one matrix and share a single read
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -47,7 +46,12 @@ class DoesNotFit(Exception):
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
     """True when autograd will want gradients of any of these tensors."""
-    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+    if not torch.is_grad_enabled():
+        return False
+    for x in tensors:
+        if x.requires_grad:
+            return True
+    return False
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -81,7 +85,7 @@ def differentiable(inputs, forward: Callable, backward: Callable) -> tuple[torch
 class _Differentiable(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, inputs, forward, backward):
-        inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
+        inputs = inputs.with_tensors(q, k, v)
         out, lse, saved_out = forward(inputs)
         ctx.save_for_backward(q, k, v, saved_out, lse)
         ctx.inputs, ctx.backward = inputs, backward
@@ -93,7 +97,7 @@ class _Differentiable(torch.autograd.Function):
         q, k, v, saved_out, lse = ctx.saved_tensors
         if grad_out is None and grad_lse is None:
             return None, None, None, None, None, None, None
-        inputs = dataclasses.replace(ctx.inputs, q=q, k=k, v=v)
+        inputs = ctx.inputs.with_tensors(q, k, v)
         grads = ctx.backward(inputs, saved_out, lse, grad_out, grad_lse)
         dbias = grads[3] if len(grads) > 3 else None
         return grads[0], grads[1], grads[2], dbias, None, None, None

@@ -32,7 +32,7 @@ from engine.kernels.flash import flash_call, flash_fits, flash_operands
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
 from engine.kernels.scores import additive_block
-from engine.kernels.visibility import causal_pattern, row_visibility, visibility_mask, visible_span
+from engine.kernels.visibility import decode_rows
 
 MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row
 MIN_KEYS = 512  # ... against at least this many cached keys
@@ -67,11 +67,10 @@ def decode_attention(inputs: AttentionInputs, return_lse: bool = False):
 def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
     q, k, v = flash_operands(inputs.q, inputs.k, inputs.v)  # views unless a last axis is strided
     batch, q_heads, t, d = q.shape
-    kv_heads, s = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     group = q_heads // kv_heads
     compute = compute_dtype(q.dtype)
-    mask = visibility_mask(inputs)
-    j0, j1 = visible_span(mask, batch, t, s)
+    j0, j1, visible = decode_rows(inputs)
     out = torch.zeros(batch, kv_heads, group * t, d, dtype=q.dtype)  # [B, Hkv, G*T, Dv]
     lse = torch.full((batch, kv_heads, group * t), NEG_INF, dtype=compute)  # [B, Hkv, G*T]
     if j1 > j0:
@@ -79,9 +78,6 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
         # cache to fp32 first would triple the bytes moved)
         q_rows = q.reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D]; a view when contiguous
         kc, vc = k[:, :, j0:j1], v[:, :, j0:j1]  # views
-        visible = None
-        if mask is not None and (inputs.allowed is not None or causal_pattern(inputs) != "none"):
-            visible = row_visibility(mask, batch, kv_heads, group, t, j0, j1)  # [B|1, Hkv|1, G*T, n]
         additive = None
         if inputs.modifiers.additive():  # ALiBi / bias of the span, -inf where hidden, in the rows layout
             bias = additive_block(inputs, slice(0, batch), 0, t, j0, j1, compute)  # [B|1, Hq|1, T|1, n|1]

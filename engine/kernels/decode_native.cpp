@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstddef>
 #include <cstring>
 #include <limits>
 #include <thread>
@@ -218,7 +219,38 @@ inline void hsum8(vec v0, vec v1, vec v2, vec v3, vec v4, vec v5, vec v6, vec v7
 }
 #endif
 
-// ---- the call's operands -------------------------------------------------------------------------------------
+// ---- the call: one descriptor, the whole boundary with Python ------------------------------------------------
+
+}  // namespace
+
+extern "C" {
+
+// Everything one call needs. Declared once more, field for field, as DecodeCall in decode_native.py; the library
+// reports each field's offset (decode_native_layout) and Python refuses a library whose layout differs.
+struct DecodeCall {
+    int64_t kind;                   // element kind of K and V (F32 .. F8E4M3 below)
+    int64_t threads;                // runs to cut the keys into (at most)
+    int64_t B, H, R, S, D, Dv;      // batch, KV heads, query rows per KV head (G * T), keys, head dims
+    const void* k;                  // [B, Hkv, S, D] unit stride on the last axis
+    int64_t k_strides[3];           // elements, of b, h, s
+    const float* k_scale;           // [B, Hkv, S] per-key scales (int8 / fp8), or null
+    int64_t k_scale_strides[3];
+    const void* v;                  // [B, Hkv, S, Dv]
+    int64_t v_strides[3];
+    const float* v_scale;
+    int64_t v_scale_strides[3];
+    const float* q;                 // [B, Hkv, R, D] fp32, unit stride on the last axis (not yet scaled)
+    int64_t q_strides[3];
+    double scale;                   // the softmax scale, applied to q here
+    const uint8_t* visible;         // [B, Hkv, R, S] bytes (0 strides where broadcast), or null: all visible
+    int64_t visible_strides[4];
+    float* out;                     // [B, Hkv, R, Dv] fp32, contiguous: written whole
+    float* lse;                     // [B, Hkv, R] fp32, contiguous: written whole
+};
+
+}  // extern "C"
+
+namespace {
 
 struct Operands {
     const void *k, *v;              // [B, Hkv, S, D] / [B, Hkv, S, Dv], unit stride on the last axis
@@ -226,6 +258,7 @@ struct Operands {
     const float *k_scale, *v_scale; // [B, Hkv, S] per-key scales, or null (strides kss / vss)
     int64_t kss[3], vss[3];
     const float* q;                 // [B, Hkv, R, D] fp32, contiguous, already multiplied by the softmax scale
+                                    // (the entry point's scaled copy of the caller's q)
     const uint8_t* visible;         // [B, Hkv, R, S] (strides vis, 0 where broadcast), or null: all visible
     int64_t vis[4];
     int64_t B, H, R, S, D, Dv;
@@ -594,26 +627,63 @@ int decode_native_lanes() {
 #endif
 }
 
-// out [B, Hkv, R, Dv] fp32 and lse [B, Hkv, R] fp32 (contiguous); returns 0, or 1 on an unknown kind.
-int decode_native(int kind, const void* k, const int64_t* k_strides, const float* k_scale, const int64_t* k_scale_strides,
-                  const void* v, const int64_t* v_strides, const float* v_scale, const int64_t* v_scale_strides,
-                  const float* q, const uint8_t* visible, const int64_t* visible_strides, int64_t B, int64_t H,
-                  int64_t R, int64_t S, int64_t D, int64_t Dv, int threads, float* out, float* lse) {
+// Offsets of DecodeCall's fields in declaration order, for Python to check its copy against; returns the count.
+int decode_native_layout(int64_t* offsets, int capacity) {
+    const int64_t all[] = {
+        (int64_t)offsetof(DecodeCall, kind), (int64_t)offsetof(DecodeCall, threads), (int64_t)offsetof(DecodeCall, B),
+        (int64_t)offsetof(DecodeCall, H), (int64_t)offsetof(DecodeCall, R), (int64_t)offsetof(DecodeCall, S),
+        (int64_t)offsetof(DecodeCall, D), (int64_t)offsetof(DecodeCall, Dv), (int64_t)offsetof(DecodeCall, k),
+        (int64_t)offsetof(DecodeCall, k_strides), (int64_t)offsetof(DecodeCall, k_scale),
+        (int64_t)offsetof(DecodeCall, k_scale_strides), (int64_t)offsetof(DecodeCall, v),
+        (int64_t)offsetof(DecodeCall, v_strides), (int64_t)offsetof(DecodeCall, v_scale),
+        (int64_t)offsetof(DecodeCall, v_scale_strides), (int64_t)offsetof(DecodeCall, q),
+        (int64_t)offsetof(DecodeCall, q_strides), (int64_t)offsetof(DecodeCall, scale),
+        (int64_t)offsetof(DecodeCall, visible), (int64_t)offsetof(DecodeCall, visible_strides),
+        (int64_t)offsetof(DecodeCall, out), (int64_t)offsetof(DecodeCall, lse), (int64_t)sizeof(DecodeCall)};
+    const int n = (int)(sizeof(all) / sizeof(all[0]));
+    for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
+    return n;
+}
+
+// Returns 0; 1 on an unknown kind; 2 when q holds NaN/inf (nothing is written: the caller runs the torch kernels,
+// which keep a bad query to its own row).
+int decode_native(const DecodeCall* call) {
+    const DecodeCall& c = *call;
+    const int kind = (int)c.kind;
     if (kind < F32 || kind > F8E4M3) return 1;
+    const int64_t B = c.B, H = c.H, R = c.R, S = c.S, D = c.D, Dv = c.Dv;
+    float* out = c.out;
+    float* lse = c.lse;
+    // q rows times the scale, contiguous [B, Hkv, R, D] (tiny: R rows per KV head), checked finite on the way
+    std::vector<float> q_scaled(B * H * R * D);
+    const float scale = (float)c.scale;
+    bool q_finite = true;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t r = 0; r < R; ++r) {
+                const float* src = c.q + b * c.q_strides[0] + h * c.q_strides[1] + r * c.q_strides[2];
+                float* dst = &q_scaled[((b * H + h) * R + r) * D];
+                for (int64_t d = 0; d < D; ++d) {
+                    q_finite &= std::isfinite(src[d]);
+                    dst[d] = src[d] * scale;
+                }
+            }
+    if (!q_finite) return 2;
+    int threads = (int)c.threads;
     Operands o{};
-    o.k = k;
-    o.v = v;
+    o.k = c.k;
+    o.v = c.v;
     for (int i = 0; i < 3; ++i) {
-        o.ks[i] = k_strides[i];
-        o.vs[i] = v_strides[i];
-        o.kss[i] = k_scale ? k_scale_strides[i] : 0;
-        o.vss[i] = v_scale ? v_scale_strides[i] : 0;
+        o.ks[i] = c.k_strides[i];
+        o.vs[i] = c.v_strides[i];
+        o.kss[i] = c.k_scale ? c.k_scale_strides[i] : 0;
+        o.vss[i] = c.v_scale ? c.v_scale_strides[i] : 0;
     }
-    o.k_scale = k_scale;
-    o.v_scale = v_scale;
-    o.q = q;
-    o.visible = visible;
-    for (int i = 0; i < 4; ++i) o.vis[i] = visible ? visible_strides[i] : 0;
+    o.k_scale = c.k_scale;
+    o.v_scale = c.v_scale;
+    o.q = q_scaled.data();
+    o.visible = c.visible;
+    for (int i = 0; i < 4; ++i) o.vis[i] = c.visible ? c.visible_strides[i] : 0;
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
     o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
 #if DN_AVX512 || DN_AVX2
@@ -650,15 +720,20 @@ int decode_native(int kind, const void* k, const int64_t* k_strides, const float
     // runtime per process), so its workers, often still spinning after the torch ops before this call, take
     // the runs at once instead of sharing their cores with threads of ours (measured: 9 ms vs 13-18 ms for
     // B = 1, S = 32k, bf16 on 2 cores). Built without OpenMP, plain threads do the same.
+    // One run (a small call: fewer than 8 blocks of keys) runs here, without waking any worker.
+    if (threads == 1) {
+        worker(0);
+    } else {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads) schedule(static, 1)
-    for (int t = 0; t < threads; ++t) worker(t);
+        for (int t = 0; t < threads; ++t) worker(t);
 #else
-    std::vector<std::thread> pool;
-    for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
-    worker(0);
-    for (auto& th : pool) th.join();
+        std::vector<std::thread> pool;
+        for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+        worker(0);
+        for (auto& th : pool) th.join();
 #endif
+    }
 
     // Merge the items of each (b, kv_head) by log-sum-exp: each item's output is normalised, and so is the
     // merged one (shares of the items' sums that add up to 1), so no step leaves the values' range.

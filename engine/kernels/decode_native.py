@@ -26,13 +26,11 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import DoesNotFit, needs_grad
-from engine.kernels.native_build import load_native
-from engine.kernels.nonfinite import all_finite
-from engine.kernels.visibility import causal_pattern, row_visibility, visibility_mask, visible_span
+from engine.kernels.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
+from engine.kernels.visibility import decode_rows
 from engine.quantized import QuantizedKV
 
 MAX_QUERIES = 16  # T <= 16 new tokens per row
-MIN_KEYS = 512  # auto takes it from this many keys (below, the torch kernels' fixed costs are as small)
 
 # The element kinds of decode_native.cpp.
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
@@ -41,10 +39,10 @@ if hasattr(torch, "float8_e4m3fn"):
 
 
 def native_decode_fits(inputs: AttentionInputs) -> str | None:
-    """Why the native decode kernel cannot compute these inputs exactly (None: it can)."""
-    library = load_native()
-    if isinstance(library, str):
-        return library
+    """Why the native decode kernel cannot compute these inputs exactly (None: it can). Builds nothing."""
+    why_not = native_unavailable()
+    if why_not is not None:
+        return why_not
     q, k = inputs.q, inputs.k
     if q.shape[2] > MAX_QUERIES:
         return f"T = {q.shape[2]} queries: decode serves T <= {MAX_QUERIES}"
@@ -60,73 +58,108 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
 
 
 def native_decode_pays_off(inputs: AttentionInputs) -> str | None:
-    """Why ``auto`` would not pick it for inputs it fits (None: it pays off). Quantized K/V always do."""
-    s = inputs.k.shape[2]
-    if isinstance(inputs.k, QuantizedKV) or s >= MIN_KEYS:
-        return None
-    return f"S = {s} keys: the native decode kernel pays off from S >= {MIN_KEYS}"
+    """Why ``auto`` would not pick it for inputs it fits: never. Planned once, a call costs the kernel's work plus a
+    few microseconds (measured: 0.4-0.5x SDPA's time from S = 128 to 1024, ``run.py bench overhead``), and it
+    checks q and K for NaN/inf as it reads them, where the torch kernels pay a pass over K first."""
+    return None
 
 
 def native_decode_attention(inputs: AttentionInputs, return_lse: bool = False):
-    """Kernel ``"decode_native"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)``."""
-    why_not = native_decode_fits(inputs)
-    if why_not is not None:
-        raise DoesNotFit(why_not)
-    if not all_finite(inputs.q):  # a few hundred bytes; K/V are never scanned (the kernel handles NaN/inf)
-        resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles it
-        raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
+    """Kernel ``"decode_native"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)``.
+    Dispatch only runs it where ``native_decode_fits`` said yes; the library is built here on first use."""
+    library = load_native()
+    if isinstance(library, str):
+        raise DoesNotFit(library)
     q = inputs.q
     batch, q_heads, t, d = q.shape
-    kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
+    kv_heads = inputs.k.shape[1]
     dv = inputs.v.shape[3]
-    group, rows = q_heads // kv_heads, (q_heads // kv_heads) * t
-    out = torch.zeros(batch, kv_heads, rows, dv)  # [B, Hkv, G*T, Dv] fp32
-    lse = torch.full((batch, kv_heads, rows), float("-inf"))  # [B, Hkv, G*T]
-    mask = visibility_mask(inputs)
-    j0, j1 = visible_span(mask, batch, t, s)
+    rows = (q_heads // kv_heads) * t
+    j0, j1, visible = decode_rows(inputs)  # decided once per plan
+    results = torch.empty(batch * kv_heads * rows * (dv + 1))  # out and lse in one allocation, written whole
+    out = results[:batch * kv_heads * rows * dv].view(batch, kv_heads, rows, dv)  # [B, Hkv, G*T, Dv] fp32
+    lse = results[batch * kv_heads * rows * dv:].view(batch, kv_heads, rows)  # [B, Hkv, G*T]
     if j1 > j0:
-        visible = None
-        if mask is not None and (inputs.allowed is not None or causal_pattern(inputs) != "none"):
-            visible = row_visibility(mask, batch, kv_heads, group, t, j0, j1)  # [B|1, Hkv|1, G*T, n]
-        q_rows = (q.detach().to(torch.float32) * inputs.scale).reshape(batch, kv_heads, rows, d).contiguous()
-        _call(load_native(), q_rows, _keys(inputs.k, j0, j1), _keys(inputs.v, j0, j1), visible, out, lse)
-    out = out.reshape(batch, q_heads, t, dv).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
-    return out, (lse.reshape(batch, q_heads, t) if return_lse else None)
+        q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(batch, kv_heads, rows, d)  # scaled in C++
+        keys, values = _keys(inputs.k, j0, j1), _keys(inputs.v, j0, j1)
+        template = inputs.decided("native_call", lambda: _template(inputs.scale, q_rows, keys, values, visible))
+        status = _run(library, template, q_rows, keys, values, out, lse)
+        if status == NON_FINITE_Q:  # the kernel checks q as it scales it (no pass here)
+            resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles it
+            raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
+    else:  # no row sees any key
+        out.zero_()
+        lse.fill_(float("-inf"))
+    out = out.view(batch, q_heads, t, dv)  # rows g*T + i of KV head h -> query head h*G + g
+    out = out if q.dtype == torch.float32 else out.to(q.dtype)
+    return out, (lse.view(batch, q_heads, t) if return_lse else None)
 
 
 def _keys(x: torch.Tensor | QuantizedKV, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(entries [B, Hkv, n, E] with a contiguous last axis, scales [B, Hkv, n] or None)`` of keys j0 .. j1-1."""
+    """``(entries [B, Hkv, n, E] with a contiguous last axis, scales [B, Hkv, n] or None)`` of keys j0 .. j1-1
+    (only their memory is read: no autograd)."""
+    whole = j0 == 0 and j1 == x.shape[2]
     if isinstance(x, QuantizedKV):
-        data, scale = x.data[:, :, j0:j1], x.scale[:, :, j0:j1]
+        data, scale = (x.data, x.scale) if whole else (x.data[:, :, j0:j1], x.scale[:, :, j0:j1])
     else:
-        data, scale = x.detach()[:, :, j0:j1], None
+        data, scale = (x if whole else x[:, :, j0:j1]), None
     if data.stride(-1) != 1 and data.shape[-1] > 1:
         data = data.contiguous()  # a strided last axis (x[..., ::2]): the one layout that is copied
     return data, scale
 
 
-_STRIDES = {3: ctypes.c_int64 * 3, 4: ctypes.c_int64 * 4}  # made once: a new ctypes type per call is slow
-
-
-def _strides(x: torch.Tensor | None, n: int):
-    if x is None:
-        return None
-    return _STRIDES[n](*x.stride()[:n])
-
-
-def _call(library, q_rows, k, v, visible, out, lse) -> None:
-    (k_data, k_scale), (v_data, v_scale) = k, v
-    batch, kv_heads, rows, d = q_rows.shape
-    s, dv = k_data.shape[2], v_data.shape[3]
+def _template(scale: float, q_rows, keys, values, visible) -> tuple[DecodeCall, tuple]:
+    """The plan's ``DecodeCall``: every field but the tensors' addresses, and the strides it was filled for."""
+    k_data, v_data = keys[0], values[0]
     if k_data.dtype not in KINDS or v_data.dtype != k_data.dtype:
         raise DoesNotFit(f"K/V dtypes {k_data.dtype}, {v_data.dtype}: not read by the native kernel")
-    vis = None
-    if visible is not None:  # [B|1, Hkv|1, R, n] -> broadcast with zero strides, read as bytes
-        vis = visible.expand(batch, kv_heads, rows, s).view(torch.uint8)
-    ptr = (lambda x: None if x is None else x.data_ptr())
-    status = library.decode(KINDS[k_data.dtype], ptr(k_data), _strides(k_data, 3), ptr(k_scale), _strides(k_scale, 3),
-                            ptr(v_data), _strides(v_data, 3), ptr(v_scale), _strides(v_scale, 3),
-                            ptr(q_rows), ptr(vis), _strides(vis, 4), batch, kv_heads, rows, s, d, dv,
-                            torch.get_num_threads(), ptr(out), ptr(lse))
-    if status != 0:
+    batch, kv_heads, rows, d = q_rows.shape
+    call = DecodeCall(kind=KINDS[k_data.dtype], B=batch, H=kv_heads, R=rows, S=k_data.shape[2], D=d,
+                      Dv=v_data.shape[3], scale=scale)
+    strides = _fill_strides(call, q_rows, keys, values)
+    if visible is not None:  # [B|1, Hkv|1, R, n] -> broadcast with zero strides, read as bytes (kept by the plan)
+        vis = visible.expand(batch, kv_heads, rows, k_data.shape[2]).view(torch.uint8)
+        call.visible, call.visible_strides[:] = vis.data_ptr(), vis.stride()
+    return call, strides
+
+
+def _fill_strides(call: DecodeCall, q_rows, keys, values) -> tuple:
+    (k_data, k_scale), (v_data, v_scale) = keys, values
+    call.k_strides[:], call.v_strides[:], call.q_strides[:] = k_data.stride()[:3], v_data.stride()[:3], \
+        q_rows.stride()[:3]
+    if k_scale is not None:
+        call.k_scale_strides[:], call.v_scale_strides[:] = k_scale.stride(), v_scale.stride()
+    return _strides_of(q_rows, keys, values)
+
+
+def _strides_of(q_rows, keys, values) -> tuple:
+    (k_data, k_scale), (v_data, v_scale) = keys, values
+    return (q_rows.stride(), k_data.stride(), v_data.stride(), None if k_scale is None else k_scale.stride(),
+            None if v_scale is None else v_scale.stride())
+
+
+def _run(library, template, q_rows, keys, values, out, lse) -> int:
+    """One kernel call: the plan's ``DecodeCall`` copied, with this run's addresses (and strides, if the layout
+    differs from the first run's); returns the kernel's status (OK or NON_FINITE_Q)."""
+    (k_data, k_scale), (v_data, v_scale) = keys, values
+    if q_rows.stride(-1) != 1 and q_rows.shape[-1] > 1:
+        q_rows = q_rows.contiguous()
+    planned, strides = template
+    call = DecodeCall.from_buffer_copy(planned)
+    if (q_rows.stride() != strides[0] or k_data.stride() != strides[1] or v_data.stride() != strides[2]
+            or (k_scale is not None and _strides_of(q_rows, keys, values) != strides)):
+        _fill_strides(call, q_rows, keys, values)
+    call.threads = torch.get_num_threads()
+    call.q, call.k, call.v, call.out, call.lse = (q_rows.data_ptr(), k_data.data_ptr(), v_data.data_ptr(),
+                                                  out.data_ptr(), lse.data_ptr())
+    if k_scale is not None:
+        call.k_scale, call.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
+    status = library.decode(ctypes.byref(call))
+    if status not in (OK, NON_FINITE_Q):
         raise DoesNotFit(f"the native kernel refused the call (status {status})")
+    return status
+
+
+def _call(library, q_rows, scale, keys, values, visible, out, lse) -> int:
+    """One call with nothing planned (the tests build other vector paths and call them through this)."""
+    return _run(library, _template(scale, q_rows, keys, values, visible), q_rows, keys, values, out, lse)

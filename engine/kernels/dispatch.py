@@ -6,8 +6,8 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
-| decode_native| few queries against a long cache in C++: each K/V row read  | T <= 16, no gradients, CPU, a   |
-|              | once, converted in registers; reads int8 / fp8 caches too   | build (pays off from S >= 512)  |
+| decode_native| few queries against a cache in C++: each K/V row read once, | T <= 16, no gradients, CPU, a   |
+|              | converted in registers; reads int8 / fp8 caches too         | compiler (built on first run)   |
 | decode       | few queries against a long cache: split-KV, merged by lse   | T <= 16, no gradients, CPU op   |
 |              | (ALiBi and biases enter its row masks)                      | (pays off from S >= 512);       |
 |              |                                                             | takes alibi, bias               |
@@ -27,9 +27,10 @@ lse after whichever kernel ran (engine.kernels.sinks), and ``explain`` says so.
 ``auto`` takes the first kernel that fits and pays off (never the reference). A forced kernel runs when it
 fits; otherwise, and when a kernel finds while running that its fast path cannot be exact (NaN/inf in q:
 ``DoesNotFit``), the call goes down the same order to the next kernel that fits, so a forced kernel never
-changes a result. No kernel calls another. ``explain(...)`` (same arguments as causal_attention) shows the
-walk; the logger ``engine.kernels`` logs each choice at DEBUG level; forcing the materialising reference at a
-size where it is slow warns with ``SlowPathWarning``.
+changes a result. No kernel calls another. ``choose`` walks the order once per plan (engine.planning) and
+``execute`` runs the choice; ``engine.explain(...)`` (same arguments as causal_attention) shows the walk; the
+logger ``engine.kernels`` logs each choice at DEBUG level; forcing the materialising reference at a size where
+it is slow warns with ``SlowPathWarning``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.inputs import AttentionInputs, prepare_inputs
+from engine.inputs import AttentionInputs
+from engine.kernels import decode_native
 from engine.kernels.common import DoesNotFit, compute_dtype, differentiable
 from engine.kernels.decode import decode_attention, decode_fits, decode_pays_off
 from engine.kernels.decode_native import native_decode_attention, native_decode_fits, native_decode_pays_off
@@ -177,29 +179,14 @@ def _forced(inputs: AttentionInputs, kernel: str) -> KernelChoice:
                                        f"the next exact kernel runs", choice.passed_over)
 
 
-def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, *,
-            causal: bool = True, softcap: float | None = None, kernel: str = "auto", **modifiers) -> KernelChoice:
-    """Which kernel ``causal_attention`` with these arguments runs, and why (nothing is computed).
-
-    Example::
-
-        >>> print(explain(q, k, v, allowed=window_mask(pos, pos, 512)))
-        kernel: sdpa_tiles (the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp)
-          not decode: T = 4096 queries: decode serves T <= 16
-          not sdpa: a mask is given (allowed): its tiles need sdpa_tiles or tiled
-
-    NaN/inf in q (or in K/V when gradients are needed) is found only while running: such a call runs the
-    ``tiled`` kernel whatever this says. ``modifiers``: causal_attention's sinks, alibi_slopes, bias, score_mod,
-    dropout_p, generator (a dropout call here draws nothing from ``generator``).
-    """
-    if modifiers.get("dropout_p") and isinstance(modifiers.get("generator"), (torch.Generator, type(None))):
-        modifiers["generator"] = torch.Generator()  # explain computes nothing: it leaves the caller's generator be
-    inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
-                            **modifiers)
+def choose(inputs: AttentionInputs, kernel: str = "auto") -> KernelChoice:
+    """The kernel ``inputs`` run with ``kernel`` (``"auto"`` or a name), why, and why not the others: the one
+    place the fits checks run (once per plan). A forced kernel that is not auto's choice says what auto
+    would pick."""
     auto = _walk(inputs)
     if kernel == "auto":
         return _with_modifiers(auto, inputs)
-    _check_name(kernel)
+    check_kernel_name(kernel)
     choice = _forced(inputs, kernel)
     if choice.kernel != auto.kernel:
         choice.reason += f"; auto would pick {auto.kernel}: {auto.reason}"
@@ -216,32 +203,41 @@ def _with_modifiers(choice: KernelChoice, inputs: AttentionInputs) -> KernelChoi
     return choice
 
 
-def _check_name(kernel: str) -> None:
-    if kernel not in KERNELS:
+def environment() -> tuple:
+    """What kernel choices depend on besides a call's inputs (the native library's availability): part of the key
+    under which plans are reused."""
+    return (decode_native.native_unavailable(),)
+
+
+def check_kernel_name(kernel: str) -> None:
+    if kernel != "auto" and kernel not in KERNELS:
         raise ValueError(f"kernel must be 'auto' or one of {sorted(KERNELS)}, got {kernel!r}")
 
 
 def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: bool = False):
-    """Run the chosen kernel, or the next exact one down the order; ``(out [B, Hq, T, Dv], lse [B, Hq, T] or None)``."""
-    if kernel != "auto":
-        _check_name(kernel)
+    """Choose, then run: ``(out [B, Hq, T, Dv], lse [B, Hq, T] or None)`` (a call planned and run once)."""
+    check_kernel_name(kernel)
+    return execute(inputs, choose(inputs, kernel).kernel, return_lse)
+
+
+def execute(inputs: AttentionInputs, name: str, return_lse: bool = False):
+    """Run kernel ``name`` (chosen by ``choose``), or the next exact one down the order when it finds while
+    running that it cannot be exact (``DoesNotFit``); sinks act on its out and lse afterwards.
+    ``(out [B, Hq, T, Dv], lse [B, Hq, T] or None)``."""
     sinks = inputs.modifiers.sinks
     if sinks is not None:  # a step after the kernel, on its out and lse (engine.kernels.sinks)
-        out, lse = _run_kernel(inputs, kernel, return_lse=True)
+        out, lse = _run_kernel(inputs, name, return_lse=True)
         out, lse = apply_sinks(out, lse, sinks)
         return out, (lse if return_lse else None)
-    return _run_kernel(inputs, kernel, return_lse)
+    return _run_kernel(inputs, name, return_lse)
 
 
-def _run_kernel(inputs: AttentionInputs, kernel: str, return_lse: bool):
+def _run_kernel(inputs: AttentionInputs, name: str, return_lse: bool):
     batch, q_heads, t, _ = inputs.q.shape
     if batch * q_heads * t == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
         return _empty_result(inputs, return_lse)
-    choice = _walk(inputs) if kernel == "auto" else _forced(inputs, kernel)
-    name = choice.kernel
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("causal_attention: kernel=%s (%s), q %s, k %s", name, choice.reason,
-                     tuple(inputs.q.shape), tuple(inputs.k.shape))
+        logger.debug("causal_attention: kernel=%s, q %s, k %s", name, tuple(inputs.q.shape), tuple(inputs.k.shape))
     if name == "reference":
         _warn_if_slow(inputs)
     while True:

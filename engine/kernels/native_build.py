@@ -9,7 +9,18 @@ library is never loaded on a CPU it was not built for::
     ~/.cache/attention-engine/decode_native-<sha256(source, flags, compiler, cpu)[:16]>.so
 
 ``ATTENTION_ENGINE_NATIVE=0`` turns native code off (the pure-torch kernels run; explain() says why);
-``ATTENTION_ENGINE_CACHE`` moves the cache; ``CXX`` names the compiler (default ``g++``).
+``ATTENTION_ENGINE_CACHE`` moves the cache; ``CXX`` names the compiler (default ``g++``). Nothing is built while
+choosing a kernel or explaining a call: the first call that runs the kernel builds it (seconds, once per CPU), or
+``python run.py build-native`` does ahead of time.
+
+The boundary with Python is one C struct, ``DecodeCall`` (declared here and in the source; the library reports
+its field offsets and a mismatch is refused at load).
+
+OpenMP: the library is built with ``-fopenmp`` and links ``libgomp.so.1``, the runtime of PyPI's torch builds,
+so the kernel's runs go to the OpenMP workers torch already has (no second thread pool). Where torch uses
+another runtime (Intel's ``libiomp5`` or LLVM's ``libomp``: ``torch.__config__.parallel_info()`` names it), the
+process holds two: results are the same, but the kernel's threads are not torch's and may share cores with
+them; if that runtime refuses a second one in the process, set ``ATTENTION_ENGINE_NATIVE=0``.
 """
 
 from __future__ import annotations
@@ -32,18 +43,46 @@ DISABLE_ENV = "ATTENTION_ENGINE_NATIVE"
 BUILD_TIMEOUT_S = 300
 
 
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class DecodeCall(ctypes.Structure):
+    """The one argument of the C entry point ``decode_native`` (``DecodeCall`` in decode_native.cpp, field for
+    field; a library whose offsets differ is refused at load). Shapes and strides count elements."""
+
+    _fields_ = [
+        ("kind", _I64), ("threads", _I64),
+        ("B", _I64), ("H", _I64), ("R", _I64), ("S", _I64), ("D", _I64), ("Dv", _I64),
+        ("k", _PTR), ("k_strides", _I64 * 3), ("k_scale", _PTR), ("k_scale_strides", _I64 * 3),
+        ("v", _PTR), ("v_strides", _I64 * 3), ("v_scale", _PTR), ("v_scale_strides", _I64 * 3),
+        ("q", _PTR), ("q_strides", _I64 * 3), ("scale", ctypes.c_double),
+        ("visible", _PTR), ("visible_strides", _I64 * 4),
+        ("out", _PTR), ("lse", _PTR),
+    ]
+
+
+# decode_native's return codes
+OK, UNKNOWN_KIND, NON_FINITE_Q = 0, 1, 2
+
+
 class NativeLibrary:
-    """The loaded library: ``decode`` is its C entry point, ``lanes`` its vector width, ``build_s`` the seconds
-    the build took in this process (0 when the cache had it)."""
+    """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``lanes`` is its vector width, ``build_s`` the
+    seconds the build took in this process (0 when the cache had it)."""
 
     def __init__(self, path: Path, build_s: float) -> None:
         self.path, self.build_s = path, build_s
         self.lib = ctypes.CDLL(str(path))
+        self.lib.decode_native_layout.restype = ctypes.c_int
+        self.lib.decode_native_layout.argtypes = [ctypes.POINTER(_I64), ctypes.c_int]
+        offsets = (_I64 * 64)()
+        count = self.lib.decode_native_layout(offsets, 64)
+        ours = [getattr(DecodeCall, name).offset for name, _ in DecodeCall._fields_] + [ctypes.sizeof(DecodeCall)]
+        if list(offsets[:count]) != ours:
+            raise RuntimeError(f"{path} lays DecodeCall out as {list(offsets[:count])}, Python as {ours}: the "
+                               f"library and engine/kernels/native_build.py disagree")
         self.decode = self.lib.decode_native
         self.decode.restype = ctypes.c_int
-        p, i64 = ctypes.c_void_p, ctypes.c_int64
-        self.decode.argtypes = [ctypes.c_int, p, p, p, p, p, p, p, p, p, p, p,
-                                i64, i64, i64, i64, i64, i64, ctypes.c_int, p, p]
+        self.decode.argtypes = [ctypes.POINTER(DecodeCall)]
         self.lib.decode_native_lanes.restype = ctypes.c_int
         self.lanes = int(self.lib.decode_native_lanes())
 
@@ -77,15 +116,26 @@ def library_path(cxx: str) -> Path:
 
 
 @functools.cache
-def load_native() -> NativeLibrary | str:
-    """The native library, built if this CPU has no cached build yet; or a string saying why it is unavailable."""
+def native_unavailable() -> str | None:
+    """Why this machine cannot build the native library (None: it can). Builds nothing: dispatch and explain()
+    ask this; the library is built by the first call that runs it (``load_native``) or ahead of time by
+    ``python run.py build-native``."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return f"native code is turned off ({DISABLE_ENV}=0)"
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return f"no native build for this CPU architecture ({platform.machine()})"
-    cxx = compiler()
-    if cxx is None:
+    if compiler() is None:
         return f"no C++ compiler found ({os.environ.get('CXX', 'g++')}): the native kernel cannot be built"
+    return None
+
+
+@functools.cache
+def load_native() -> NativeLibrary | str:
+    """The native library, built if this CPU has no cached build yet; or a string saying why it is unavailable."""
+    why_not = native_unavailable()
+    if why_not is not None:
+        return why_not
+    cxx = compiler()
     try:
         path = library_path(cxx)
         build_s = 0.0

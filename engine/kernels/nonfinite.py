@@ -12,7 +12,6 @@ channels that do see one, tile by tile from the same visibility mask.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -89,7 +88,7 @@ def sanitized(inputs: AttentionInputs) -> tuple[AttentionInputs, NonFinite | Non
     guard = guard_non_finite(inputs.k, inputs.v)
     if guard is None:
         return inputs, None
-    return dataclasses.replace(inputs, k=guard.k, v=guard.v), guard
+    return inputs.with_tensors(k=guard.k, v=guard.v), guard
 
 
 def poison(inputs: AttentionInputs, guard: NonFinite, out: torch.Tensor, lse: torch.Tensor | None):

@@ -16,8 +16,6 @@ The lse does not depend on V, so it is the same in both runs. Entries of a scale
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from engine.inputs import AttentionInputs
@@ -44,5 +42,5 @@ def with_headroom(inputs: AttentionInputs, return_lse: bool, run):
     factor = value_headroom(inputs.v, inputs.k.shape[2])
     if factor is None:
         return run(inputs, return_lse)
-    out, lse = run(dataclasses.replace(inputs, v=inputs.v * factor), return_lse)
+    out, lse = run(inputs.with_tensors(v=inputs.v * factor), return_lse)
     return out / factor.to(out.dtype), lse  # [B, Hq, T, Dv]: exact, |out| <= max|v|

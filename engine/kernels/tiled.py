@@ -22,8 +22,6 @@ the saved log-sum-exp (and the dropout pattern from its seed).
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from engine.inputs import AttentionInputs
@@ -85,7 +83,7 @@ def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int 
             lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)
         return out, lse
 
-    values = dataclasses.replace(inputs, v=vc)
+    values = inputs.with_tensors(v=vc)
     out, lse = by_tiles(values, True)
     if not all_finite(out):  # NaN from q or a visible bad entry, or sums that overflowed: only the last reruns
         out, lse = with_headroom(values, True, by_tiles)

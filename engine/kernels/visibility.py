@@ -18,7 +18,12 @@ from engine.masks.structured import AllOf, StructuredMask, as_structured
 
 
 def visibility_mask(inputs: AttentionInputs) -> StructuredMask | None:
-    """The call's visibility as one structured mask (None: every key is visible to every query)."""
+    """The call's visibility as one structured mask (None: every key is visible to every query); built once per
+    plan (``AttentionInputs.decided``)."""
+    return inputs.decided("visibility_mask", lambda: _visibility_mask(inputs))
+
+
+def _visibility_mask(inputs: AttentionInputs) -> StructuredMask | None:
     parts: list[StructuredMask] = []
     if inputs.causal:
         parts.append(CausalMask(inputs.query_positions, inputs.key_positions))  # [B, 1, T, S]
@@ -51,15 +56,42 @@ def causal_pattern(inputs: AttentionInputs) -> str | None:
                                        (plain prefill with default positions)
 
         chunked prefill  T=2, S=4:  queries at 2, 3 see keys 0..2 / 0..3 (bottom-right): neither pattern.
+
+    Decided once per plan; default positions are read off the shapes (no pass over positions, no host sync).
     """
+    return inputs.decided("causal_pattern", lambda: _causal_pattern(inputs))
+
+
+def _causal_pattern(inputs: AttentionInputs) -> str | None:
     qp, kp = inputs.query_positions, inputs.key_positions  # [B, T], [B, S]
     if not inputs.causal or qp.numel() == 0 or kp.numel() == 0:  # no queries or no keys: nothing to hide
         return "none"
+    if inputs.default_positions:  # queries at S-T .. S-1, keys at 0 .. S-1
+        t, s = qp.shape[1], kp.shape[1]
+        return "none" if t <= 1 else "causal" if t == s else None
     if bool((kp.amax(dim=-1) <= qp.amin(dim=-1)).all()):
         return "none"
     if qp.shape[1] == kp.shape[1] and torch.equal(qp, kp) and bool((kp.diff(dim=-1) > 0).all()):
         return "causal"
     return None
+
+
+def decode_rows(inputs: AttentionInputs) -> tuple[int, int, torch.Tensor | None]:
+    """The decode kernels' view of the rule, decided once per plan: ``(j0, j1, visible)``, the span of keys some
+    row sees (``visible_span``) and which of them each query row sees, bool ``[B|1, Hkv|1, G*T, j1-j0]``
+    (``row_visibility``), or None when every row sees every key of the span (one-token decode)."""
+    return inputs.decided("decode_rows", lambda: _decode_rows(inputs))
+
+
+def _decode_rows(inputs: AttentionInputs) -> tuple[int, int, torch.Tensor | None]:
+    batch, q_heads, t, _ = inputs.q.shape
+    kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
+    mask = visibility_mask(inputs)
+    j0, j1 = visible_span(mask, batch, t, s)
+    visible = None
+    if j1 > j0 and mask is not None and (inputs.allowed is not None or causal_pattern(inputs) != "none"):
+        visible = row_visibility(mask, batch, kv_heads, q_heads // kv_heads, t, j0, j1)  # [B|1, Hkv|1, G*T, n]
+    return j0, j1, visible
 
 
 def visible_span(mask, batch: int, t: int, s: int) -> tuple[int, int]:

@@ -21,13 +21,13 @@ import argparse
 
 import torch
 
-from engine.kernels.dispatch import explain
 from engine.lab import implementations, plots
 from engine.lab.fitting import fit_power_law
 from engine.lab.implementations import grouped_decode
 from engine.lab.measure import format_table, machine_info, median_ms, progress, save_results
 from engine.lab.options import add_common, apply_threads, parse_counts, positive_float, positive_int
 from engine.lab.traffic import TrafficCounter
+from engine.planning import explain
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Compiled kernels run as one higher-order op whose inside the dispatch mode cannot see (and must not try to:

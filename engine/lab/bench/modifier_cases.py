@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import causal_attention
-from engine.kernels.dispatch import explain
 from engine.lab.bench.kernel_cases import Case, Impl, _qkv, causal_pairs
+from engine.planning import explain
 from engine.relative_bias import RelativePositionBias
 
 DENSE_MASK_LIMIT = 6 << 30  # bytes: a dense fp32 mask above this is not built (SDPA would also need its copies)

@@ -1,0 +1,179 @@
+"""Plan once, run many: everything an attention call decides before it reads q, k and v's values.
+
+A model calls attention in every layer of every step with the same shapes, positions and masks; only q, k, v
+change. ``plan(...)`` takes ``causal_attention``'s arguments (q, k, v are read for their shapes, dtypes,
+device and whether they need gradients, never for their values), validates them, resolves positions and
+chooses the kernel, once; ``plan.run(q, k, v)`` checks that the tensors are the ones planned for and runs::
+
+    step_plan = engine.plan(q, k, v, query_positions, key_positions, allowed)   # once per step
+    for layer in layers:
+        out = step_plan.run(q_layer, k_layer, v_layer)                         # every layer
+
+    print(step_plan)            # the kernel, why, and why not the faster ones (engine.explain shows the same)
+
+What the plan keeps (``AttentionInputs.decided``): the visibility mask, its pattern, the span of keys some
+row sees and each row's visibility, the fused calls covering the visible tiles: the kernels compute them on
+the first run and every later run reuses them. ``causal_attention`` is ``plan(...).run(q, k, v)``; a call with
+default positions and no mask or modifier reuses a cached plan for its shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.inputs import AttentionInputs, prepare_inputs
+from engine.kernels.common import needs_grad
+from engine.kernels.dispatch import KernelChoice, check_kernel_name, choose, environment, execute
+from engine.modifiers import NONE
+from engine.quantized import QuantizedKV
+
+__all__ = ["AttentionPlan", "plan", "explain"]
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """A validated call with its kernel chosen: ``run(q, k, v)`` (or call it) for tensors of the planned shapes,
+    dtypes and device, with or without gradients as planned.
+
+    inputs: the validated arguments (positions resolved; q, k, v as meta placeholders: a plan holds no tensor
+    of the call); choice: the kernel and the reasons (``print(plan)``); grad: planned for a call whose gradient
+    autograd wants (of q, k, v or a learned bias); signature: the shapes, dtypes, device and K/V kind planned for.
+    """
+
+    inputs: AttentionInputs
+    choice: KernelChoice
+    grad: bool
+    signature: tuple
+
+    @property
+    def kernel(self) -> str:
+        return self.choice.kernel
+
+    @property
+    def reason(self) -> str:
+        return self.choice.reason
+
+    @property
+    def passed_over(self) -> dict[str, str]:
+        return self.choice.passed_over
+
+    @property
+    def modifiers(self) -> list[str]:
+        return self.choice.modifiers
+
+    def run(self, q: torch.Tensor, k, v, *, return_lse: bool = False):
+        """``out [B, Hq, T, Dv]`` in q's dtype (``(out, lse)`` with ``return_lse``), for q, k, v of the planned
+        shapes, dtypes and device; a ValueError names what differs from the plan otherwise."""
+        planned = self.signature  # compared field by field: the hot path of every layer
+        if (q.shape != planned[0] or k.shape != planned[1] or v.shape != planned[2] or q.dtype != planned[3]
+                or q.device != planned[5] or _element(k) != planned[4] or _wants_grad(self.inputs, q, k, v) != self.grad
+                or isinstance(k, QuantizedKV) != planned[6]):
+            self._refuse(q, k, v)
+        out, lse = execute(self.inputs.with_tensors(q, k, v), self.choice.kernel, return_lse)
+        return (out, lse) if return_lse else out
+
+    __call__ = run
+
+    def _refuse(self, q, k, v) -> None:
+        planned = self.signature
+        given = _signature(q, k, v)
+        for i, what in enumerate(("q's shape", "k's shape", "v's shape", "dtype", "k/v's element dtype", "device",
+                                  "k/v's kind")):
+            if planned[i] != given[i]:
+                raise ValueError(f"this plan was made for {what} {planned[i]}, got {given[i]}: make a plan for "
+                                 f"these tensors (engine.plan)")
+        state = "need" if self.grad else "do not need"
+        raise ValueError(f"this plan was made for tensors that {state} gradients, got the other kind (its kernel, "
+                         f"{self.kernel}, was chosen for that): make a plan under the same grad mode, with tensors "
+                         f"that require grad as these do")
+
+    def __str__(self) -> str:
+        x = self.inputs
+        planned = (f"  planned for: q {list(x.q.shape)}, k {list(x.k.shape)}, v {list(x.v.shape)} "
+                   f"{str(x.q.dtype)[6:]} on {self.signature[5]}{', with gradients' if self.grad else ''}")
+        return f"{self.choice}\n{planned}"
+
+
+def plan(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, *, causal: bool = True,
+         softcap: float | None = None, kernel: str = "auto", **modifiers) -> AttentionPlan:
+    """Validate a call and choose its kernel (``causal_attention``'s arguments; q, k, v are read for their shapes,
+    dtypes, device and gradient needs, not their values). ``modifiers``: sinks, alibi_slopes, bias, score_mod,
+    dropout_p, generator; a dropout plan draws its pattern's seed here, once (each run then drops the same
+    weights: plan each step)."""
+    check_kernel_name(kernel)
+    inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
+                            **modifiers)
+    choice = choose(inputs, kernel)
+    template = inputs.with_tensors(*(_placeholder(x) for x in (q, k, v)))
+    return AttentionPlan(template, choice, _wants_grad(inputs, q, k, v), _signature(q, k, v))
+
+
+PLAN_CACHE_SIZE = 256
+_plans: dict[tuple, AttentionPlan] = {}
+
+
+def plan_for_shapes(q, k, v, scale=None, causal: bool = True, softcap: float | None = None,
+                    kernel: str = "auto") -> AttentionPlan:
+    """The plan of a call with default positions and no mask or modifier, where shapes decide everything: made on
+    the first call with this signature, kept (at most PLAN_CACHE_SIZE of them) and reused."""
+    if not (_plain_number(scale) and _plain_number(softcap) and isinstance(causal, bool) and isinstance(kernel, str)):
+        return plan(q, k, v, None, None, None, scale, causal=causal, softcap=softcap, kernel=kernel)  # validates
+    key = (_signature(q, k, v), needs_grad(q, k, v), scale, causal, softcap, kernel, environment())
+    found = _plans.get(key)
+    if found is None:
+        found = plan(q, k, v, None, None, None, scale, causal=causal, softcap=softcap, kernel=kernel)
+        if len(_plans) >= PLAN_CACHE_SIZE:
+            _plans.clear()
+        _plans[key] = found
+    return found
+
+
+def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, *, causal: bool = True,
+            softcap: float | None = None, kernel: str = "auto", **modifiers) -> AttentionPlan:
+    """Which kernel ``causal_attention`` with these arguments runs, and why (nothing is computed, nothing built).
+
+    Example::
+
+        >>> print(explain(q, k, v, allowed=window_mask(pos, pos, 512)))
+        kernel: sdpa_tiles (the fused flash kernel on the tiles the mask leaves, merged by log-sum-exp)
+          not decode_native: T = 4096 queries: decode serves T <= 16
+          ...
+          planned for: q [1, 8, 4096, 64], k [1, 8, 4096, 64], v [1, 8, 4096, 64] float32 on cpu
+
+    NaN/inf in q (or in K/V when gradients are needed) is found only while running: such a call runs the
+    ``tiled`` kernel whatever this says. A dropout call here draws nothing from ``generator``.
+    """
+    if modifiers.get("dropout_p") and isinstance(modifiers.get("generator"), (torch.Generator, type(None))):
+        modifiers["generator"] = torch.Generator()  # explain computes nothing: it leaves the caller's generator be
+    return plan(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
+                kernel=kernel, **modifiers)
+
+
+def _plain_number(x) -> bool:
+    """None or a finite Python int/float (not a bool, not a tensor whose value may change): a cache key part."""
+    return x is None or (type(x) in (int, float) and x == x and abs(x) != float("inf"))
+
+
+def _wants_grad(inputs: AttentionInputs, q, k, v) -> bool:
+    """Autograd will want a gradient from this call: of q, k, v or of a learned bias (the kernel depends on it)."""
+    return needs_grad(q, k, v) or (inputs.modifiers is not NONE and inputs.modifiers.learned_bias() is not None)
+
+
+def _signature(q, k, v) -> tuple:
+    """What a plan is made for: shapes, dtypes, device and kind of K/V."""
+    return (q.shape, k.shape, v.shape, q.dtype, _element(k), q.device, isinstance(k, QuantizedKV))
+
+
+def _element(k) -> torch.dtype | None:
+    """K's element dtype (a quantized cache's int8 / fp8)."""
+    return k.data.dtype if isinstance(k, QuantizedKV) else getattr(k, "dtype", None)
+
+
+def _placeholder(x):
+    """A meta tensor (or QuantizedKV of meta tensors) standing for ``x`` in a plan: its shape, dtype and strides,
+    no memory, so a plan never keeps a call's tensors alive."""
+    if isinstance(x, QuantizedKV):
+        return QuantizedKV(_placeholder(x.data), _placeholder(x.scale))
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.inputs import AttentionInputs, prepare_inputs
-from engine.kernels.common import needs_grad
-from engine.kernels.dispatch import KernelChoice, check_kernel_name, choose, environment, execute
+from engine.kernels.common import DoesNotFit, needs_grad
+from engine.kernels.dispatch import KernelChoice, check_kernel_name, choose, environment, execute, prepared
 from engine.modifiers import NONE
 from engine.quantized import QuantizedKV
 
@@ -71,6 +71,13 @@ class AttentionPlan:
                 or q.device != planned[5] or _element(k) != planned[4] or _wants_grad(self.inputs, q, k, v) != self.grad
                 or isinstance(k, QuantizedKV) != planned[6]):
             self._refuse(q, k, v)
+        fast = self.inputs.decided("prepared", lambda: prepared(self.inputs, self.choice.kernel))
+        if fast is not None:
+            try:
+                out, lse = fast(q, k, v, return_lse)
+                return (out, lse) if return_lse else out
+            except DoesNotFit:  # found while running (NaN in q): the general path below falls back as it does
+                pass
         out, lse = execute(self.inputs.with_tensors(q, k, v), self.choice.kernel, return_lse)
         return (out, lse) if return_lse else out
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,6 +61,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 from engine.attention import causal_attention
 from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
+from engine.planning import AttentionPlan, plan
 
 __all__ = ["NAME", "EngineMask", "engine_attention_forward", "engine_mask", "register"]
 
@@ -85,6 +86,7 @@ class EngineMask:
     window: int | None = None
     key_valid: torch.Tensor | None = None
     dense: torch.Tensor | None = None
+    plans: dict = field(default_factory=dict, compare=False, repr=False)  # this step's plans (plan_for)
 
     ndim = 4  # with ``shape``, the library treats an EngineMask passed back into a model as a prepared 4-D mask
 
@@ -93,6 +95,21 @@ class EngineMask:
         """``(B, 1, T, S)``, the shape of the dense mask this object stands for (B = 1 without padding)."""
         batch = 1 if self.key_valid is None else self.key_valid.shape[0]
         return (batch, 1, self.query_positions.shape[0], self.key_positions.shape[0])
+
+    def plan_for(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
+                 softcap: float | None, sinks: torch.Tensor | None, bias: torch.Tensor | None) -> AttentionPlan:
+        """The plan of this step's attention calls with these shapes and arguments: made by the first layer that
+        asks (positions resolved, mask and kernel decided once), reused by every other layer of the forward.
+        A layer's own sinks or bias (a tensor per layer) gets a plan of its own."""
+        grads = (query.requires_grad, key.requires_grad, value.requires_grad, torch.is_grad_enabled())
+        plan_key = (query.shape, key.shape, value.shape, query.dtype, query.device, grads, scale, softcap, id(sinks),
+                    id(bias))
+        found = self.plans.get(plan_key)
+        if found is None:
+            found = plan(query, key, value, self.query_positions, self.key_positions, self.allowed(), scale,
+                         causal=self.causal, softcap=softcap, sinks=sinks, bias=bias)
+            self.plans[plan_key] = found
+        return found
 
     def allowed(self) -> torch.Tensor | None:
         """Bool mask broadcastable to ``[B, Hq, T, S]`` for causal_attention, or None (position rule only)."""
@@ -299,7 +316,8 @@ def engine_attention_forward(
     if isinstance(attention_mask, EngineMask):
         key, value = _keys_the_mask_describes(attention_mask, key, value, t)  # [B, Hkv, S, D]
         query_positions, key_positions = attention_mask.query_positions, attention_mask.key_positions
-        causal, allowed = attention_mask.causal, attention_mask.allowed()
+        causal = attention_mask.causal
+        allowed = None if not dropout else attention_mask.allowed()  # planned calls build it once, in plan_for
     elif attention_mask is None:
         s = key.shape[2]
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -319,8 +337,12 @@ def engine_attention_forward(
     bias = _bias_of(kwargs.get("position_bias"), key.shape[2])
     if mask_bias is not None:
         bias = mask_bias if bias is None else bias + mask_bias
-    out = causal_attention(query, key, value, query_positions, key_positions, allowed, scaling, causal=causal,
-                           softcap=softcap, sinks=sinks, bias=bias, dropout_p=dropout)  # [B, Hq, T, Dv]
+    if isinstance(attention_mask, EngineMask) and not dropout:  # planned once per forward, run by every layer
+        step_plan = attention_mask.plan_for(query, key, value, scaling, softcap, sinks, bias)
+        out = step_plan.run(query, key, value)  # [B, Hq, T, Dv]
+    else:  # a dropout call draws its own pattern per layer; a dense or absent mask is planned per call
+        out = causal_attention(query, key, value, query_positions, key_positions, allowed, scaling, causal=causal,
+                               softcap=softcap, sinks=sinks, bias=bias, dropout_p=dropout)  # [B, Hq, T, Dv]
     return out.transpose(1, 2).contiguous(), None  # [B, T, Hq, Dv]
 
 

@@ -67,32 +67,46 @@ def native_decode_pays_off(inputs: AttentionInputs) -> str | None:
 def native_decode_attention(inputs: AttentionInputs, return_lse: bool = False):
     """Kernel ``"decode_native"``: ``(out [B, Hq, T, Dv] in q's dtype, lse [B, Hq, T] fp32 or None)``.
     Dispatch only runs it where ``native_decode_fits`` said yes; the library is built here on first use."""
+    return native_decode_runner(inputs)(inputs.q, inputs.k, inputs.v, return_lse)
+
+
+def native_decode_runner(inputs: AttentionInputs):
+    """The kernel for a plan: ``run(q, k, v, return_lse) -> (out, lse)`` with everything that depends on shapes,
+    positions and masks decided here, once (the span of keys some row sees, each row's visibility, the
+    ``DecodeCall`` descriptor). Raises DoesNotFit where the library cannot be built; ``run`` raises it for NaN/inf
+    in q (the kernel finds it as it scales q)."""
+    return inputs.decided("native_runner", lambda: _runner(inputs))
+
+
+def _runner(inputs: AttentionInputs):
     library = load_native()
     if isinstance(library, str):
         raise DoesNotFit(library)
-    q = inputs.q
-    batch, q_heads, t, d = q.shape
-    kv_heads = inputs.k.shape[1]
-    dv = inputs.v.shape[3]
+    batch, q_heads, t, d = inputs.q.shape
+    kv_heads, dv = inputs.k.shape[1], inputs.v.shape[3]
     rows = (q_heads // kv_heads) * t
-    j0, j1, visible = decode_rows(inputs)  # decided once per plan
-    results = torch.empty(batch * kv_heads * rows * (dv + 1))  # out and lse in one allocation, written whole
-    out = results[:batch * kv_heads * rows * dv].view(batch, kv_heads, rows, dv)  # [B, Hkv, G*T, Dv] fp32
-    lse = results[batch * kv_heads * rows * dv:].view(batch, kv_heads, rows)  # [B, Hkv, G*T]
-    if j1 > j0:
-        q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(batch, kv_heads, rows, d)  # scaled in C++
-        keys, values = _keys(inputs.k, j0, j1), _keys(inputs.v, j0, j1)
-        template = inputs.decided("native_call", lambda: _template(inputs.scale, q_rows, keys, values, visible))
-        status = _run(library, template, q_rows, keys, values, out, lse)
-        if status == NON_FINITE_Q:  # the kernel checks q as it scales it (no pass here)
-            resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles it
-            raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
-    else:  # no row sees any key
-        out.zero_()
-        lse.fill_(float("-inf"))
-    out = out.view(batch, q_heads, t, dv)  # rows g*T + i of KV head h -> query head h*G + g
-    out = out if q.dtype == torch.float32 else out.to(q.dtype)
-    return out, (lse.view(batch, q_heads, t) if return_lse else None)
+    j0, j1, visible = decode_rows(inputs)
+    resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles NaN in q
+    scale, planned = inputs.scale, []  # the DecodeCall, made by the first run (from its strides)
+
+    def run(q, k, v, return_lse: bool):
+        out = torch.empty(batch, kv_heads, rows, dv)  # [B, Hkv, G*T, Dv] fp32, written whole by the kernel
+        lse = torch.empty(batch, kv_heads, rows)  # [B, Hkv, G*T]
+        if j1 > j0:
+            q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(batch, kv_heads, rows, d)  # scaled in C++
+            keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
+            if not planned:
+                planned.append(_template(scale, q_rows, keys, values, visible))
+            if _run(library, planned[0], q_rows, keys, values, out, lse) == NON_FINITE_Q:
+                raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
+        else:  # no row sees any key
+            out.zero_()
+            lse.fill_(float("-inf"))
+        out = out.view(batch, q_heads, t, dv)  # rows g*T + i of KV head h -> query head h*G + g
+        out = out if q.dtype == torch.float32 else out.to(q.dtype)
+        return out, (lse.view(batch, q_heads, t) if return_lse else None)
+
+    return run
 
 
 def _keys(x: torch.Tensor | QuantizedKV, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:

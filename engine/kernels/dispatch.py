@@ -47,7 +47,12 @@ from engine.inputs import AttentionInputs
 from engine.kernels import decode_native
 from engine.kernels.common import DoesNotFit, compute_dtype, differentiable
 from engine.kernels.decode import decode_attention, decode_fits, decode_pays_off
-from engine.kernels.decode_native import native_decode_attention, native_decode_fits, native_decode_pays_off
+from engine.kernels.decode_native import (
+    native_decode_attention,
+    native_decode_fits,
+    native_decode_pays_off,
+    native_decode_runner,
+)
 from engine.kernels.dense import dense_attention
 from engine.kernels.dequantized import dequantized_attention, dequantized_fits
 from engine.kernels.flex import flex_attention, flex_fits, flex_pays_off
@@ -83,13 +88,17 @@ class Kernel(NamedTuple):
     pays_off: Check
     why: str
     takes: frozenset[str] = frozenset()
+    # for a plan's runs: inputs -> run(q, k, v, return_lse), with what depends only on the plan decided once
+    # (a kernel without one runs through ``run`` with the plan's decisions)
+    prepare: Callable[[AttentionInputs], Callable] | None = None
 
 
 # Fastest first: the order auto walks and the fallback order of a forced kernel.
 KERNELS: dict[str, Kernel] = {
     "decode_native": Kernel(native_decode_attention, native_decode_fits, native_decode_pays_off,
                             "few queries against a long cache, in C++: each K/V row read once for its query group, "
-                            "converted in registers", takes=frozenset({"quantized_kv"})),
+                            "converted in registers", takes=frozenset({"quantized_kv"}),
+                            prepare=native_decode_runner),
     "decode": Kernel(decode_attention, decode_fits, decode_pays_off,
                      "few queries against a long cache: reads each K/V byte once, split across chunks",
                      takes=frozenset({"alibi", "bias"})),
@@ -185,11 +194,15 @@ def choose(inputs: AttentionInputs, kernel: str = "auto") -> KernelChoice:
     would pick."""
     auto = _walk(inputs)
     if kernel == "auto":
-        return _with_modifiers(auto, inputs)
-    check_kernel_name(kernel)
-    choice = _forced(inputs, kernel)
-    if choice.kernel != auto.kernel:
-        choice.reason += f"; auto would pick {auto.kernel}: {auto.reason}"
+        choice = auto
+    else:
+        check_kernel_name(kernel)
+        choice = _forced(inputs, kernel)
+        if choice.kernel != auto.kernel:
+            choice.reason += f"; auto would pick {auto.kernel}: {auto.reason}"
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("planned: kernel=%s (%s), q %s, k %s", choice.kernel, choice.reason, tuple(inputs.q.shape),
+                     tuple(inputs.k.shape))
     return _with_modifiers(choice, inputs)
 
 
@@ -232,12 +245,24 @@ def execute(inputs: AttentionInputs, name: str, return_lse: bool = False):
     return _run_kernel(inputs, name, return_lse)
 
 
+def prepared(inputs: AttentionInputs, name: str) -> Callable | None:
+    """Kernel ``name``'s run for a plan (``Kernel.prepare``), or None: it has none, a step comes after the kernel
+    (sinks), there is nothing to compute, or it cannot be prepared here (then ``execute`` falls back)."""
+    kernel = KERNELS[name]
+    batch, q_heads, t, _ = inputs.q.shape
+    if kernel.prepare is None or inputs.modifiers.sinks is not None or batch * q_heads * t == 0 or \
+            inputs.k.shape[2] == 0:
+        return None
+    try:
+        return kernel.prepare(inputs)
+    except DoesNotFit:
+        return None
+
+
 def _run_kernel(inputs: AttentionInputs, name: str, return_lse: bool):
     batch, q_heads, t, _ = inputs.q.shape
     if batch * q_heads * t == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
         return _empty_result(inputs, return_lse)
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("causal_attention: kernel=%s, q %s, k %s", name, tuple(inputs.q.shape), tuple(inputs.k.shape))
     if name == "reference":
         _warn_if_slow(inputs)
     while True:

@@ -50,8 +50,8 @@ class Block(nn.Module):
         self.gate, self.up = nn.Linear(hidden, 2 * hidden, bias=False), nn.Linear(hidden, 2 * hidden, bias=False)
         self.down = nn.Linear(2 * hidden, hidden, bias=False)
 
-    def forward(self, x, positions, cache, valid):
-        x = x + self.attn(self.attn_norm(x), positions=positions, cache=cache, valid=valid)  # [B, T, E]
+    def forward(self, x, positions, cache, valid, plans=None):
+        x = x + self.attn(self.attn_norm(x), positions=positions, cache=cache, valid=valid, plans=plans)  # [B, T, E]
         h = self.mlp_norm(x)  # [B, T, E]
         return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # [B, T, E]
 
@@ -72,10 +72,12 @@ class TinyDecoder(nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 caches: list[KVCache] | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """ids ``[B, T]`` -> logits ``[B, T, V]``; positions/valid ``[B, T]`` as in MultiHeadAttention."""
+        """ids ``[B, T]`` -> logits ``[B, T, V]``; positions/valid ``[B, T]`` as in MultiHeadAttention. The layers
+        step together, so the first one plans the attention call and the others reuse its plan."""
+        plans: dict = {}  # this forward pass's plans (MultiHeadAttention's ``plans``)
         x = self.embed(ids)  # [B, T, E]
         for i, block in enumerate(self.blocks):
-            x = block(x, positions, None if caches is None else caches[i], valid)  # [B, T, E]
+            x = block(x, positions, None if caches is None else caches[i], valid, plans)  # [B, T, E]
         return self.lm_head(self.norm(x))  # [B, T, V]
 
 

@@ -23,11 +23,12 @@ import numbers
 import torch
 from torch import nn
 
-from engine.attention import causal_attention, merge_heads, split_heads
+from engine.attention import merge_heads, split_heads
 from engine.inputs import check_allowed, resolve_positions
 from engine.kv_cache import KVCache
 from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
+from engine.planning import plan
 from engine.rope import PAIRINGS, apply_rope
 
 __all__ = ["MultiHeadAttention"]
@@ -91,6 +92,7 @@ class MultiHeadAttention(nn.Module):
         cache: KVCache | None = None,
         valid: torch.Tensor | None = None,
         allowed: torch.Tensor | None = None,
+        plans: dict | None = None,
     ) -> torch.Tensor:
         """Attend the T new tokens ``x`` ``[B, T, E]`` to themselves and to the cache; returns ``[B, T, E]``.
 
@@ -103,12 +105,22 @@ class MultiHeadAttention(nn.Module):
                 nothing (their output is 0).
             allowed: extra bool mask broadcastable to ``[B, Hq, T, S]`` (e.g. ``document_mask``), S = keys
                 after the write.
+            plans: a dict shared by the layers of one forward pass that see the same positions, padding, mask
+                and cache lengths (a decoder's layers, each with its own cache, stepping together): the first
+                layer resolves positions, builds the mask and plans the attention call (engine.plan); every
+                other layer with the same configuration reuses the plan. Start a new dict for each step.
         """
-        self._check_call(x, positions, cache, valid, allowed)
+        plan_key = None if plans is None else self._plan_key(x, cache)  # before this layer's write to its cache
+        shared = None if plans is None else plans.get(plan_key)
+        if shared is None:
+            self._check_call(x, positions, cache, valid, allowed)
         batch, t, _ = x.shape
         if t == 0:  # nothing to attend; the cache is unchanged
             return x.new_zeros(batch, 0, self.o_proj.out_features)  # [B, 0, E]
-        positions = self._resolve_positions(positions, cache, batch, t, x.device)  # [B, T]
+        if shared is None:
+            positions = self._resolve_positions(positions, cache, batch, t, x.device)  # [B, T]
+        else:
+            positions = shared[0]  # [B, T], resolved by the step's first layer
         q = split_heads(self.q_proj(x), self.num_heads)  # [B, Hq, T, D]
         k = split_heads(self.k_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
         v = split_heads(self.v_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
@@ -119,10 +131,23 @@ class MultiHeadAttention(nn.Module):
             k, v, key_positions, key_valid = cache.update(k, v, positions, valid)  # [B, Hkv, S, D], [B, S]
         else:
             key_positions, key_valid = positions, valid  # [B, T], [B, T] or None
-        mask = self._mask(positions, key_positions, valid, key_valid, allowed)  # [B, 1, T, S] or None
-        out = causal_attention(q, k, v, positions, key_positions, mask, self.scale,
-                               causal=self.causal, softcap=self.softcap)  # [B, Hq, T, D]
+        if shared is None:
+            mask = self._mask(positions, key_positions, valid, key_valid, allowed)  # [B, 1, T, S] or None
+            step_plan = plan(q, k, v, positions, key_positions, mask, self.scale, causal=self.causal,
+                             softcap=self.softcap)
+            if plans is not None:
+                plans[plan_key] = (positions, step_plan)
+        else:
+            step_plan = shared[1]
+        out = step_plan.run(q, k, v)  # [B, Hq, T, D]
         return self.o_proj(merge_heads(out))  # [B, T, E]
+
+    def _plan_key(self, x: torch.Tensor, cache: KVCache | None) -> tuple:
+        """What a step's plan depends on besides the step's positions, padding and mask: this layer's
+        configuration, x's shape, dtype and device, and the cache's fill and dtype."""
+        fill = None if cache is None else (cache.length, cache.capacity, cache.keys.dtype)
+        return (x.shape, x.dtype, x.device, self.num_heads, self.num_kv_heads, self.head_dim, self.window,
+                self.causal, self.scale, self.softcap, self.rope_base, self.rope_pairing, fill, torch.is_grad_enabled())
 
     def _check_call(self, x, positions, cache, valid, allowed) -> None:
         """ValueError for any bad argument of forward, before anything (the cache included) is touched."""

@@ -89,8 +89,9 @@ class AttentionPlan:
         for i, what in enumerate(("q's shape", "k's shape", "v's shape", "dtype", "k/v's element dtype", "device",
                                   "k/v's kind")):
             if planned[i] != given[i]:
-                raise ValueError(f"this plan was made for {what} {planned[i]}, got {given[i]}: make a plan for "
-                                 f"these tensors (engine.plan)")
+                want, got = (list(x) if isinstance(x, torch.Size) else x for x in (planned[i], given[i]))
+                raise ValueError(f"this plan was made for {what} {want}, got {got}: make a plan for these tensors "
+                                 f"(engine.plan)")
         state = "need" if self.grad else "do not need"
         raise ValueError(f"this plan was made for tensors that {state} gradients, got the other kind (its kernel, "
                          f"{self.kernel}, was chosen for that): make a plan under the same grad mode, with tensors "

@@ -245,8 +245,8 @@ def test_registered_through_the_librarys_registries():
 
 def tiny_llama(**kwargs):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2, **kwargs)
+    config = LlamaConfig(**{**dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2), **kwargs})
     return AutoModelForCausalLM.from_config(config, attn_implementation="engine")
 
 
@@ -302,3 +302,26 @@ def test_output_attentions_warns_that_weights_are_not_materialised():
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning when no weights are asked for
         assert torch.equal(model(ids).logits, out.logits)
+
+
+def test_every_layer_of_a_forward_runs_the_one_plan_its_mask_made():
+    # the mask is built once per forward: its first layer plans (positions, padding, kernel), the others reuse it
+    seen = []
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.append(attention_mask)
+        return hf.engine_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    hf.register("engine-plan-spy")
+    AttentionInterface.register("engine-plan-spy", spy)
+    model = tiny_llama(num_hidden_layers=4).eval()
+    ids = torch.randint(0, 64, (2, 7))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        want = model(ids, attention_mask=mask).logits
+        model.set_attn_implementation("engine-plan-spy")
+        got = model(ids, attention_mask=mask).logits
+    assert len(seen) == 4 and all(m is seen[0] for m in seen) and len(seen[0].plans) == 1
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)  # row 0's pad queries differ by design
+    torch.testing.assert_close(got[0, 2:], want[0, 2:], rtol=1e-5, atol=1e-5)

@@ -64,7 +64,7 @@ def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, tim
             incoming = own.like(lengths[(rank - step - 1) % world])
             wait = _exchange(shard.tensors(), incoming.tensors(), group, timeout)
         if queries.sees(shard):
-            part_out, part_lse = queries.attend(shard)
+            part_out, part_lse = queries.at_step(step).attend(shard)
             out, lse = merge_attention_states([out, part_out.to(compute)], [lse, part_lse])  # exact, running
         if wait is not None:
             shard = incoming.from_tensors(wait())
@@ -82,7 +82,7 @@ def ring_backward(queries: Queries, own: KeyShard, out, lse, grad_out, grad_lse,
     dv = torch.zeros(own.v.shape, dtype=compute, device=own.v.device)  # [B, Hkv, S, Dv]
     for step in range(world):
         if queries.sees(shard):
-            g_q, g_k, g_v = queries.gradients(shard, out, lse, grad_out, grad_lse)
+            g_q, g_k, g_v = queries.at_step(step).gradients(shard, out, lse, grad_out, grad_lse)
             dq += g_q
             dk += g_k
             dv += g_v

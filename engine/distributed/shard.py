@@ -8,17 +8,16 @@ the shard's own values, and the parts merge exactly by log-sum-exp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.attention import causal_attention
-from engine.inputs import prepare_inputs
 from engine.kernels.tiled_backward import tiled_backward
 from engine.masks.causal import CausalMask
 from engine.masks.documents import document_mask
 from engine.masks.structured import StructuredMask
 from engine.masks.window import window_mask
+from engine.planning import AttentionPlan, plan
 
 SEE_BLOCK = 256  # tile size of the skip decision
 
@@ -58,6 +57,10 @@ class Queries:
     causal: bool
     softcap: float | None
     scale: float
+    # the plan of each ring step's shard (positions, masks, kernel: decided in the forward, reused by the backward,
+    # which meets the same shards at the same steps)
+    plans: dict = field(default_factory=dict, compare=False, repr=False)
+    step: int | None = None  # the ring step whose shard these queries attend to (at_step), for plans
 
     def allowed(self, shard: KeyShard) -> StructuredMask | None:
         """The window and document masks between these queries and one shard's keys."""
@@ -84,16 +87,29 @@ class Queries:
         rows = range(self.positions.shape[0]) if visibility.batched() else range(1)
         return any(bool(visibility.tile_bounds(b, SEE_BLOCK, SEE_BLOCK, t, s)[0].any()) for b in rows)
 
+    def at_step(self, step: int) -> Queries:
+        """These queries at ring step ``step`` (sharing one dict of plans across steps, forward and backward)."""
+        return replace(self, step=step)
+
+    def plan_for(self, shard: KeyShard) -> AttentionPlan:
+        """The plan of these queries against ``shard``, made once per ring step (not kept outside a ring)."""
+        step = self.step
+        found = None if step is None else self.plans.get(step)
+        if found is None or found.signature[1] != shard.k.shape:
+            found = plan(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard), self.scale,
+                         causal=self.causal, softcap=self.softcap)
+            if step is not None:
+                self.plans[step] = found
+        return found
+
     def attend(self, shard: KeyShard) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [B, Hq, T_r, Dv], lse [B, Hq, T_r])`` of these queries against one shard (no autograd)."""
-        return causal_attention(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard),
-                                self.scale, causal=self.causal, softcap=self.softcap, return_lse=True)
+        return self.plan_for(shard).run(self.q, shard.k, shard.v, return_lse=True)
 
     def gradients(self, shard: KeyShard, out, lse, grad_out, grad_lse):
         """This shard's share of ``(dq, dk, dv)``, from the merged output and lse (exact: the softmax weights
-        are ``exp(s - lse)`` with the global lse)."""
-        inputs = prepare_inputs(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard),
-                                self.scale, causal=self.causal, softcap=self.softcap)
+        are ``exp(s - lse)`` with the global lse); the forward's plan of this step gives the inputs."""
+        inputs = self.plan_for(shard).inputs.with_tensors(self.q, shard.k, shard.v)
         return tiled_backward(inputs, out, lse, grad_out, grad_lse)
 
     def with_q(self, q: torch.Tensor) -> Queries:

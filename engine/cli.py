@@ -20,6 +20,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "roofline"), "engine.lab.bench.roofline", "prefill vs decode on this machine's roofline"),
     (("bench", "gqa"), "engine.lab.bench.gqa", "decode bytes and FLOPs for several KV-head counts"),
     (("bench", "cp"), "engine.lab.bench.cp", "context parallelism on P processes: time, memory and bytes per rank"),
+    (("bench", "overhead"), "engine.lab.bench.overhead", "per-call cost and generate tokens/s vs PyTorch SDPA"),
     (("explain", "scaling"), "engine.lab.figures.explain_scaling", "why scores are divided by sqrt(d_k)"),
     (("show", "weights"), "engine.lab.figures.show_weights", "heatmaps of attention weights for each mask family"),
 ]

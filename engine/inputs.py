@@ -100,8 +100,8 @@ def prepare_inputs(
                          f"({type(causal).__name__})")
     batch, q_heads, t, d = q.shape
     s = k.shape[2]
-    qp = resolve_positions(query_positions, batch, t, s - t, q.device, "query_positions")  # [B, T]
-    kp = resolve_positions(key_positions, batch, s, 0, q.device, "key_positions")  # [B, S]
+    query_pos = resolve_positions(query_positions, batch, t, s - t, q.device, "query_positions")  # [B, T]
+    key_pos = resolve_positions(key_positions, batch, s, 0, q.device, "key_positions")  # [B, S]
     if allowed is not None:
         check_allowed(allowed, (batch, q_heads, t, s))
         if isinstance(allowed, torch.Tensor) and allowed.device != q.device:  # a dense mask is read where q is
@@ -118,8 +118,9 @@ def prepare_inputs(
         if not (softcap > 0 and math.isfinite(softcap)):
             raise ValueError(f"softcap must be a positive finite number or None, got {softcap!r}")
     mods = prepare_modifiers((batch, q_heads, t, s), q.device, **modifiers) if modifiers else NONE
-    check_score_mod_captures(mods.score_mod, qp, kp, torch.float64 if q.dtype == torch.float64 else torch.float32)
-    return AttentionInputs(q, k, v, qp, kp, allowed, scale, causal, softcap, mods,
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    check_score_mod_captures(mods.score_mod, query_pos, key_pos, compute)
+    return AttentionInputs(q, k, v, query_pos, key_pos, allowed, scale, causal, softcap, mods,
                            default_positions=query_positions is None and key_positions is None)
 
 

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels import native_build  # noqa: E402
-from engine.kernels.decode_native import KINDS, _call  # noqa: E402
+from engine.kernels.decode import native_build  # noqa: E402
+from engine.kernels.decode.decode_native import KINDS, _call  # noqa: E402
 from engine.lab.measure import format_table  # noqa: E402
 from engine.quantized import QUANTIZED_DTYPES, quantize  # noqa: E402
 

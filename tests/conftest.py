@@ -28,7 +28,7 @@ if os.environ.get("CI") == "true":
 @pytest.fixture
 def no_native(monkeypatch):
     """The native decode kernel reported unavailable (as on a machine without a compiler): the torch kernels run."""
-    import engine.kernels.decode_native as native
+    import engine.kernels.decode.decode_native as native
 
     monkeypatch.setattr(native, "native_unavailable", lambda: "native code is turned off (test)")
     monkeypatch.setattr(native, "load_native", lambda: "native code is turned off (test)")

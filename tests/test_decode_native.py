@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import engine
 from engine import KVCache, causal_attention, window_mask
+from engine.kernels.decode.native_build import cpu_key, load_native
 from engine.kernels.dispatch import KERNELS
-from engine.kernels.native_build import cpu_key, load_native
 from engine.masks import key_padding_mask
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
 from tests.precision import assert_within_precision, plain_attention
@@ -370,7 +370,7 @@ VARIANTS = {
 def variant_library(tmp_path_factory):
     """``variant_library(name)``: the native library built with that vector path's flags (once per module), or a
     skip where this CPU lacks the instructions."""
-    from engine.kernels import native_build
+    from engine.kernels.decode import native_build
 
     built = {}
 
@@ -393,7 +393,7 @@ def variant_library(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["avx512", "avx2", "plain_cpp"])
 def test_each_vector_path_matches_the_oracle(variant, variant_library):
-    from engine.kernels.decode_native import KINDS, _call
+    from engine.kernels.decode.decode_native import KINDS, _call
 
     library = variant_library(variant)
     b, hkv, rows, s, d = 2, 2, 6, 300, 32
@@ -424,7 +424,7 @@ def test_a_nan_or_inf_key_inside_an_unmasked_full_block_poisons_its_rows_on_each
                                                                                           variant_library):
     # no mask and D = 64: full 64-key blocks take the vector finite_max; a NaN key (KV head 0) and an inf key
     # (KV head 1) there must make their heads' rows NaN with lse -inf, the reference's semantics
-    from engine.kernels.decode_native import _call
+    from engine.kernels.decode.decode_native import _call
 
     library = variant_library(variant)
     b, hkv, rows, s, d = 2, 2, 4, 256, 64
@@ -457,7 +457,7 @@ def test_value_width_other_than_the_key_width_and_d_zero(d, dv):
 @pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
 def test_the_dequantized_twin_merges_many_small_chunks_exactly(dtype, monkeypatch):
     # prefill over a quantized cache: the key chunk shrinks with T so the scores stay small; 64-key chunks here
-    from engine.kernels import dequantized
+    from engine.kernels.decode import dequantized
 
     monkeypatch.setattr(dequantized, "SCORES_PER_CHUNK", 1)
     k, v = quantize(torch.randn(2, 2, 300, 16), dtype), quantize(torch.randn(2, 2, 300, 16), dtype)

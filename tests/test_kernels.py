@@ -202,7 +202,7 @@ def test_a_window_plan_reads_only_the_band():
     # Every fused call stays within [i0 - w, i1); all calls together cover 1.5x the visible pairs (the two
     # half-empty 256 x 256 triangles at the band's edges), not T x S.
     from engine.inputs import prepare_inputs
-    from engine.kernels.flash_plan import BLOCK_K, BLOCK_Q, plan_calls
+    from engine.kernels.sdpa.calls import BLOCK_K, BLOCK_Q, plan_calls
 
     t, w = 4096, 512
     pos = torch.arange(t)
@@ -219,7 +219,7 @@ def test_a_window_plan_reads_only_the_band():
 def test_decode_splits_the_keys_when_few_heads_would_leave_cores_idle(monkeypatch):
     # B * Hkv = 1: the cache is cut into 4 chunks of 2,048 keys merged by lse. Head 0 sees only keys < 100,
     # so three of its chunks see nothing (lse -inf parts); head 1 sees only the last chunk.
-    import engine.kernels.flash as flash
+    import engine.kernels.sdpa.fused_op as flash
 
     shapes, fused = [], flash.FLASH
 

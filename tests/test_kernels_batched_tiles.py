@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import causal_attention
 from engine.inputs import prepare_inputs
-from engine.kernels.flash_plan import BLOCK_K, BLOCK_Q, batches, plan_calls
+from engine.kernels.sdpa.calls import BLOCK_K, BLOCK_Q, batches, plan_calls
 from engine.kernels.visibility import visibility_mask
 from engine.masks import window_mask
 

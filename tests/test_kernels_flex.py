@@ -17,7 +17,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 import engine
 from engine import causal_attention
-from engine.kernels.flex_mask import block_mask_cache_info, clear_block_mask_cache, structured_block_mask
+from engine.kernels.flex.block_mask import block_mask_cache_info, clear_block_mask_cache, structured_block_mask
 from engine.masks import (
     causal_mask,
     document_mask,

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 import engine
 from engine import KVCache, causal_attention, window_mask
-from engine.kernels.decode import _heads_fold
-from engine.kernels.flash import flash_operands
+from engine.kernels.decode.decode import _heads_fold
+from engine.kernels.sdpa.fused_op import flash_operands
 from engine.reference.loops import per_query_attention
 from tests.kernel_matrix import MATRIX
 from tests.precision import plain_attention

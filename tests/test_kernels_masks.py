@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from engine.attention import causal_attention
 from engine.inputs import prepare_inputs
-from engine.kernels.plan import EMPTY, plan_tiles
-from engine.kernels.sdpa_tiles import sdpa_tiles_attention
-from engine.kernels.tiled import tiled_attention
+from engine.kernels.sdpa.sdpa_tiles import sdpa_tiles_attention
+from engine.kernels.tiled.tiled import tiled_attention
+from engine.kernels.tiles import EMPTY, plan_tiles
 from engine.masks import (
     PairwiseMask,
     StructuredMask,

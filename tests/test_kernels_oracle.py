@@ -20,8 +20,8 @@ import torch
 
 from engine.attention import causal_attention
 from engine.inputs import prepare_inputs
-from engine.kernels.flash_plan import BLOCK_K, BLOCK_Q, plan_calls
-from engine.kernels.sdpa_tiles import sdpa_tiles_attention
+from engine.kernels.sdpa.calls import BLOCK_K, BLOCK_Q, plan_calls
+from engine.kernels.sdpa.sdpa_tiles import sdpa_tiles_attention
 from engine.masks import document_mask, window_mask
 
 KERNELS = ["reference", "tiled", "sdpa", "sdpa_tiles", "decode"]  # decode with gradients hands off to tiled

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from engine.attention import causal_attention
 from engine.inputs import prepare_inputs
 from engine.kernels.merge import merge_attention_states
-from engine.kernels.sdpa_tiles import sdpa_tiles_attention
-from engine.kernels.tiled import tiled_attention
+from engine.kernels.sdpa.sdpa_tiles import sdpa_tiles_attention
+from engine.kernels.tiled.tiled import tiled_attention
 from engine.masks import StructuredMask, document_mask, key_padding_mask, window_mask
 
 

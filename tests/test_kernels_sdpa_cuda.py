@@ -12,7 +12,7 @@ import torch
 
 import engine
 from engine.inputs import prepare_inputs
-from engine.kernels.sdpa_cuda import _fused, sdpa_cuda_fits
+from engine.kernels.cuda.sdpa_cuda import _fused, sdpa_cuda_fits
 
 
 def oracle(q, k, v, causal_top_left: bool):

@@ -63,7 +63,7 @@ def test_the_same_generator_state_gives_the_same_output_and_another_does_not():
 def test_tiles_do_not_change_the_pattern():
     q, k, v = qkv(t=40, s=70)
     from engine.inputs import prepare_inputs
-    from engine.kernels.tiled import tiled_attention
+    from engine.kernels.tiled.tiled import tiled_attention
 
     inputs = prepare_inputs(q, k, v, None, None, None, None, dropout_p=0.4, generator=torch.Generator().manual_seed(3))
     small, _ = tiled_attention(inputs, block_q=7, block_k=11)

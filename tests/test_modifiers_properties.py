@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.inputs import prepare_inputs
-from engine.kernels.sdpa_tiles import sdpa_tiles_attention
+from engine.kernels.sdpa.sdpa_tiles import sdpa_tiles_attention
 from engine.kernels.sinks import apply_sinks
-from engine.kernels.tiled import tiled_attention
+from engine.kernels.tiled.tiled import tiled_attention
 from engine.masks import document_mask, window_mask
 from engine.relative_bias import RelativePositionBias
 from tests.modifier_oracle import oracle

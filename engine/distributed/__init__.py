@@ -4,6 +4,6 @@
 """
 
 from engine.distributed.context import METHODS, context_parallel_attention
-from engine.distributed.shards import zigzag_indices, zigzag_shard, zigzag_unshard
+from engine.distributed.zigzag import zigzag_indices, zigzag_shard, zigzag_unshard
 
 __all__ = ["METHODS", "context_parallel_attention", "zigzag_indices", "zigzag_shard", "zigzag_unshard"]

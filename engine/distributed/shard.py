@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from engine.kernels.tiled_backward import tiled_backward
+from engine.kernels.tiled.backward import tiled_backward
 from engine.masks.causal import CausalMask
 from engine.masks.documents import document_mask
 from engine.masks.structured import StructuredMask

@@ -3,29 +3,31 @@
 Data flows one way: inputs -> ``dispatch`` (which kernel, and the one fallback order) -> a kernel -> merge.
 A kernel is one module with a ``fits`` and a ``run``; it imports building blocks, never another kernel.
 
-Kernels (fastest first), each beside its readable twin:
-- ``decode_native``: few queries against a long (or quantized) cache in C++, each K/V row read once for its query
-  group (twins: decode, tiled; dequantized for a quantized cache).
-- ``decode``: few queries against a long cache, GQA groups as rows, split-KV merged by log-sum-exp (twin: tiled).
-- ``sdpa``: one call of PyTorch's fused CPU flash op where its semantics fit exactly (twin: reference).
-- ``sdpa_cuda``: PyTorch's fused CUDA attention (flash / cuDNN / efficient) where the rule is one of its two
+Kernels (fastest first), each beside its readable twin, one package per family:
+- ``decode.decode_native``: few queries against a (long or quantized) cache in C++, each K/V row read once for its
+  query group (twins: decode, tiled; dequantized for a quantized cache); ``decode.native_build`` builds it.
+- ``decode.decode``: few queries against a long cache, GQA groups as rows, split-KV merged by log-sum-exp (twin:
+  tiled).
+- ``sdpa.sdpa``: one call of PyTorch's fused CPU flash op where its semantics fit exactly (twin: reference).
+- ``cuda.sdpa_cuda``: PyTorch's fused CUDA attention (flash / cuDNN / efficient) where the rule is one of its two
   patterns; GQA groups folded into rows for decode (twin: reference).
-- ``sdpa_tiles``: that fused op on the tiles the mask leaves, merged by log-sum-exp (twin: tiled).
-- ``flex``: FlexAttention, compiled, on a BlockMask from the mask's tile bounds, a mask_mod from each mask family's
-  rule, softcap as a score_mod; the CUDA kernel for masks and positions, forced-only on CPU (twin: tiled).
-- ``tiled``: online softmax over query x key tiles in torch ops, skipping empty tiles; handles everything
-  (softcap, Dv != D, per-head masks, NaN/inf, any device) and trains with a tiled backward.
-- ``dequantized``: a quantized KV cache dequantised a chunk of keys at a time (twin of decode_native's quantized path).
-- ``reference`` (module ``dense``): the dense, materialising path (the seed's listing, made safe); the
-  oracle for the rest.
+- ``sdpa.sdpa_tiles``: that fused op on the tiles the mask leaves, merged by log-sum-exp (twin: tiled).
+- ``flex.flex``: FlexAttention, compiled, on a BlockMask from the mask's tile bounds (``flex.block_mask``), a
+  mask_mod from each mask family's rule, softcap as a score_mod; the CUDA kernel for masks and positions,
+  forced-only on CPU (twin: tiled).
+- ``tiled.tiled``: online softmax over query x key tiles in torch ops, skipping empty tiles; handles everything
+  (softcap, Dv != D, per-head masks, NaN/inf, any device) and trains with ``tiled.backward``.
+- ``decode.dequantized``: a quantized KV cache dequantised a chunk of keys at a time (twin of decode_native's
+  quantized path).
+- ``reference``: the dense, materialising path (the seed's listing, made safe); the oracle for the rest.
 
 Building blocks:
-- ``visibility``: the rule ``key_pos <= query_pos & allowed`` as one structured mask;
-- ``plan``: which tiles it leaves (EMPTY / FULL / PARTIAL); ``flash_plan``: the fused calls covering them;
-- ``flash``: the fused CPU op, wrapped once; ``flash_run``: runs a call plan forward and backward;
-- ``flex_mask``: the rule as FlexAttention takes it (BlockMask + mask_mod), cached by content;
-- ``tiled_backward``: the backward by tiles from the lse; ``nonfinite``: NaN/inf in K/V never leak;
-  ``overflow``: room for sums of values near the float max (exact power-of-two scaling);
+- ``visibility``: the rule ``key_pos <= query_pos & allowed`` as one structured mask, decided once per plan;
+- ``tiles``: which tiles it leaves (EMPTY / FULL / PARTIAL); ``sdpa.calls``: the fused calls covering them;
+- ``sdpa.fused_op``: the fused CPU op, wrapped once; ``sdpa.run_calls``: runs a call plan forward and backward;
+- ``scores``, ``dropout``, ``sinks``: score modifiers per block, the dropout pattern, sinks after any kernel;
+- ``nonfinite``: NaN/inf in K/V never leak; ``overflow``: room for sums of values near the float max (exact
+  power-of-two scaling);
 - ``merge``: ``merge_attention_states``; ``common``: compute dtype, GQA rows, empty-row fix-up.
 """
 

@@ -44,23 +44,23 @@ from typing import NamedTuple
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels import decode_native
 from engine.kernels.common import DoesNotFit, compute_dtype, differentiable
-from engine.kernels.decode import decode_attention, decode_fits, decode_pays_off
-from engine.kernels.decode_native import (
+from engine.kernels.cuda.sdpa_cuda import sdpa_cuda_attention, sdpa_cuda_fits
+from engine.kernels.decode import decode_native
+from engine.kernels.decode.decode import decode_attention, decode_fits, decode_pays_off
+from engine.kernels.decode.decode_native import (
     native_decode_attention,
     native_decode_fits,
     native_decode_pays_off,
     native_decode_runner,
 )
-from engine.kernels.dense import dense_attention
-from engine.kernels.dequantized import dequantized_attention, dequantized_fits
-from engine.kernels.flex import flex_attention, flex_fits, flex_pays_off
-from engine.kernels.sdpa import sdpa_attention, sdpa_fits
-from engine.kernels.sdpa_cuda import sdpa_cuda_attention, sdpa_cuda_fits
-from engine.kernels.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
+from engine.kernels.decode.dequantized import dequantized_attention, dequantized_fits
+from engine.kernels.flex.flex import flex_attention, flex_fits, flex_pays_off
+from engine.kernels.reference import dense_attention
+from engine.kernels.sdpa.sdpa import sdpa_attention, sdpa_fits
+from engine.kernels.sdpa.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
 from engine.kernels.sinks import apply_sinks
-from engine.kernels.tiled import tiled_attention
+from engine.kernels.tiled.tiled import tiled_attention
 
 logger = logging.getLogger("engine.kernels")
 

@@ -21,7 +21,7 @@ import torch
 from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, head_mask, needs_grad
 from engine.kernels.overflow import with_headroom
-from engine.kernels.plan import plan_tiles
+from engine.kernels.tiles import plan_tiles
 from engine.kernels.visibility import visibility_mask
 
 POISON_BLOCK_Q, POISON_BLOCK_K = 256, 256

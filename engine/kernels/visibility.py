@@ -63,15 +63,16 @@ def causal_pattern(inputs: AttentionInputs) -> str | None:
 
 
 def _causal_pattern(inputs: AttentionInputs) -> str | None:
-    qp, kp = inputs.query_positions, inputs.key_positions  # [B, T], [B, S]
-    if not inputs.causal or qp.numel() == 0 or kp.numel() == 0:  # no queries or no keys: nothing to hide
+    query_pos, key_pos = inputs.query_positions, inputs.key_positions  # [B, T], [B, S]
+    if not inputs.causal or query_pos.numel() == 0 or key_pos.numel() == 0:  # no queries or no keys: nothing to hide
         return "none"
     if inputs.default_positions:  # queries at S-T .. S-1, keys at 0 .. S-1
-        t, s = qp.shape[1], kp.shape[1]
+        t, s = query_pos.shape[1], key_pos.shape[1]
         return "none" if t <= 1 else "causal" if t == s else None
-    if bool((kp.amax(dim=-1) <= qp.amin(dim=-1)).all()):
+    if bool((key_pos.amax(dim=-1) <= query_pos.amin(dim=-1)).all()):
         return "none"
-    if qp.shape[1] == kp.shape[1] and torch.equal(qp, kp) and bool((kp.diff(dim=-1) > 0).all()):
+    if query_pos.shape[1] == key_pos.shape[1] and torch.equal(query_pos, key_pos) and \
+            bool((key_pos.diff(dim=-1) > 0).all()):
         return "causal"
     return None
 

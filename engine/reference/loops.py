@@ -53,10 +53,10 @@ def per_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    qp = torch.arange(s - t, s) if query_positions is None else query_positions
-    kp = torch.arange(s) if key_positions is None else key_positions
-    qp = qp.expand(batch, t) if qp.dim() == 1 else qp  # [B, T]
-    kp = kp.expand(batch, s) if kp.dim() == 1 else kp  # [B, S]
+    query_pos = torch.arange(s - t, s) if query_positions is None else query_positions
+    key_pos = torch.arange(s) if key_positions is None else key_positions
+    query_pos = query_pos.expand(batch, t) if query_pos.dim() == 1 else query_pos  # [B, T]
+    key_pos = key_pos.expand(batch, s) if key_pos.dim() == 1 else key_pos  # [B, S]
     full = None if allowed is None else allowed.expand(batch, q_heads, t, s)  # [B, Hq, T, S]
     out = torch.zeros(batch, q_heads, t, dv, dtype=torch.float64)
     for b in range(batch):
@@ -64,7 +64,7 @@ def per_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             kvh = h // group
             for i in range(t):
                 keys = [j for j in range(s)
-                        if (not causal or kp[b, j] <= qp[b, i]) and (full is None or full[b, h, i, j])]
+                        if (not causal or key_pos[b, j] <= query_pos[b, i]) and (full is None or full[b, h, i, j])]
                 if not keys:
                     continue
                 idx = torch.tensor(keys)

@@ -113,7 +113,7 @@ def _flex(q, k, v, mask_mod, batch_rows: int | None, train: bool) -> Impl:
 def mask_build(q, k, v, train: bool, wrap: Callable = lambda fn: fn, **kwargs) -> Impl:
     """The engine's conversion of positions and masks to a FlexAttention BlockMask (with the backward's lists when
     training), its cache cleared each time: timed apart from the calls, which find it cached."""
-    from engine.kernels.flex_mask import clear_block_mask_cache, flex_mask
+    from engine.kernels.flex.block_mask import clear_block_mask_cache, flex_mask
 
     inputs = prepare_inputs(q, k, v, kwargs.get("query_positions"), kwargs.get("key_positions"),
                             kwargs.get("allowed"), None, causal=kwargs.get("causal", True))

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import DoesNotFit, needs_grad
-from engine.kernels.flash import causal_call_fits
 from engine.kernels.nonfinite import run_guarded
+from engine.kernels.sdpa.fused_op import causal_call_fits
 from engine.kernels.visibility import causal_pattern
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the fused CUDA backends take

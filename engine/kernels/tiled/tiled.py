@@ -28,9 +28,9 @@ from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, compute_dtype, differentiable, group_rows, head_mask
 from engine.kernels.nonfinite import all_finite, guard_non_finite
 from engine.kernels.overflow import with_headroom
-from engine.kernels.plan import batch_query_tiles
 from engine.kernels.scores import dropout_tile, modified_tile
-from engine.kernels.tiled_backward import BLOCK_K, BLOCK_Q, tiled_backward
+from engine.kernels.tiled.backward import BLOCK_K, BLOCK_Q, tiled_backward
+from engine.kernels.tiles import batch_query_tiles
 from engine.kernels.visibility import visibility_mask
 
 FEW_QUERIES = 16  # T <= this (decode shapes): one query tile against long key tiles

@@ -28,10 +28,10 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, needs_grad
-from engine.kernels.flash import flash_call, flash_fits, flash_operands
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
 from engine.kernels.scores import additive_block
+from engine.kernels.sdpa.fused_op import flash_call, flash_fits, flash_operands
 from engine.kernels.visibility import decode_rows
 
 MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row

@@ -1,6 +1,6 @@
 """Kernel ``flex``: PyTorch's FlexAttention (compiled) on the engine's own plan.
 
-One call of ``flex_attention`` with what the engine already knows (engine.kernels.flex_mask):
+One call of ``flex_attention`` with what the engine already knows (engine.kernels.flex.block_mask):
 
     block_mask   from the visibility mask's tile bounds: empty blocks skipped, full blocks unmasked
     mask_mod     the rule pair by pair: each mask family's ``relate`` on per-row positions / ids / flags
@@ -20,7 +20,7 @@ Where it runs (torch 2.13):
 
 Compiled kernels are cached by torch.compile (one per mask structure, dtype and, on CPU, shape: about 6 s
 each on a CPU; on CUDA the second shape compiles a dynamic-shape kernel for the rest), block masks by
-content (engine.kernels.flex_mask). NaN/inf in masked K/V would reach the output through ``0 * NaN`` (Flex
+content (engine.kernels.flex.block_mask). NaN/inf in masked K/V would reach the output through ``0 * NaN`` (Flex
 multiplies the whole block): engine.kernels.nonfinite zeroes them and marks the rows that do see them.
 Readable twin: the ``tiled`` kernel (the same blocks, online softmax in plain torch ops).
 """
@@ -34,7 +34,7 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import DoesNotFit, compute_dtype, needs_grad
-from engine.kernels.flex_mask import flex_mask
+from engine.kernels.flex.block_mask import flex_mask
 from engine.kernels.nonfinite import run_guarded
 
 try:

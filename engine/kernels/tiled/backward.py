@@ -31,7 +31,6 @@ import torch
 from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
 from engine.kernels.nonfinite import guard_non_finite
-from engine.kernels.plan import batch_query_tiles
 from engine.kernels.scores import (
     add_bias_grad,
     additive_block,
@@ -40,6 +39,7 @@ from engine.kernels.scores import (
     score_mod_backward,
     tile_view,
 )
+from engine.kernels.tiles import batch_query_tiles
 from engine.kernels.visibility import visibility_mask
 
 BLOCK_Q = 128  # queries per tile (times every head of the KV group): the tiled kernel's forward and backward

@@ -26,7 +26,7 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import DoesNotFit, needs_grad
-from engine.kernels.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
+from engine.kernels.decode.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
 from engine.kernels.visibility import decode_rows
 from engine.quantized import QuantizedKV
 

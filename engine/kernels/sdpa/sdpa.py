@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import DoesNotFit
-from engine.kernels.flash import causal_call_fits, flash_fits
-from engine.kernels.flash_plan import Call
-from engine.kernels.flash_run import run_calls
 from engine.kernels.nonfinite import run_guarded
-from engine.kernels.plan import CAUSAL, FULL
+from engine.kernels.sdpa.calls import Call
+from engine.kernels.sdpa.fused_op import causal_call_fits, flash_fits
+from engine.kernels.sdpa.run_calls import run_calls
+from engine.kernels.tiles import CAUSAL, FULL
 from engine.kernels.visibility import causal_pattern
 
 

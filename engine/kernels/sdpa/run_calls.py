@@ -1,4 +1,4 @@
-"""Run a plan of fused calls (engine.kernels.flash_plan): forward, merge, and backward by spans.
+"""Run a plan of fused calls (engine.kernels.sdpa.calls): forward, merge, and backward by spans.
 
 Each query tile's calls are merged exactly by ``merge_attention_states``; runs of translated copies of one
 masked call go to the op as one batched call (the query tiles and their overlapping key spans as strided
@@ -9,7 +9,7 @@ ALiBi and biases ride in each call's additive mask (no batched calls then: a bia
 Gradients: the fused op's backward applied per span, fed the *merged* output and lse, gives each span's
 exact share of dq, dk, dv (the flash backward only needs the softmax weights ``exp(s - lse)`` and
 ``delta = rowsum(dout * out)``, both global). A gradient that reaches the lse itself (the op's backward has
-no lse input) is computed by tiles (engine.kernels.tiled_backward).
+no lse input) is computed by tiles (engine.kernels.tiled.backward).
 
 Used by the kernels ``sdpa`` (a plan of one call) and ``sdpa_tiles``.
 """
@@ -20,12 +20,12 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import NEG_INF, additive_mask, compute_dtype, differentiable
-from engine.kernels.flash import FLASH, FLASH_BACKWARD, flash_call, flash_operands
-from engine.kernels.flash_plan import Call, batches, single_call, span_visible
 from engine.kernels.merge import merge_attention_states
-from engine.kernels.plan import CAUSAL, PARTIAL
 from engine.kernels.scores import additive_block
-from engine.kernels.tiled_backward import tiled_backward
+from engine.kernels.sdpa.calls import Call, batches, single_call, span_visible
+from engine.kernels.sdpa.fused_op import FLASH, FLASH_BACKWARD, flash_call, flash_operands
+from engine.kernels.tiled.backward import tiled_backward
+from engine.kernels.tiles import CAUSAL, PARTIAL
 from engine.kernels.visibility import visibility_mask
 
 

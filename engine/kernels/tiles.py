@@ -20,7 +20,7 @@ import torch
 from engine.masks.structured import StructuredMask
 
 # The tile kinds, one vocabulary for every kernel. CAUSAL refines PARTIAL for the fused op: a square span whose
-# mask is exactly the top-left triangle, which the op computes with its own ``is_causal`` (engine.kernels.flash_plan).
+# mask is exactly the top-left triangle, which the op computes with its own ``is_causal`` (engine.kernels.sdpa.calls).
 EMPTY, FULL, PARTIAL, CAUSAL = "empty", "full", "partial", "causal"
 _KINDS = (EMPTY, FULL, PARTIAL)  # indexed by the codes plan_tiles computes: 0, 1, 2
 

@@ -1,6 +1,6 @@
 """The call plan of the ``sdpa_tiles`` kernel: which fused calls cover the tiles a mask leaves.
 
-The tile plan (engine.kernels.plan) sorts query tile x key tile pairs into EMPTY / FULL / PARTIAL. For each
+The tile plan (engine.kernels.tiles) sorts query tile x key tile pairs into EMPTY / FULL / PARTIAL. For each
 query tile, consecutive non-empty key tiles of one kind form a *span*, and each span is one ``Call`` of the
 fused op (which returns its log-sum-exp); the calls of one query tile are merged by lse::
 
@@ -31,8 +31,8 @@ from typing import NamedTuple
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.flash import causal_call_fits
-from engine.kernels.plan import CAUSAL, FULL, PARTIAL, plan_tiles
+from engine.kernels.sdpa.fused_op import causal_call_fits
+from engine.kernels.tiles import CAUSAL, FULL, PARTIAL, plan_tiles
 from engine.kernels.visibility import visibility_mask
 from engine.masks.structured import StructuredMask
 

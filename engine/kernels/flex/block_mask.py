@@ -14,8 +14,8 @@ and ``mask_mod`` is the same rule evaluated pair by pair: each mask family's own
 values (positions, document ids, validity flags) of query ``q_idx`` and key ``kv_idx``, joined by the mask's
 ``&``, ``|`` and ``~``::
 
-    causal & window(4):  mask_mod(b, h, i, j) = (kp[b, j] <= qp[b, i])                        # CausalMask
-                                                & (kp[b, j] <= qp[b, i]) & (qp[b, i] - kp[b, j] < 4)  # WindowMask
+    causal & window(4):  mask_mod(b, h, i, j) = (key_pos[b, j] <= query_pos[b, i])                    # CausalMask
+                           & (key_pos[b, j] <= query_pos[b, i]) & (query_pos[b, i] - key_pos[b, j] < 4)  # WindowMask
 
 The per-token values are padded to whole blocks (repeating the last entry), so the kernel never reads past
 them in a block that straddles the end of the sequence. Block masks are cached by content: the layers of one

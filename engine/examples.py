@@ -1,9 +1,13 @@
 """``run.py attention --impl NAME``: the seeds' worked examples, each result beside the value the seed states.
 
+The seeds are the three source texts the examples come from: the attention chapter (the six-token example
+"Your journey starts with one step"), the attention-from-first-principles notes (three tokens by hand) and
+the attention-from-scratch lesson (its standard-library program).
+
 Every number is formatted at the precision the seed prints it and compared digit for digit; the command
 exits 1 if any differs. ``--impl`` picks who computes the attention: ``engine`` (causal_attention, kernel
-chosen automatically), ``lists`` (seed 002's stdlib program), ``loops`` (the per-query loop), or any kernel
-of ``engine.kernels.dispatch.KERNELS`` by name.
+chosen automatically), ``lists`` (the standard-library program of the attention-from-scratch lesson),
+``loops`` (the per-query loop), or any kernel of ``engine.kernels.dispatch.KERNELS`` by name.
 """
 
 from __future__ import annotations
@@ -106,19 +110,20 @@ def run_examples(impl: Impl, use_lists_softmax: bool = False) -> Report:
     rep = Report()
     x = SIX_TOKENS
 
-    section("Seed 000, Step 1: attention for 'journey' with no parameters (scale 1, no mask)")
+    section("Attention chapter, Step 1: attention for 'journey' with no parameters (scale 1, no mask)")
     rep.check("scores = x @ x[1]", fmt(x @ x[1], 4), "0.9544 1.4950 1.4754 0.8434 0.7070 1.0865")
     w = weights_of(impl, x[1:2], x, causal=False, scale=1.0)[0]
     rep.check("weights = softmax(scores)", fmt(w, 4), "0.1385 0.2379 0.2333 0.1240 0.1082 0.1581")
     z = impl(x[1:2], x, x, False, 1.0, None)[0]
     rep.check("context vector z_journey", fmt(z, 4), "0.4419 0.6515 0.5683")
 
-    section("Seed 000, Step 4: causal weights of the six tokens (scale 1)")
+    section("Attention chapter, Step 4: causal weights of the six tokens (scale 1)")
     table = weights_of(impl, x, x, causal=True, scale=1.0)
     for i, word in enumerate(WORDS):
         rep.check(f"row {i} ({word})", fmt(table[i], 3), SEED_CAUSAL_TABLE[i])
 
-    section("Seed 003, section 4: three tokens by hand (d_head = 2, scale 1/sqrt(2), causal)")
+    section("Attention-from-first-principles notes, section 4: three tokens by hand "
+            "(d_head = 2, scale 1/sqrt(2), causal)")
     q3 = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
     v3 = torch.tensor([[10.0, 0.0], [0.0, 10.0], [5.0, 5.0]], dtype=torch.float64)
     scaled = (q3 @ q3.T) / math.sqrt(2)
@@ -130,19 +135,19 @@ def run_examples(impl: Impl, use_lists_softmax: bool = False) -> Report:
     for i, stated in enumerate(["10.00 0.00", "3.30 6.70", "5.00 5.00"]):
         rep.check(f"out[{i}]", fmt(out3[i], 2), stated)
 
-    section("Seed 000, Step 3: softmax saturates on large scores")
+    section("Attention chapter, Step 3: softmax saturates on large scores")
     softmax = (lambda s: torch.tensor(lists.softmax(s.tolist()))) if use_lists_softmax else stable_softmax
     rep.check("softmax([1, 2, 3])", fmt(softmax(torch.tensor([1.0, 2.0, 3.0])), 2), "0.09 0.24 0.67")
     rep.check("softmax([8, 16, 24])", fmt(softmax(torch.tensor([8.0, 16.0, 24.0])), 4), "0.0000 0.0003 0.9997")
 
-    section("Seed 002: naive vs stable softmax on [1000, 999, 0]")
+    section("Attention-from-scratch lesson: naive vs stable softmax on [1000, 999, 0]")
     big = torch.tensor([1000.0, 999.0, 0.0])
     naive = naive_softmax(big)
     rep.check("naive softmax overflows", "overflow" if not bool(torch.isfinite(naive).all()) else fmt(naive, 4),
               "overflow")
     rep.check("stable softmax", fmt(softmax(big), 4), "0.7311 0.2689 0.0000")
 
-    section("Seed 002: causality (edit only the last of 5 tokens; d = 8, random.Random(3))")
+    section("Attention-from-scratch lesson: causality (edit only the last of 5 tokens; d = 8, random.Random(3))")
     X, Wq, Wk, Wv = lists.seed_program_inputs()
     proj = lambda X: [torch.tensor(lists.project(X, W), dtype=torch.float64) for W in (Wq, Wk, Wv)]
     out_a = impl(*proj(X), True, None, None)
@@ -151,12 +156,12 @@ def run_examples(impl: Impl, use_lists_softmax: bool = False) -> Report:
     rep.check("max change per position", fmt(diff, 3), "0.000 0.000 0.000 0.000 5.277")
     rep.check("positions 0-3 bit-identical", str(bool(torch.equal(out_a[:4], out_b[:4]))), "True")
 
-    section("Seed 002: padding (3 real tokens of 5, no causal mask), weights of query 0")
+    section("Attention-from-scratch lesson: padding (3 real tokens of 5, no causal mask), weights of query 0")
     Q, K, _ = proj(X)
     wp = weights_of(impl, Q, K, causal=False, valid=3)
     rep.check("query 0", fmt(wp[0], 2), "0.40 0.13 0.47 0.00 0.00")
 
-    section("Seed 002: why divide by sqrt(d_k) (sd of q.k for random unit-variance vectors)")
+    section("Attention-from-scratch lesson: why divide by sqrt(d_k) (sd of q.k for random unit-variance vectors)")
     for dk, sd_stated, after in ((16, "4.10", "1.03"), (128, "11.47", "1.01"), (1024, "31.77", "0.99")):
         sd = lists.dot_spread(dk)
         rep.check(f"d_k={dk}: sd, sd/sqrt(d_k)", f"{sd:.2f} {sd / math.sqrt(dk):.2f}", f"{sd_stated} {after}")

@@ -2,10 +2,10 @@
 
 The model is small on purpose (it runs on 2 CPU cores); its weights are random, so the tokens mean nothing.
 What it shows: prefill (in chunks) and one-token decode through one code path, tokens/s for each phase, the
-cache's memory against seed 003's formula, and (``--check``) that cached greedy decoding picks the same
-tokens as a full uncached forward pass. ``--kv-dtype int8`` (or ``fp8``) stores the cache quantized
-(engine.quantized); ``--check`` then also prints each layer's attention-output error against a cache in the
-model's dtype, on one decode step after the same prefill.
+cache's memory against the KV-cache formula ``2 * layers * B * Hkv * S * D * bytes``, and (``--check``) that
+cached greedy decoding picks the same tokens as a full uncached forward pass. ``--kv-dtype int8`` (or ``fp8``)
+stores the cache quantized (engine.quantized); ``--check`` then also prints each layer's attention-output error
+against a cache in the model's dtype, on one decode step after the same prefill.
 
     ids [B, T] -> embed -> L x (RMSNorm -> MultiHeadAttention (RoPE, GQA, KV cache) -> RMSNorm -> SwiGLU MLP)
                -> RMSNorm -> lm_head -> logits [B, T, V]

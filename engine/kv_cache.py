@@ -1,8 +1,9 @@
 """A preallocated per-layer KV cache that stores every key with its position.
 
-Positions drive the cache (seed 000): each slot holds a key, a value, the key's position and whether the
-slot holds a real token (pad slots are kept but never attended to). Prefill, chunked prefill and one-token
-decode are one call, ``update``: it writes T new slots for every row and returns all slots so far.
+Positions drive the cache (the attention chapter's rule: key j is visible to query i iff pos(k_j) <= pos(q_i)):
+each slot holds a key, a value, the key's position and whether the slot holds a real token (pad slots are kept
+but never attended to). Prefill, chunked prefill and one-token decode are one call, ``update``: it writes T new
+slots for every row and returns all slots so far.
 
     capacity 8, two rows, left-padded prompt of 4 then one decode step ("." = pad slot):
 
@@ -14,8 +15,8 @@ decode are one call, ``update``: it writes T new slots for every row and returns
 Rows advance together in slots (one write offset for the batch) but keep their own positions, so ragged
 batches, left or right padding and per-row decode positions need no special path.
 
-Memory (seed 003): ``2 * layers * B * Hkv * S * D * bytes``; Llama-3-8B (32 layers, Hkv = 8, D = 128)
-at 128k tokens in fp16 holds 2 * 32 * 8 * 131072 * 128 * 2 = 17.2 GB per sequence.
+Memory of a whole model's cache: ``2 * layers * B * Hkv * S * D * bytes`` (keys and values); Llama-3-8B
+(32 layers, Hkv = 8, D = 128) at 128k tokens in fp16 holds 2 * 32 * 8 * 131072 * 128 * 2 = 17.2 GB per sequence.
 
 Quantized (``dtype=torch.int8`` or ``torch.float8_e4m3fn``): ``update`` takes keys and values in any float
 dtype and stores them as 1-byte entries with one fp32 scale per token and head (engine.quantized), 1 + 4/D
@@ -38,8 +39,9 @@ def kv_cache_bytes(layers: int, batch: int, kv_heads: int, tokens: int, head_dim
     """Bytes of keys and values for a whole model: ``2 * layers * B * Hkv * S * (D * bytes + scale_bytes)``.
 
     ``scale_bytes`` is 4 for a quantized cache (int8 / fp8 entries, one fp32 scale per token and head), else 0.
-    Example (seed 003): ``kv_cache_bytes(32, 1, 8, 131072, 128, 2) == 17_179_869_184`` (17.2 GB); in int8
-    ``kv_cache_bytes(32, 1, 8, 131072, 128, 1, 4) == 8_858_370_048`` (8.9 GB, 0.27 GB of it scales).
+    Example, Llama-3-8B at 128k tokens in fp16: ``kv_cache_bytes(32, 1, 8, 131072, 128, 2) == 17_179_869_184``
+    (17.2 GB); in int8 ``kv_cache_bytes(32, 1, 8, 131072, 128, 1, 4) == 8_858_370_048`` (8.9 GB, 0.27 GB of it
+    scales).
     """
     for name, n in (("layers", layers), ("batch", batch), ("kv_heads", kv_heads), ("tokens", tokens),
                     ("head_dim", head_dim), ("dtype_bytes", dtype_bytes), ("scale_bytes", scale_bytes)):
@@ -106,14 +108,14 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the key and value storage (the seed's formula at ``S = capacity``, one layer; a quantized
-        cache adds its scales, 4 bytes per token and head for keys and for values)."""
+        """Bytes of the key and value storage (the KV-cache formula above at ``S = capacity``, one layer; a
+        quantized cache adds its scales, 4 bytes per token and head for keys and for values)."""
         scales = self.key_scales.nbytes + self.value_scales.nbytes if self.quantized else 0
         return self.keys.nbytes + self.values.nbytes + scales
 
     @property
     def bookkeeping_nbytes(self) -> int:
-        """Bytes of the per-slot positions and validity (not part of the seed's formula)."""
+        """Bytes of the per-slot positions and validity (not part of the KV-cache formula)."""
         return self.positions.nbytes + self.valid.nbytes
 
     @property

@@ -1,4 +1,5 @@
-"""Multi-head attention as a layer: seed 003's nine steps around ``causal_attention``.
+"""Multi-head attention as a layer around ``causal_attention``: the nine steps of multi-head attention, as the
+attention-from-first-principles notes list them.
 
     x [B, T, E]
     1. q = x Wq^T                      [B, T, Hq*D]

@@ -101,3 +101,21 @@ class _Differentiable(torch.autograd.Function):
         grads = ctx.backward(inputs, saved_out, lse, grad_out, grad_lse)
         dbias = grads[3] if len(grads) > 3 else None
         return grads[0], grads[1], grads[2], dbias, None, None, None
+
+
+def empty_result(inputs, return_lse: bool):
+    """B, Hq or T of 0 gives an empty output; S = 0 gives rows that see nothing: zeros and lse -inf. In training
+    the result is still part of the graph (zero gradients), so a loss over it can call backward."""
+
+    def forward(x):
+        batch, q_heads, t, _ = x.q.shape
+        out = x.q.new_zeros(batch, q_heads, t, x.v.shape[3])  # [B, Hq, T, Dv]
+        lse = torch.full((batch, q_heads, t), float("-inf"), dtype=compute_dtype(x.q.dtype),
+                         device=x.q.device)  # [B, Hq, T]
+        return out, lse, out
+
+    def backward(x, out, lse, grad_out, grad_lse):
+        return torch.zeros_like(x.q), torch.zeros_like(x.k), torch.zeros_like(x.v)
+
+    out, lse = differentiable(inputs, forward, backward)
+    return out, (lse if return_lse else None)

@@ -44,7 +44,7 @@ from typing import NamedTuple
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import DoesNotFit, compute_dtype, differentiable
+from engine.kernels.common import DoesNotFit, empty_result
 from engine.kernels.cuda.sdpa_cuda import sdpa_cuda_attention, sdpa_cuda_fits
 from engine.kernels.decode import decode_native
 from engine.kernels.decode.decode import decode_attention, decode_fits, decode_pays_off
@@ -56,7 +56,7 @@ from engine.kernels.decode.decode_native import (
 )
 from engine.kernels.decode.dequantized import dequantized_attention, dequantized_fits
 from engine.kernels.flex.flex import flex_attention, flex_fits, flex_pays_off
-from engine.kernels.reference import dense_attention
+from engine.kernels.reference import reference_attention
 from engine.kernels.sdpa.sdpa import sdpa_attention, sdpa_fits
 from engine.kernels.sdpa.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
 from engine.kernels.sinks import apply_sinks
@@ -119,7 +119,7 @@ KERNELS: dict[str, Kernel] = {
     "dequantized": Kernel(dequantized_attention, dequantized_fits, _always,
                           "a quantized KV cache, dequantised a chunk of keys at a time (readable twin)",
                           takes=frozenset({"softcap", "quantized_kv"})),
-    "reference": Kernel(dense_attention, _always, _never_auto, "the dense reference (the oracle)",
+    "reference": Kernel(reference_attention, _always, _never_auto, "the dense reference (the oracle)",
                         takes=frozenset({"softcap", "alibi", "bias", "bias_grad", "score_mod", "dropout",
                                          "quantized_kv"})),
 }
@@ -262,7 +262,7 @@ def prepared(inputs: AttentionInputs, name: str) -> Callable | None:
 def _run_kernel(inputs: AttentionInputs, name: str, return_lse: bool):
     batch, q_heads, t, _ = inputs.q.shape
     if batch * q_heads * t == 0 or inputs.k.shape[2] == 0:  # nothing to attend to (or from): no kernel runs
-        return _empty_result(inputs, return_lse)
+        return empty_result(inputs, return_lse)
     if name == "reference":
         _warn_if_slow(inputs)
     while True:
@@ -283,22 +283,4 @@ def _warn_if_slow(inputs: AttentionInputs) -> None:
     if batch * q_heads * t * inputs.k.shape[2] > SLOW_REFERENCE_SCORES:
         warnings.warn(f"the materialising reference kernel builds a [B, Hq, T, S] = "
                       f"{[batch, q_heads, t, inputs.k.shape[2]]} score tensor; use kernel='auto'",
-                      SlowPathWarning, stacklevel=5)
-
-
-def _empty_result(inputs: AttentionInputs, return_lse: bool):
-    """B, Hq or T of 0 gives an empty output; S = 0 gives rows that see nothing: zeros and lse -inf. In training
-    the result is still part of the graph (zero gradients), so a loss over it can call backward."""
-
-    def forward(x: AttentionInputs):
-        batch, q_heads, t, _ = x.q.shape
-        out = x.q.new_zeros(batch, q_heads, t, x.v.shape[3])  # [B, Hq, T, Dv]
-        lse = torch.full((batch, q_heads, t), float("-inf"), dtype=compute_dtype(x.q.dtype),
-                         device=x.q.device)  # [B, Hq, T]
-        return out, lse, out
-
-    def backward(x: AttentionInputs, out, lse, grad_out, grad_lse):
-        return torch.zeros_like(x.q), torch.zeros_like(x.k), torch.zeros_like(x.v)
-
-    out, lse = differentiable(inputs, forward, backward)
-    return out, (lse if return_lse else None)
+                      SlowPathWarning, stacklevel=6)  # the caller of causal_attention

@@ -1,6 +1,7 @@
-"""Kernel ``reference``: seed 000's listing, made safe for empty rows and non-finite masked keys.
+"""Kernel ``reference``: the attention chapter's PyTorch listing of ``causal_attention``, made safe for empty
+rows and non-finite masked keys.
 
-(The module is ``dense`` because ``engine.reference`` is the package of oracles: stdlib lists and loops.)
+(``engine.reference``, a package of its own, holds the independent oracles: stdlib lists and loops.)
 
 It materialises the ``[B, Hq, T, S]`` score matrix, so it is the oracle, not the fast path: the readable
 twin of ``sdpa`` (one fused call) and the kernel every other one is tested against.
@@ -17,7 +18,7 @@ from engine.kernels.visibility import dense_visibility
 from engine.quantized import QuantizedKV
 
 
-def dense_attention(inputs: AttentionInputs, return_lse: bool = False):
+def reference_attention(inputs: AttentionInputs, return_lse: bool = False):
     """Materialise scores, mask before the softmax, return ``(out [B, Hq, T, Dv], lse [B, Hq, T])``."""
     q, k, v = inputs.q, inputs.k, inputs.v
     compute = compute_dtype(q.dtype)

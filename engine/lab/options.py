@@ -61,8 +61,9 @@ def byte_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def add_common(parser: argparse.ArgumentParser, name: str, impl_help: str | None = None) -> None:
-    """Add the shared bench flags; results go to ``results/<name>`` unless ``--out`` says otherwise."""
+def add_common(parser: argparse.ArgumentParser, name: str, impl_help: str | None = None, threads: int = 1) -> None:
+    """Add the shared bench flags; results go to ``results/<name>`` unless ``--out`` says otherwise; ``threads``:
+    the default of ``--threads``."""
     parser.add_argument("--quick", action="store_true", help="tiny sizes that finish in seconds (a smoke test)")
     parser.add_argument("--out", default=f"results/{name}",
                         help=f"folder for the JSON/CSV results and PNG plots (default results/{name})")
@@ -72,9 +73,10 @@ def add_common(parser: argparse.ArgumentParser, name: str, impl_help: str | None
     parser.add_argument("--repeats", type=positive_int, default=3,
                         help="timed runs per point; the median is reported (default 3; 1 with --quick)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for the inputs (default 0)")
-    parser.add_argument("--threads", type=positive_int, default=1,
-                        help="torch intra-op threads (default 1: on a shared machine a multi-threaded op waits "
-                        "milliseconds for a descheduled worker, which swamps small timings)")
+    parser.add_argument("--threads", type=positive_int, default=threads,
+                        help=f"torch intra-op threads (default {threads}" + (": on a shared machine a multi-threaded "
+                        "op waits milliseconds for a descheduled worker, which swamps small timings)" if threads == 1
+                        else ")"))
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -1,11 +1,10 @@
 """Structured masks: a bool mask kept as a predicate over per-token values, so kernels can skip tiles.
 
 A mask helper (``window_mask``, ``document_mask``, ...) returns a ``StructuredMask``: a ``PairwiseMask``
-(engine.masks.pairwise), or ``AllOf`` / ``AnyOf`` / ``Not`` of masks (below), or a plain
-bool tensor wrapped as ``DenseMask`` (below). Wherever a bool
-tensor is expected it behaves as the dense ``[T, S]`` (or ``[B, 1, T, S]``) tensor it describes: torch
-functions, indexing, ``torch.equal`` and ``==`` materialise it on demand, and ``&``, ``|``, ``~`` build a
-new structured mask (also with a plain bool tensor on either side). Kernels instead ask two cheap
+(engine.masks.pairwise), ``AllOf`` / ``AnyOf`` / ``Not`` of masks, or a bool tensor wrapped as ``DenseMask``.
+Wherever a bool tensor is expected it behaves as the dense ``[T, S]`` (or ``[B, 1, T, S]``) tensor it
+describes: torch functions, indexing, ``torch.equal`` and ``==`` materialise it on demand, and ``&``, ``|``,
+``~`` build a new structured mask (also with a plain bool tensor on either side). Kernels instead ask two cheap
 questions that never read a dense ``[T, S]`` tensor:
 
     tile_bounds(b, block_q, block_k, T, S) -> (some [nq, nk], every [nq, nk])   one answer per tile
@@ -225,10 +224,7 @@ class _Combined(StructuredMask):
     """Parts joined by one elementwise operator (``&`` or ``|``); nested joins of the same kind flatten."""
 
     symbol = ""
-
-    @staticmethod
-    def op(a, b):
-        raise NotImplementedError
+    op: Any = None  # the elementwise operator of two bool tensors (each subclass's)
 
     def __init__(self, parts: Sequence[StructuredMask]) -> None:
         flat: list[StructuredMask] = []
@@ -268,20 +264,14 @@ class AllOf(_Combined):
     """``parts[0] & parts[1] & ...``: a tile is empty if any part's is, full if every part's is."""
 
     symbol = "&"
-
-    @staticmethod
-    def op(a, b):
-        return a & b
+    op = staticmethod(lambda a, b: a & b)
 
 
 class AnyOf(_Combined):
     """``parts[0] | parts[1] | ...``: a tile is full if any part's is, empty if every part's is."""
 
     symbol = "|"
-
-    @staticmethod
-    def op(a, b):
-        return a | b
+    op = staticmethod(lambda a, b: a | b)
 
 
 class Not(StructuredMask):

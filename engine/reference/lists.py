@@ -1,7 +1,7 @@
-"""Attention on Python lists, standard library only (seed 002's program).
+"""Attention on Python lists, standard library only (the program of the attention-from-scratch lesson).
 
 softmax(Q K^T / sqrt(d) + mask) V with causal and padding masks. ``seed_program_lines()`` runs the
-program the way the seed does (``random.Random(3)``) and returns its printed lines.
+program the way the lesson does (``random.Random(3)``) and returns its printed lines.
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ def rand(rows: int, cols: int, rng: random.Random) -> Matrix:
 
 
 def project(X: Matrix, W: Matrix) -> Matrix:
-    """``X @ W / sqrt(d)``, as the seed's ``proj``."""
+    """``X @ W / sqrt(d)``, as the lesson's ``proj``."""
     d = len(W)
     return [[sum(x[k] * W[k][c] for k in range(d)) / math.sqrt(d) for c in range(len(W[0]))] for x in X]
 
 
 def seed_program_inputs() -> tuple[Matrix, Matrix, Matrix, Matrix]:
-    """Seed 002's random draws: ``(X [5][8], Wq, Wk, Wv [8][8])`` from ``random.Random(3)``."""
+    """The lesson program's random draws: ``(X [5][8], Wq, Wk, Wv [8][8])`` from ``random.Random(3)``."""
     rng = random.Random(3)
     n, d = 5, 8
     X = rand(n, d, rng)
@@ -75,21 +75,22 @@ def seed_program_inputs() -> tuple[Matrix, Matrix, Matrix, Matrix]:
 
 
 def edit_last_token(X: Matrix) -> Matrix:
-    """The seed's causality probe: a copy of X whose last token has 5.0 added to every feature."""
+    """The lesson's causality probe: a copy of X whose last token has 5.0 added to every feature."""
     X2 = [r[:] for r in X]
     X2[-1] = [x + 5.0 for x in X2[-1]]
     return X2
 
 
 def dot_spread(dk: int, samples: int = 2000) -> float:
-    """Root-mean-square of ``q.k`` for random unit-variance vectors of width dk (seed's ``random.Random(dk)``)."""
+    """Root-mean-square of ``q.k`` for random unit-variance vectors of width dk (the lesson's
+    ``random.Random(dk)``)."""
     r = random.Random(dk)
     dots = [sum(r.gauss(0, 1) * r.gauss(0, 1) for _ in range(dk)) for _ in range(samples)]
     return math.sqrt(sum(x * x for x in dots) / len(dots))
 
 
 def seed_program_lines() -> list[str]:
-    """Run seed 002's program (five positions, d = 8, ``random.Random(3)``) and return what it prints."""
+    """Run the lesson's program (five positions, d = 8, ``random.Random(3)``) and return what it prints."""
     lines: list[str] = []
     X, Wq, Wk, Wv = seed_program_inputs()
     Q, K, V = project(X, Wq), project(X, Wk), project(X, Wv)

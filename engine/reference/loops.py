@@ -1,4 +1,5 @@
-"""Explicit loops, no tensor broadcasting: seed 000's C++/Rust listing and a general per-query oracle."""
+"""Explicit loops, no tensor broadcasting: the attention chapter's C++/Rust listing and a general per-query
+oracle."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 def seed_loop_attention(q: list[float], k: list[float], v: list[float], t: int, s: int,
                         q_heads: int, kv_heads: int, d: int) -> list[float]:
-    """Seed 000's listing, one sequence, flat row-major lists.
+    """The attention chapter's C++/Rust listing, one sequence, flat row-major lists.
 
     q ``[T, Hq*D]`` for positions ``S-T .. S-1``; k, v ``[S, Hkv*D]``. Query i sees keys ``0 .. S-T+i``;
     query head h reads KV head ``h // (Hq // Hkv)``. Returns ``[T, Hq*D]`` flat.

@@ -25,6 +25,7 @@ them; if that runtime refuses a second one in the process, set ``ATTENTION_ENGIN
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import hashlib
@@ -163,3 +164,19 @@ def _build(cxx: str, path: Path, flags: tuple[str, ...] = FLAGS) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Compile the native decode kernel for this CPU now (else the first decode call that runs "
+                          "it does, once per CPU) and print where the library is cached.")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``run.py build-native``: build (or find) the library; 0 when it loads, 1 with the reason when it cannot."""
+    library = load_native()
+    if isinstance(library, str):
+        print(f"the native kernel is unavailable: {library}")
+        return 1
+    built = f"built in {library.build_s:.1f} s" if library.build_s else "already built"
+    print(f"{library.path}: {built}, {library.lanes}-lane vectors")
+    return 0

@@ -1,6 +1,7 @@
-"""``run.py bench gqa``: bytes read and FLOPs of one decode step for Hq = 32 and Hkv in {1, 8, 32} (seed 003, F).
+"""``run.py bench gqa``: bytes read and FLOPs of one decode step for Hq = 32 and Hkv in {1, 8, 32}: exercise F
+("Intensity of GQA") of the attention-from-first-principles notes.
 
-Seed 003's claim: a decode step does ``4 * B * Hq * S * D`` FLOPs and reads ``2 * B * Hkv * S * D * bytes`` of
+The notes' claim: a decode step does ``4 * B * Hq * S * D`` FLOPs and reads ``2 * B * Hkv * S * D * bytes`` of
 KV cache, so its arithmetic intensity is ``Hq / Hkv`` FLOP/B in fp16/bf16: GQA shrinks the cache *and* makes
 decode less memory-bound.
 
@@ -10,7 +11,7 @@ What is measured, per implementation and Hkv (see ``engine.lab.traffic``):
   made on the way (casts, copies, scores). These are bytes requested by ops, not DRAM bytes: a fused op
   (torch-sdpa) shows only its arguments, and repeated reads that hit the caches still count.
 - Time is a median wall time; ``kv GB/s`` divides the counted KV bytes by it (timing-derived bandwidth).
-- The formula columns are the seed's, for comparison.
+- The formula columns are the notes' formulas, for comparison.
 
 ``grouped`` is the lab's decode probe: each KV head is read once by one matmul serving its G query heads.
 """
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=positive_int, default=128, help="head dim D (default 128)")
     parser.add_argument("--batch", type=positive_int, default=1, help="batch size B (default 1)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                        help="KV cache dtype (default bf16: 2 bytes, the seed's arithmetic)")
+                        help="KV cache dtype (default bf16: 2 bytes, which makes the formula's intensity Hq / Hkv)")
     parser.add_argument("--max-seconds", type=positive_float, default=3.0,
                         help="stop repeating a timing after this many seconds (default 3)")
 
@@ -58,7 +59,7 @@ def _kernel_of(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
 
 
 def decode_row(name: str, fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, args) -> dict:
-    """Count one call's traffic and FLOPs, time it, and compare with the seed's formulas."""
+    """Count one call's traffic and FLOPs, time it, and compare with the notes' formulas."""
     with TrafficCounter(inputs=(q, k, v)) as traffic:
         fn(q, k, v)
     ms = median_ms(lambda: fn(q, k, v), repeats=args.repeats, warmup=1, max_seconds=args.max_seconds)
@@ -100,7 +101,7 @@ def run_rows(args: argparse.Namespace, impls: dict) -> list[dict]:
 
 
 def plot(rows: list[dict], path, title: str) -> None:
-    """Left: counted intensity vs G with the seed's line. Right: time per step vs KV cache size. Legend apart."""
+    """Left: counted intensity vs G with the formula's line. Right: time per step vs KV cache size. Legend apart."""
     fig, (ax_i, ax_t, ax_legend) = plots.plt.subplots(1, 3, figsize=(15, 4.8), width_ratios=[1, 1, 0.5])
     plots.loglog(ax_i, f"Decode intensity vs group size\n{title}", "G = Hq / Hkv (query heads per KV head)",
                  "arithmetic intensity (FLOP per byte)")
@@ -109,7 +110,7 @@ def plot(rows: list[dict], path, title: str) -> None:
     groups = sorted({r["G"] for r in rows})
     seed = {r["G"]: r["formula_intensity"] for r in rows}
     handles = ax_i.plot(groups, [seed[g] for g in groups], color="black", linewidth=4, alpha=0.25,
-                        label="seed: 4 Hq S D / (2 Hkv S D bytes)")
+                        label="formula: 4 Hq S D / (2 Hkv S D bytes)")
     names = list(dict.fromkeys(r["impl"] for r in rows))
     for i, name in enumerate(names):
         mine = sorted((r for r in rows if r["impl"] == name), key=lambda r: r["G"])

@@ -48,9 +48,8 @@ MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, "bench_overhead", impl_help="comma-separated engine rows of the calls group, matched as "
-               "prefixes of 'engine causal_attention' and 'engine plan.run', or 'all' (default); sdpa always runs")
-    parser.set_defaults(threads=2)
-    parser._option_string_actions["--threads"].help = "torch intra-op threads (default 2)"  # add_common says 1
+               "prefixes of 'engine causal_attention' and 'engine plan.run', or 'all' (default); sdpa always runs",
+               threads=2)
     parser.add_argument("--groups", default="calls,generate",
                         help="comma-separated groups: calls, generate (default both)")
     parser.add_argument("--rounds", type=positive_int, default=40,

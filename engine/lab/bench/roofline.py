@@ -1,4 +1,5 @@
-"""``run.py bench roofline``: prefill vs decode attention on this machine's measured roofline (seed 003, E).
+"""``run.py bench roofline``: prefill vs decode attention on this machine's measured roofline: exercise E
+("Decode vs prefill") of the attention-from-first-principles notes.
 
 1. Peak compute: the best GFLOP/s of square GEMMs (``a @ b``, 2 n^3 FLOPs) in the bench dtype.
 2. Peak bandwidth: the best GB/s of three streaming kernels over arrays far larger than the caches:

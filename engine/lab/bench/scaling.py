@@ -1,8 +1,9 @@
 """``run.py bench scaling``: time and peak memory of causal prefill vs sequence length T, per implementation.
 
-Seed 003 exercise D and seed 000 stretch 4: the score matrix is T x T per head, so a materialising kernel
-should grow as T^2 in time *and* memory, and a tiled one as T^2 in time but T in memory. For each
-implementation this bench
+Exercise D ("Measure the quadratic") of the attention-from-first-principles notes and stretch exercise 4 of the
+attention chapter (runtime and peak memory of causal_attention vs T): the score matrix is T x T per head, so a
+materialising kernel should grow as T^2 in time *and* memory, and a tiled one as T^2 in time but T in memory.
+For each implementation this bench
 
 1. runs T = min-t, 2 min-t, ... max-t (doubling) while the next point is predicted to stay within
    ``--max-seconds`` per call and ``--ram-budget`` of memory (this machine is shared);

@@ -2,14 +2,16 @@
 
 Two formulas carry the whole calculator (bytes = elements x bytes per element):
 
-    score matrix (materialised, one layer):  B * Hq * T * S * bytes          seed 000: 8192^2 * 4 B = 256 MiB
+    score matrix (materialised, one layer):  B * Hq * T * S * bytes          one FP32 head: 8192^2 * 4 B = 256 MiB
     KV cache (every layer):                  2 * L * Hkv * D * S * B * bytes  (the 2 is K and V)
 
     weights:                                 params * bytes
 
 Units are exact and say which family they belong to: GB = 1e9 bytes, GiB = 2**30 bytes (see units.py).
 ``--check-seeds`` prints every figure the seeds state beside the computed value, in the seed's own unit and
-precision, and exits 1 on any mismatch.
+precision, and exits 1 on any mismatch. The seeds are the three source texts, named in its ``seed`` column by
+number: 000 the attention chapter (one FP32 head's 256 MiB above), 002 the attention-from-scratch lesson,
+003 the attention-from-first-principles notes (Llama-3-8B's 17.2 GB KV cache at 128k tokens).
 """
 
 from __future__ import annotations
@@ -192,7 +194,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache dtype (default --dtype); int8 / fp8: the engine's quantized cache, 1 B per "
                         "entry + a 4 B scale per token and head for K and for V")
     parser.add_argument("--check-seeds", action="store_true",
-                        help="print every seed figure beside the computed value; exit 1 on a mismatch")
+                        help="print every figure the seeds (the source texts) state beside the computed value; "
+                        "exit 1 on a mismatch")
     parser.add_argument("--list-models", action="store_true", help="print the presets and exit")
     parser.add_argument("--out", help="folder for memory.json / memory.csv (optional)")
 

@@ -1,10 +1,11 @@
-"""``run.py explain scaling``: why scores are divided by sqrt(d_k), measured (seeds 000 and 002).
+"""``run.py explain scaling``: why scores are divided by sqrt(d_k), measured against the figures of the
+attention chapter and the attention-from-scratch lesson.
 
 1. Spread: q.k of vectors with independent N(0, 1) components has variance d_k, so its standard deviation
-   is sqrt(d_k) (seed 002 measures 4.10, 11.47, 31.77 at d_k = 16, 128, 1024); dividing by sqrt(d_k)
-   brings it back to 1.
-2. Saturation: a softmax over scores that spread by ~30 puts almost all weight on one key. Seed 000:
-   softmax([1, 2, 3]) = [0.09, 0.24, 0.67] but softmax([8, 16, 24]) = [0.0000, 0.0003, 0.9997].
+   is sqrt(d_k) (the attention-from-scratch lesson's program measures 4.10, 11.47, 31.77 at d_k = 16, 128,
+   1024); dividing by sqrt(d_k) brings it back to 1.
+2. Saturation: a softmax over scores that spread by ~30 puts almost all weight on one key. The attention
+   chapter: softmax([1, 2, 3]) = [0.09, 0.24, 0.67] but softmax([8, 16, 24]) = [0.0000, 0.0003, 0.9997].
 3. Gradient: d softmax / d scores = diag(p) - p p^T, which vanishes as p becomes one-hot. Its size (Frobenius
    norm) is measured per row, with and without scaling: without it the typical row's gradient collapses as
    d_k grows, and training through such a softmax stalls.
@@ -26,7 +27,8 @@ HEADLINE_DIMS = (16, 128, 1024)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=positive_int, default=2000,
-                        help="random query-key pairs (or query rows) per d_k (default 2000, as seed 002)")
+                        help="random query-key pairs (or query rows) per d_k (default 2000, as the "
+                        "attention-from-scratch lesson)")
     parser.add_argument("--keys", type=positive_int, default=64, help="keys per softmax row (default 64)")
     parser.add_argument("--max-dim", type=positive_int, default=4096,
                         help="sweep d_k = 4, 8, ... up to this for the plot (default 4096)")
@@ -83,7 +85,8 @@ def sweep(dims: list[int], samples: int, keys: int, seed: int) -> list[dict]:
 
 
 def seed_examples() -> list[dict]:
-    """Seed 000's two softmaxes and the size (Frobenius norm) of each one's Jacobian ``diag(p) - p p^T``."""
+    """The attention chapter's two softmaxes and the size (Frobenius norm) of each one's Jacobian
+    ``diag(p) - p p^T``."""
     rows = []
     for scores in ([1.0, 2.0, 3.0], [8.0, 16.0, 24.0]):
         s = torch.tensor(scores, dtype=torch.float64)  # [3]
@@ -135,9 +138,9 @@ def main(args: argparse.Namespace) -> int:
     dims = sorted({2 ** i for i in range(2, int(math.log2(args.max_dim)) + 1)} | set(HEADLINE_DIMS))
     rows = sweep(dims, args.samples, args.keys, args.seed)
     headline = [r for r in rows if r["d_k"] in HEADLINE_DIMS]
-    print(f"1. spread of q.k over {args.samples} random pairs (seed 002: 4.10, 11.47, 31.77)\n")
+    print(f"1. spread of q.k over {args.samples} random pairs (attention-from-scratch lesson: 4.10, 11.47, 31.77)\n")
     print(format_table(headline, ["d_k", "std_qk", "sqrt_d_k", "std_scaled"]))
-    print("\n2. seed 000's saturation example (Jacobian norm: how much the softmax can still move)\n")
+    print("\n2. the attention chapter's saturation example (Jacobian norm: how much the softmax can still move)\n")
     print(format_table(seed_examples(), ["scores", "softmax", "jacobian_norm"]))
     print(f"\n3. softmax over {args.keys} keys, without and with scaling ({args.samples} random query rows)\n")
     print(format_table(headline, ["d_k", "max_weight_unscaled", "saturated_unscaled", "grad_median_unscaled",

@@ -4,8 +4,9 @@ The weight matrix comes from the engine itself: with ``v`` the identity, ``out =
 ``causal_attention(q, k, v=I, kernel="reference")`` returns the ``[T, S]`` weights exactly as the engine's
 reference computes them (every fast kernel is tested against it).
 
-- ``six_tokens``: seed 000's six-token example (q = k = x, scale 1), causal and not; the causal table is
-  checked against the seed's printed digits.
+- ``six_tokens``: the attention chapter's six-token example ("Your journey starts with one step", q = k = x,
+  scale 1), causal and not; the causal table is checked against the chapter's printed digits (the output
+  calls the chapter "seed").
 - One heatmap per mask family, built from ``engine.masks`` and passed as ``allowed`` (composed with the causal
   rule by ``&``). Scores are 0 by default (q = 0), so every row spreads evenly over the keys it may see and the
   picture *is* the mask: a row with n visible keys shows 1/n in each, a row with none is all 0.
@@ -36,7 +37,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor | 
 
 
 def six_token_weights() -> dict[str, torch.Tensor]:
-    """Seed 000's example: x as q and k, one head, scale 1, with and without the causal rule."""
+    """The attention chapter's six tokens: x as q and k, one head, scale 1, with and without the causal rule."""
     return {"causal": attention_weights(SIX_TOKENS, SIX_TOKENS, scale=1.0),
             "not causal": attention_weights(SIX_TOKENS, SIX_TOKENS, scale=1.0, causal=False)}
 
@@ -72,11 +73,11 @@ def family_weights(family: str, length: int, window: int, doc_lengths: list[int]
 
 
 def check_six_tokens(weights: torch.Tensor) -> tuple[list[str], list[str]]:
-    """Compare the causal six-token weights with seed 000's table at its 3 printed decimals.
+    """Compare the causal six-token weights with the attention chapter's table at its 3 printed decimals.
 
     Returns ``(mismatches, double_rounded)``. A weight one unit off in the last digit whose 4-decimal value
-    rounds half-up to the seed's digit is the seed's double rounding (it prints 0.1385, then 0.139 for
-    0.13847), not an error; anything else is a mismatch.
+    rounds half-up to the chapter's digit is the chapter's double rounding (it prints 0.1385, then 0.139 for
+    0.13847), not an error; anything else is a mismatch. The returned notes call the chapter's value "seed".
     """
     mismatches, double_rounded = [], []
     for word, row, stated in zip(WORDS, weights.tolist(), SEED_CAUSAL_TABLE):
@@ -126,12 +127,12 @@ def _heatmap_png(panels: list[tuple[str, torch.Tensor, list[str]]], path, ncols:
 
 def main(args: argparse.Namespace) -> int:
     six = six_token_weights()
-    print("seed 000, six tokens (q = k = x, scale 1), causal weights; rows are queries:\n")
+    print("the attention chapter's six tokens (q = k = x, scale 1), causal weights; rows are queries:\n")
     print("\n".join(f"{word:>8}  " + " ".join(f"{w:.3f}" for w in row)
                     for word, row in zip(WORDS, six["causal"].tolist())))
     mismatches, double_rounded = check_six_tokens(six["causal"])
     if double_rounded:
-        print("\nlast digit differs only by the seed's double rounding: " + "; ".join(double_rounded))
+        print("\nlast digit differs only by the chapter's double rounding: " + "; ".join(double_rounded))
     print("\nMISMATCH with seed 000: " + "; ".join(mismatches) if mismatches else "matches seed 000's table")
     written: list = [_heatmap_png([(f"Six tokens, {name}", w, WORDS) for name, w in six.items()],
                             f"{args.out}/weights_six_tokens.png", ncols=2, annotate=True)]

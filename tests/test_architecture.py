@@ -99,11 +99,14 @@ def test_lab_commands_import_shared_modules_never_each_other():
     commands = {m for m in graph if m.startswith(folders)}
     assert len(commands) >= 8
     sideways = {m: graph[m] & commands for m in commands if graph[m] & commands}
-    allowed = {"engine.lab.bench.kernels": {"engine.lab.bench.kernel_cases",  # one command in a few files each
-                                            "engine.lab.bench.kernel_cases_cuda",
+    cases = "engine.lab.bench.kernel_cases"  # one command in a few files each; its cases reuse Case, Impl
+    allowed = {"engine.lab.bench.kernels": {cases, "engine.lab.bench.kernel_cases_cuda",
+                                            "engine.lab.bench.kernel_suite", "engine.lab.bench.kernel_targets",
                                             "engine.lab.bench.modifier_cases"},
-               "engine.lab.bench.kernel_cases_cuda": {"engine.lab.bench.kernel_cases"},
-               "engine.lab.bench.modifier_cases": {"engine.lab.bench.kernel_cases"},  # its cases reuse Case, Impl
+               "engine.lab.bench.kernel_cases_cuda": {cases},
+               "engine.lab.bench.kernel_cases_decode": {cases},
+               "engine.lab.bench.kernel_suite": {cases, "engine.lab.bench.kernel_cases_decode"},
+               "engine.lab.bench.modifier_cases": {cases},
                "engine.lab.bench.cp": {"engine.lab.bench.cp_worker"}}
     assert sideways == allowed, sideways
 

@@ -11,7 +11,6 @@ Useful work counts only visible (query, key) pairs: ``4 * D`` FLOPs per pair for
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,35 +231,6 @@ def documents(n_docs: int, length: int, heads: int, d: int, flex: bool, train: b
     return Case("training" if train else "documents", f"{n_docs} docs x {length}, T={t}", {"T": t}, build, flops)
 
 
-def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype, tiled: bool,
-           quantized: bool = False) -> Case:
-    """One new query per row against S cached keys (default positions: every key visible): the engine (the
-    native kernel), the previous torch ``decode`` kernel forced, SDPA with ``enable_gqa`` and the copy
-    bandwidth; ``quantized`` adds the same cache stored in int8 (and fp8 e4m3), read by the engine."""
-    def build() -> list[Impl]:
-        from engine.quantized import QUANTIZED_DTYPES, quantize
-
-        q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d, dtype)
-        impls = _engine_impls(q, k, v, ("decode",) + (("tiled",) if tiled else ()))
-        for kind in QUANTIZED_DTYPES if quantized else ():
-            kq, vq = quantize(k, kind), quantize(v, kind)  # [B, Hkv, S, D] 1-byte entries + [B, Hkv, S] scales
-            name = "int8" if kind == torch.int8 else "fp8"
-            impls.append(Impl(f"engine {name} cache", lambda kq=kq, vq=vq: causal_attention(q, kq, vq),
-                              kv_bytes=float(kq.nbytes + vq.nbytes), note="K/V bytes: 1 per entry + fp32 scales"))
-        impls.append(Impl("sdpa enable_gqa", _sdpa(q, k, v, False), "peer"))
-        src = k.reshape(-1)[: COPY_BYTES // k.element_size()]  # beyond the caches, the size does not matter
-        dst = torch.zeros_like(src)  # zeros: its pages are mapped before the timing
-        impls.append(Impl("copy", lambda: dst.copy_(src), "bandwidth",
-                          note=f"copy bandwidth = (bytes read + written) / s, {src.numel() * src.element_size() >> 20} "
-                          "MiB buffer"))
-        return impls
-    item = torch.finfo(dtype).bits // 8
-    kv_bytes = 2.0 * batch * kv_heads * s * d * item
-    name = f"B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
-    return Case("decode", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
-                kv_bytes)
-
-
 def chunked_bf16(t: int, cached: int, heads: int, d: int, train: bool = False) -> Case:
     """Chunked prefill in bf16 (group "bf16", outside the targets): the fused kernel takes bf16 as it is."""
     s = cached + t
@@ -276,26 +246,6 @@ def chunked_bf16(t: int, cached: int, heads: int, d: int, train: bool = False) -
     return Case("bf16", name, {"T": t, "S": s, "dtype": "torch.bfloat16"}, build, flops)
 
 
-def decode_cache_view(batch: int, q_heads: int, kv_heads: int, s: int, capacity: int, d: int) -> Case:
-    """Decode against a KV-cache view (group "cache", outside the targets): the cache's filled slots
-    ``[B, Hkv, S, D]`` are a strided slice of its ``capacity``-long buffer."""
-    def build() -> list[Impl]:
-        from engine.kv_cache import KVCache
-
-        q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d)
-        cache = KVCache(batch, kv_heads, capacity, d)
-        keys, values, key_positions, _ = cache.update(k, v)  # strided views of the cache
-        query_positions = torch.full((batch, 1), s)
-        impls = [Impl(f"engine ({_auto(q, keys, values, key_positions=key_positions)})",
-                      lambda: causal_attention(q, keys, values, query_positions, key_positions))]
-        impls.append(Impl("engine on a contiguous copy", lambda: causal_attention(q, k, v)))
-        impls.append(Impl("sdpa enable_gqa", _sdpa(q, keys, values, False), "peer"))
-        return impls
-    kv_bytes = 2.0 * batch * kv_heads * s * d * 4
-    name = f"B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} of {capacity} float32"
-    return Case("cache", name, {"S": s}, build, 4.0 * d * q_heads * batch * s, kv_bytes)
-
-
 def memory(t: int, heads: int, d: int) -> Case:
     """Causal prefill at a length where the reference's scores would not fit (one run, peak memory)."""
     def build() -> list[Impl]:
@@ -304,44 +254,3 @@ def memory(t: int, heads: int, d: int) -> Case:
     case = Case("memory", f"causal T={t}", {"T": t}, build, 4 * d * heads * causal_pairs(t))
     case.notes.append(f"the reference would hold {heads * t * t * 4 / 2 ** 30:,.0f} GiB of fp32 scores")
     return case
-
-
-def training_cases(quick: bool, heads: int, d: int, flex: bool) -> list[Case]:
-    t_plain, t_long = (512, 1024) if quick else (4096, 16384)
-    w, doc = (128, 256) if quick else (512, 1024)
-    return [prefill(t_plain, heads, d, False, False, train=True),
-            windowed(t_long, w, heads, d, False, True, train=True),
-            documents(t_long // doc, doc, heads, d, False, train=True)]
-
-
-def all_cases(quick: bool, flex: bool) -> list[Case]:
-    """The benchmark's cases, in the order of issue 4's targets (fp32, B=1, Hq=16, D=64 unless said)."""
-    h, d = 16, 64
-    if quick:
-        cases = [prefill(t, h, d, flex and t == 1024, t <= 1024) for t in (512, 1024)]
-        cases += [chunked(256, 2048, h, d, flex), ragged(256, [512, 1024, 1536, 2048], h, d, False)]
-        cases += [windowed(t, 128, h, d, flex and t == 2048, True) for t in (1024, 2048, 4096)]
-        cases += [documents(4, 512, h, d, flex)]
-        cases += [decode(2, 32, 8, 4096, 128, dt, dt != torch.float16, dt == torch.bfloat16)
-                  for dt in (torch.float32, torch.bfloat16, torch.float16)]
-        cases += [memory(4096, h, d)]
-        cases += [chunked_bf16(256, 2048, h, d), chunked_bf16(256, 1024, h, d, train=True)]
-        cases += [decode_cache_view(1, 32, 8, 4096, 8192, 128)]
-        return cases + training_cases(True, h, d, flex)
-    cases = [prefill(t, h, d, flex and t == 4096, t <= 2048) for t in (1024, 2048, 4096, 8192)]
-    cases += [chunked(512, c, h, d, flex and c == 8192) for c in (4096, 8192, 16384)]
-    cases += [ragged(512, [4096, 8192, 12288, 16384], h, d, False)]
-    cases += [windowed(t, 512, h, d, flex and t == 16384, t <= 16384) for t in (4096, 8192, 16384, 32768)]
-    cases += [documents(16, 1024, h, d, flex)]
-    cases += [decode(b, 32, 8, s, 128, dt, b == 8 and s == 32768 and dt == torch.float32, dt == torch.bfloat16)
-              for b in (1, 8) for s in (4096, 32768, 131072) for dt in (torch.float32, torch.bfloat16, torch.float16)]
-    cases += [memory(65536, h, d)]
-    cases += [chunked_bf16(512, 8192, h, d), chunked_bf16(512, 4096, h, d, train=True)]
-    cases += [decode_cache_view(1, 32, 8, 32768, 65536, 128)]
-    return cases + training_cases(False, h, d, flex)
-
-
-def fitted_exponent(ts: list[int], ms: list[float]) -> float:
-    from engine.lab.fitting import fit_power_law
-
-    return fit_power_law(ts, ms)[0] if len(ts) >= 2 else math.nan

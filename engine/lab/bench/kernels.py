@@ -27,6 +27,8 @@ import torch
 
 from engine.lab.bench import kernel_cases as cases_mod
 from engine.lab.bench import kernel_cases_cuda
+from engine.lab.bench.kernel_suite import all_cases
+from engine.lab.bench.kernel_targets import SDPA_CUDA_BACKENDS, check_cuda_targets, check_targets, find_rows
 from engine.lab.bench.modifier_cases import modifier_cases, plot_modifiers
 from engine.lab.measure import CudaPeakMemory, PeakMemory, format_table, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads
@@ -62,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         cases = kernel_cases_cuda.cuda_cases(args.quick)
     else:
-        cases = cases_mod.all_cases(args.quick, flex) + modifier_cases(args.quick, 16, 64, flex)
+        cases = all_cases(args.quick, flex) + modifier_cases(args.quick, 16, 64, flex)
     if args.groups != "all":
         wanted = {g.strip() for g in args.groups.split(",")}
         cases = [c for c in cases if c.group in wanted]
@@ -187,109 +189,6 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
             r.update({column: ms / r["ms"] if ms else None for column, ms in peers.items()})
 
 
-SDPA_CUDA_BACKENDS = ("sdpa flash", "sdpa cudnn", "sdpa efficient")  # on CUDA "vs sdpa" is the best of them
-
-
-def _find(rows, group, impl_prefix, case_part=None):
-    return [r for r in rows if r["group"] == group and r["impl"].startswith(impl_prefix) and "ms" in r
-            and (case_part is None or case_part in r["case"])]
-
-
-def _ratio_rows(rows, group, peer_prefix, case_part=None):
-    """``(case, peer ms / engine ms)`` for every case of a group that has both."""
-    out = []
-    for engine in _find(rows, group, "engine (", case_part):
-        peer = [r for r in _find(rows, group, peer_prefix) if r["case"] == engine["case"]]
-        if peer:
-            out.append((engine["case"], peer[0]["ms"] / engine["ms"]))
-    return out
-
-
-def _adder(targets: list[dict[str, Any]]):
-    """``add(name, [(case, value), ...], threshold, how)``: record a target's worst case (skipped if unmeasured)."""
-
-    def add(name, pairs, threshold, how):
-        if pairs:
-            case, value = min(pairs, key=lambda p: p[1])
-            targets.append({"target": name, "measured": value, "threshold": threshold, "met": value >= threshold,
-                            "how": f"{how}; worst: {case}"})
-
-    return add
-
-
-def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 4's targets (and issue 13's) as measured in this run: the worst case of each, with the threshold."""
-    targets: list[dict[str, Any]] = []
-    add = _adder(targets)
-
-    add("1 prefill vs sdpa is_causal", _ratio_rows(rows, "prefill", "sdpa is_causal"), 0.95, "throughput ratio")
-    add("2 chunked vs sdpa dense", _ratio_rows(rows, "chunked", "sdpa dense"), 1.5, "speed-up")
-    add("2 chunked vs flex", _ratio_rows(rows, "chunked", "flex"), 1.0, "speed-up")
-    add("3 window vs sdpa dense", _ratio_rows(rows, "window", "sdpa dense", "T=16384"), 8.0, "speed-up at T=16k")
-    add("3 window vs flex", _ratio_rows(rows, "window", "flex"), 1.0, "speed-up")
-    window = sorted((r["T"], r["ms"]) for r in _find(rows, "window", "engine ("))
-    if len(window) >= 2:
-        exponent = cases_mod.fitted_exponent([t for t, _ in window], [ms for _, ms in window])
-        targets.append({"target": "3 window time ~ T^e", "measured": exponent, "threshold": 1.15,
-                        "met": exponent <= 1.15, "how": f"fitted over T={window[0][0]}..{window[-1][0]} (at most)"})
-    add("4 documents vs sdpa dense", _ratio_rows(rows, "documents", "sdpa dense"), 8.0, "speed-up")
-    add("4 documents vs flex", _ratio_rows(rows, "documents", "flex"), 1.0, "speed-up")
-    copies = {r["case"]: r["GB/s"] for r in _find(rows, "decode", "copy")}
-    add("5 decode K/V GB/s / copy GB/s",
-        [(r["case"], r["GB/s"] / copies[r["case"]]) for r in _find(rows, "decode", "engine (") if r["case"] in copies],
-        0.8, "bytes of K and V read per second over the copy bandwidth")
-    add("5 decode vs sdpa enable_gqa", _ratio_rows(rows, "decode", "sdpa enable_gqa"), 1.0, "speed-up")
-    _issue13_targets(rows, copies, add)
-    for r in _find(rows, "memory", "engine ("):
-        targets.append({"target": "6 memory, peak extra GiB", "measured": r["peak MiB"] / 1024, "threshold": 1.0,
-                        "met": r["peak MiB"] / 1024 < 1.0, "how": f"{r['case']}, {r['impl']}, below threshold"})
-    add("7 training vs sdpa is_causal", _ratio_rows(rows, "training", "sdpa is_causal"), 0.8, "throughput ratio")
-    add("7 training window/docs vs sdpa dense", _ratio_rows(rows, "training", "sdpa dense"), 4.0, "speed-up")
-    return targets
-
-
-def check_cuda_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 11's GPU targets as measured in this run: the worst case of each, with the threshold."""
-    targets: list[dict[str, Any]] = []
-    add = _adder(targets)
-
-    def vs_best_sdpa(group):
-        out = []
-        for engine in _find(rows, group, "engine ("):
-            peers = [r["ms"] for r in rows if r["case"] == engine["case"] and r["group"] == group
-                     and r["impl"].startswith(SDPA_CUDA_BACKENDS) and "ms" in r]
-            if peers:
-                out.append((engine["case"], min(peers) / engine["ms"]))
-        return out
-
-    add("GPU 1 causal vs SDPA's best backend", vs_best_sdpa("prefill"), 0.95, "throughput ratio")
-    groups = ("chunked", "window", "documents", "ragged")
-    masks = [pair for group in groups for pair in _ratio_rows(rows, group, "flex")]
-    add("GPU 2 masks vs FlexAttention called directly", masks, 0.95, "throughput ratio (block-mask build apart)")
-    copies = {r["case"]: r["GB/s"] for r in _find(rows, "decode", "copy")}
-    add("GPU 3 decode K/V GB/s / copy GB/s",
-        [(r["case"], r["GB/s"] / copies[r["case"]]) for r in _find(rows, "decode", "engine (") if r["case"] in copies],
-        0.7, "bytes of K and V read per second over the measured copy bandwidth")
-    add("GPU training causal vs SDPA's best", vs_best_sdpa("training"), 0.95, "throughput ratio")
-    add("GPU training masks vs Flex direct", _ratio_rows(rows, "training", "flex"), 0.95, "throughput ratio")
-    return targets
-
-
-def _issue13_targets(rows, copies, add) -> None:
-    """Issue 13's decode targets: K/V read at >= 60 % of the copy bandwidth at S >= 32k; an int8 cache at <= 0.6x
-    the bf16 cache's time at S = 32k (a speed-up >= 1 / 0.6); fp16 decode at least level with bf16."""
-    long = [r for r in _find(rows, "decode", "engine (") if r["S"] >= 32768 and r["case"] in copies]
-    add("13 decode K/V GB/s / copy, S >= 32k", [(r["case"], r["GB/s"] / copies[r["case"]]) for r in long], 0.6,
-        "bytes of K and V read per second over the copy bandwidth (stretch 0.8)")
-    bf16 = {(r["B"], r["S"]): r for r in _find(rows, "decode", "engine (") if r["dtype"] == "torch.bfloat16"}
-    add("13 int8 cache vs bf16 cache, S = 32k",
-        [(r["case"], bf16[(r["B"], r["S"])]["ms"] / r["ms"]) for r in _find(rows, "decode", "engine int8")
-         if r["S"] == 32768 and (r["B"], r["S"]) in bf16], 1 / 0.6, "speed-up (time <= 0.6x bf16's)")
-    add("13 fp16 decode vs bf16", [(r["case"], bf16[(r["B"], r["S"])]["ms"] / r["ms"])
-                                   for r in _find(rows, "decode", "engine (") if r["dtype"] == "torch.float16"
-                                   and (r["B"], r["S"]) in bf16], 1.0, "speed-up (>= 1: level or faster)")
-
-
 def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Path]:
     from engine.lab import plots
 
@@ -300,9 +199,9 @@ def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Pat
     shape = "bf16, Hq=32, Hkv=8, D=128, CUDA" if device == "cuda" else "fp32, Hq=16, D=64"
     for ax, group, title in ((axes[0], "prefill", f"causal prefill ({shape})"),
                              (axes[1], "window", f"{window} ({shape})")):
-        labels = sorted({r["impl"] for r in _find(rows, group, "")}, key=lambda s: (not s.startswith("engine"), s))
+        labels = sorted({r["impl"] for r in find_rows(rows, group, "")}, key=lambda s: (not s.startswith("engine"), s))
         for index, label in enumerate(labels):
-            points = sorted((r["T"], r["ms"]) for r in _find(rows, group, label) if r["impl"] == label)
+            points = sorted((r["T"], r["ms"]) for r in find_rows(rows, group, label) if r["impl"] == label)
             plots.series(ax, [t for t, _ in points], [ms for _, ms in points], label, index)
         plots.loglog(ax, title, "sequence length T", "median ms per call")
         if labels:

@@ -1,0 +1,58 @@
+"""The decode cases of ``run.py bench kernels``: one new query per row against a long cache (the engine's decode
+kernels, SDPA with ``enable_gqa`` and the copy bandwidth; quantized caches), and decode against a KV-cache view."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import causal_attention
+from engine.lab.bench.kernel_cases import COPY_BYTES, Case, Impl, _auto, _engine_impls, _qkv, _sdpa
+
+
+def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype, tiled: bool,
+           quantized: bool = False) -> Case:
+    """One new query per row against S cached keys (default positions: every key visible): the engine (the
+    native kernel), the previous torch ``decode`` kernel forced, SDPA with ``enable_gqa`` and the copy
+    bandwidth; ``quantized`` adds the same cache stored in int8 (and fp8 e4m3), read by the engine."""
+    def build() -> list[Impl]:
+        from engine.quantized import QUANTIZED_DTYPES, quantize
+
+        q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d, dtype)
+        impls = _engine_impls(q, k, v, ("decode",) + (("tiled",) if tiled else ()))
+        for kind in QUANTIZED_DTYPES if quantized else ():
+            kq, vq = quantize(k, kind), quantize(v, kind)  # [B, Hkv, S, D] 1-byte entries + [B, Hkv, S] scales
+            name = "int8" if kind == torch.int8 else "fp8"
+            impls.append(Impl(f"engine {name} cache", lambda kq=kq, vq=vq: causal_attention(q, kq, vq),
+                              kv_bytes=float(kq.nbytes + vq.nbytes), note="K/V bytes: 1 per entry + fp32 scales"))
+        impls.append(Impl("sdpa enable_gqa", _sdpa(q, k, v, False), "peer"))
+        src = k.reshape(-1)[: COPY_BYTES // k.element_size()]  # beyond the caches, the size does not matter
+        dst = torch.zeros_like(src)  # zeros: its pages are mapped before the timing
+        impls.append(Impl("copy", lambda: dst.copy_(src), "bandwidth",
+                          note=f"copy bandwidth = (bytes read + written) / s, {src.numel() * src.element_size() >> 20} "
+                          "MiB buffer"))
+        return impls
+    item = torch.finfo(dtype).bits // 8
+    kv_bytes = 2.0 * batch * kv_heads * s * d * item
+    name = f"B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
+    return Case("decode", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
+                kv_bytes)
+
+
+def decode_cache_view(batch: int, q_heads: int, kv_heads: int, s: int, capacity: int, d: int) -> Case:
+    """Decode against a KV-cache view (group "cache", outside the targets): the cache's filled slots
+    ``[B, Hkv, S, D]`` are a strided slice of its ``capacity``-long buffer."""
+    def build() -> list[Impl]:
+        from engine.kv_cache import KVCache
+
+        q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d)
+        cache = KVCache(batch, kv_heads, capacity, d)
+        keys, values, key_positions, _ = cache.update(k, v)  # strided views of the cache
+        query_positions = torch.full((batch, 1), s)
+        impls = [Impl(f"engine ({_auto(q, keys, values, key_positions=key_positions)})",
+                      lambda: causal_attention(q, keys, values, query_positions, key_positions))]
+        impls.append(Impl("engine on a contiguous copy", lambda: causal_attention(q, k, v)))
+        impls.append(Impl("sdpa enable_gqa", _sdpa(q, keys, values, False), "peer"))
+        return impls
+    kv_bytes = 2.0 * batch * kv_heads * s * d * 4
+    name = f"B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} of {capacity} float32"
+    return Case("cache", name, {"S": s}, build, 4.0 * d * q_heads * batch * s, kv_bytes)

@@ -66,10 +66,7 @@ class AttentionPlan:
     def run(self, q: torch.Tensor, k, v, *, return_lse: bool = False):
         """``out [B, Hq, T, Dv]`` in q's dtype (``(out, lse)`` with ``return_lse``), for q, k, v of the planned
         shapes, dtypes and device; a ValueError names what differs from the plan otherwise."""
-        planned = self.signature  # compared field by field: the hot path of every layer
-        if (q.shape != planned[0] or k.shape != planned[1] or v.shape != planned[2] or q.dtype != planned[3]
-                or q.device != planned[5] or _element(k) != planned[4] or _wants_grad(self.inputs, q, k, v) != self.grad
-                or isinstance(k, QuantizedKV) != planned[6]):
+        if not self.matches(q, k, v):
             self._refuse(q, k, v)
         fast = self.inputs.decided("prepared", lambda: prepared(self.inputs, self.choice.kernel))
         if fast is not None:
@@ -82,6 +79,13 @@ class AttentionPlan:
         return (out, lse) if return_lse else out
 
     __call__ = run
+
+    def matches(self, q, k, v) -> bool:
+        """True when q, k, v are tensors this plan was made for (shapes, dtypes, device, K/V kind, gradient need)."""
+        planned = self.signature  # compared field by field: the hot path of every layer
+        return not (q.shape != planned[0] or k.shape != planned[1] or v.shape != planned[2] or q.dtype != planned[3]
+                    or q.device != planned[5] or _element(k) != planned[4] or isinstance(k, QuantizedKV) != planned[6]
+                    or _wants_grad(self.inputs, q, k, v) != self.grad)
 
     def _refuse(self, q, k, v) -> None:
         planned = self.signature

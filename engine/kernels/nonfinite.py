@@ -54,12 +54,16 @@ MAX_BLOCKS = 4096
 
 def contiguous_blocks(x: torch.Tensor) -> list[torch.Tensor]:
     """``x`` as contiguous views, so reductions over it take their fast path (a strided reduction is ~10x
-    slower). A KV-cache slice ``[B, Hkv, L, D]`` of a ``capacity``-long buffer is ``B * Hkv`` blocks of
+    slower). Transposed layouts (transformers' ``[B, T, H, D]`` seen as ``[B, H, T, D]``) are one block, permuted
+    back; a KV-cache slice ``[B, Hkv, L, D]`` of a ``capacity``-long buffer is ``B * Hkv`` blocks of
     ``[L, D]``; a tensor that splits into no contiguous blocks (or too many) is one block as it is."""
     if x.numel() == 0:
         return []
     if x.is_contiguous():
         return [x]
+    by_stride = x.permute(sorted(range(x.dim()), key=lambda axis: -x.stride(axis)))  # e.g. [B, T, H, D] transposed
+    if by_stride.is_contiguous():  # a permutation of contiguous memory: one block (a reduction ignores the order)
+        return [by_stride]
     for lead in range(1, x.dim()):
         count = math.prod(x.shape[:lead])
         if count > MAX_BLOCKS:

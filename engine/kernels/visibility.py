@@ -87,10 +87,13 @@ def decode_rows(inputs: AttentionInputs) -> tuple[int, int, torch.Tensor | None]
 def _decode_rows(inputs: AttentionInputs) -> tuple[int, int, torch.Tensor | None]:
     batch, q_heads, t, _ = inputs.q.shape
     kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
+    every_key = inputs.allowed is None and causal_pattern(inputs) == "none"  # one-token decode: no mask at all
+    if every_key:
+        return 0, s, None
     mask = visibility_mask(inputs)
     j0, j1 = visible_span(mask, batch, t, s)
     visible = None
-    if j1 > j0 and mask is not None and (inputs.allowed is not None or causal_pattern(inputs) != "none"):
+    if j1 > j0 and mask is not None:
         visible = row_visibility(mask, batch, kv_heads, q_heads // kv_heads, t, j0, j1)  # [B|1, Hkv|1, G*T, n]
     return j0, j1, visible
 

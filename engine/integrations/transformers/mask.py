@@ -52,11 +52,9 @@ class EngineMask:
         """The plan of this step's attention calls with these shapes and arguments: made by the first layer that
         asks (positions resolved, mask and kernel decided once), reused by every other layer of the forward.
         A layer's own sinks or bias (a tensor per layer) gets a plan of its own."""
-        grads = (query.requires_grad, key.requires_grad, value.requires_grad, torch.is_grad_enabled())
-        plan_key = (query.shape, key.shape, value.shape, query.dtype, query.device, grads, scale, softcap, id(sinks),
-                    id(bias))
+        plan_key = (scale, softcap, id(sinks), id(bias))
         found = self.plans.get(plan_key)
-        if found is None:
+        if found is None or not found.matches(query, key, value):  # first layer (or other shapes: a plan of their own)
             found = plan(query, key, value, self.query_positions, self.key_positions, self.allowed(), scale,
                          causal=self.causal, softcap=softcap, sinks=sinks, bias=bias)
             self.plans[plan_key] = found

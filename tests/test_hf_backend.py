@@ -250,15 +250,21 @@ def tiny_llama(**kwargs):
     return AutoModelForCausalLM.from_config(config, attn_implementation="engine")
 
 
-def test_padded_forward_builds_no_dense_mask():
+def register_spy(name: str) -> list:
+    """Register the engine under ``name`` with an attention function that records each mask it is handed."""
     seen = []
 
     def spy(module, query, key, value, attention_mask, **kwargs):
         seen.append(attention_mask)
         return hf.engine_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    hf.register("engine-spy")
-    AttentionInterface.register("engine-spy", spy)
+    hf.register(name)
+    AttentionInterface.register(name, spy)
+    return seen
+
+
+def test_padded_forward_builds_no_dense_mask():
+    seen = register_spy("engine-spy")
     model = tiny_llama().eval()
     model.set_attn_implementation("engine-spy")
     ids = torch.randint(0, 64, (2, 7))
@@ -306,14 +312,7 @@ def test_output_attentions_warns_that_weights_are_not_materialised():
 
 def test_every_layer_of_a_forward_runs_the_one_plan_its_mask_made():
     # the mask is built once per forward: its first layer plans (positions, padding, kernel), the others reuse it
-    seen = []
-
-    def spy(module, query, key, value, attention_mask, **kwargs):
-        seen.append(attention_mask)
-        return hf.engine_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    hf.register("engine-plan-spy")
-    AttentionInterface.register("engine-plan-spy", spy)
+    seen = register_spy("engine-plan-spy")
     model = tiny_llama(num_hidden_layers=4).eval()
     ids = torch.randint(0, 64, (2, 7))
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [1] * 7])

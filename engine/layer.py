@@ -132,6 +132,8 @@ class MultiHeadAttention(nn.Module):
             k, v, key_positions, key_valid = cache.update(k, v, positions, valid)  # [B, Hkv, S, D], [B, S]
         else:
             key_positions, key_valid = positions, valid  # [B, T], [B, T] or None
+        if shared is not None and not shared[1].matches(q, k, v):  # e.g. this layer's tensors need gradients
+            shared = None
         if shared is None:
             mask = self._mask(positions, key_positions, valid, key_valid, allowed)  # [B, 1, T, S] or None
             step_plan = plan(q, k, v, positions, key_positions, mask, self.scale, causal=self.causal,

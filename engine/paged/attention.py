@@ -1,0 +1,123 @@
+"""Attention over a paged KV cache: a mixed batch of decodes, chunked prefills and prefills in one call.
+
+Each sequence's keys live in fixed-size pages of one pool (engine.paged.tables states the layout); its queries are
+packed rows of q. The rule is the engine's one rule with positions: key j of a sequence sits at position j, its
+queries by default at its last ``q_len`` positions (``query_positions`` overrides), and key j is visible to a query
+iff ``j <= query_pos`` (and ``query_pos - j < window``)::
+
+    page_size 2, sequence 0: kv_len 5, 1 query (decode at position 4); sequence 1: kv_len 3, 3 queries (a prefill)
+    q rows:  [ s0 q@4 | s1 q@0 s1 q@1 s1 q@2 ]        query_indptr = [0, 1, 4]
+
+This module is the readable path: each sequence's keys are gathered from its pages (only the slots it owns, so a
+NaN in a slot no sequence owns never reaches an output) and ``causal_attention`` runs on them with the sequence's
+positions, its kernel chosen as for any call (``explain_paged`` says which). Kernels that read the pages in place
+are the next step; this path stays their oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import causal_attention
+from engine.inputs import resolve_positions
+from engine.masks.window import window_mask
+from engine.paged.tables import PagedBatch, paged_batch
+from engine.planning import explain
+
+__all__ = ["paged_attention", "explain_paged", "gather_keys"]
+
+
+def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
+                    kv_lens: torch.Tensor, query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None,
+                    *, window: int | None = None, softcap: float | None = None, scale: float | None = None,
+                    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+                    return_lse: bool = False, kernel: str = "auto"):
+    """Attention of packed queries to their sequences' paged keys.
+
+    Args:
+        q: ``[Nq, Hq, D]``, sequence b's queries are rows ``query_indptr[b] .. query_indptr[b+1]-1``.
+        k_pages, v_pages: ``[num_pages, page_size, Hkv, D | Dv]`` pools (q's dtype).
+        page_table: int ``[B, max_pages]``; kv_lens: int ``[B]`` (the new keys included); query_indptr: int
+            ``[B + 1]`` (engine.paged.tables).
+        query_positions: int ``[Nq]``; default: sequence b's queries at positions ``kv_len - q_len .. kv_len - 1``.
+        window: keys seen per query, its own included (sliding-window attention), or None.
+        softcap, scale, sinks ``[Hq]``, alibi_slopes ``[Hq]``: as in ``causal_attention``; kernel: ``"auto"`` or a
+            kernel name, for each sequence's call.
+
+    Returns:
+        ``out [Nq, Hq, Dv]`` in q's dtype (``(out, lse [Nq, Hq])`` with ``return_lse``); a query that sees no key
+        gives 0 and lse -inf.
+    """
+    tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
+    positions = _query_positions(query_positions, tables, q)
+    _check_options(window, alibi_slopes, q.shape[1])
+    q_heads, dv = q.shape[1], v_pages.shape[3]
+    out = q.new_zeros(q.shape[0], q_heads, dv)  # [Nq, Hq, Dv]
+    lse = torch.full((q.shape[0], q_heads), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64
+                     else torch.float32, device=q.device)  # [Nq, Hq]
+    for b in range(tables.batch):
+        rows = tables.query_rows(b)
+        if rows.stop == rows.start:
+            continue
+        args = _sequence_call(q, k_pages, v_pages, tables, positions, b, window)
+        o, part_lse = causal_attention(*args, scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                                       return_lse=True, kernel=kernel)  # [1, Hq, q_len, Dv], [1, Hq, q_len]
+        out[rows] = o[0].transpose(0, 1)  # [q_len, Hq, Dv]
+        lse[rows] = part_lse[0].transpose(0, 1)  # [q_len, Hq]
+    return (out, lse) if return_lse else out
+
+
+def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions=None, *,
+                  window: int | None = None, softcap: float | None = None, scale: float | None = None,
+                  kernel: str = "auto", **modifiers) -> str:
+    """Which path ``paged_attention`` with these arguments takes, and each sequence's kernel with the reason."""
+    tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
+    positions = _query_positions(query_positions, tables, q)
+    lines = ["paged: each sequence's keys gathered from its pages (the readable path), then causal_attention"]
+    for b in range(tables.batch):
+        if tables.query_rows(b).stop == tables.query_rows(b).start:
+            lines.append(f"  sequence {b}: no queries")
+            continue
+        args = _sequence_call(q, k_pages, v_pages, tables, positions, b, window)
+        choice = explain(*args, scale, softcap=softcap, kernel=kernel, **modifiers)
+        lines.append(f"  sequence {b} ({args[0].shape[2]} queries, {tables.kv_lens[b]} keys): kernel {choice.kernel}"
+                     f" ({choice.reason})")
+    return "\n".join(lines)
+
+
+def gather_keys(pages: torch.Tensor, owned: list[int], length: int, page_size: int) -> torch.Tensor:
+    """A sequence's ``length`` keys (or values) from its pages, ``[1, Hkv, length, E]``: only the slots it owns."""
+    if not owned:
+        return pages.new_zeros(1, pages.shape[2], 0, pages.shape[3])  # [1, Hkv, 0, E]
+    index = torch.tensor(owned, device=pages.device)
+    rows = pages.index_select(0, index).reshape(len(owned) * page_size, pages.shape[2], pages.shape[3])
+    return rows[:length].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, length, E]
+
+
+def _sequence_call(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor, b: int, window: int | None):
+    """``(q, k, v, query_positions, key_positions, allowed)`` of sequence b as one causal_attention call."""
+    rows, length = tables.query_rows(b), tables.kv_lens[b]
+    q_b = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+    k_b = gather_keys(k_pages, tables.pages[b], length, tables.page_size)  # [1, Hkv, S_b, D]
+    v_b = gather_keys(v_pages, tables.pages[b], length, tables.page_size)  # [1, Hkv, S_b, Dv]
+    query_pos = positions[rows]  # [q_len]
+    key_pos = torch.arange(length, device=q.device)  # [S_b]
+    allowed = None if window is None else window_mask(query_pos, key_pos, window)  # [q_len, S_b]
+    return q_b, k_b, v_b, query_pos, key_pos, allowed
+
+
+def _query_positions(query_positions, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor:
+    """int64 ``[Nq]``: the given positions, or each sequence's last ``q_len`` key positions."""
+    if query_positions is not None:
+        return resolve_positions(query_positions, 1, q.shape[0], 0, q.device, "query_positions")[0]  # [Nq]
+    default = [torch.arange(tables.kv_lens[b] - (tables.starts[b + 1] - tables.starts[b]), tables.kv_lens[b])
+               for b in range(tables.batch)]
+    return torch.cat(default).to(q.device) if default else torch.zeros(0, dtype=torch.long, device=q.device)
+
+
+def _check_options(window, alibi_slopes, q_heads: int) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+    if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dim() != 1):
+        raise ValueError(f"alibi_slopes of a paged call must be [Hq] = [{q_heads}] (one slope per query head), got "
+                         f"{getattr(alibi_slopes, 'shape', type(alibi_slopes).__name__)}")

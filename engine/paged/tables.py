@@ -1,0 +1,122 @@
+"""A paged batch's tables, validated: which pages hold each sequence's keys, and which packed rows are its queries.
+
+The layout is FlashInfer's (NHD) and vLLM's block table::
+
+    k_pages, v_pages   [num_pages, page_size, Hkv, D]     one pool of pages per layer
+    page_table         [B, max_pages] int                 sequence b's key j is in page page_table[b, j // P],
+                                                          slot j % P (P = page_size)
+    kv_lens            [B] int                            sequence b's cached keys, its new ones included
+    query_indptr       [B + 1] int                        sequence b's queries are q[query_indptr[b]:query_indptr[b+1]]
+
+    page_size 4, kv_lens [6, 3], page_table [[7, 2], [5, x]]:
+        sequence 0: keys 0..3 in page 7, keys 4..5 in page 2 (slots 0, 1; slots 2, 3 unowned)
+        sequence 1: keys 0..2 in page 5 (x: past its pages, ignored)
+
+``paged_batch`` checks every table against the pools and q and returns a ``PagedBatch`` of plain ints (one host
+read of the small tables), or raises a ValueError naming what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.inputs import SUPPORTED_DTYPES
+
+__all__ = ["PagedBatch", "paged_batch"]
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """The tables of one paged call as Python ints: per sequence its query rows ``[starts[b], starts[b+1])``, its
+    number of keys and the pages holding them (only the ones it owns: ``ceil(kv_len / page_size)``)."""
+
+    starts: list[int]
+    kv_lens: list[int]
+    pages: list[list[int]]
+    page_size: int
+
+    @property
+    def batch(self) -> int:
+        return len(self.kv_lens)
+
+    def query_rows(self, b: int) -> slice:
+        return slice(self.starts[b], self.starts[b + 1])
+
+
+def _integer_tensor(x, name: str, dims: int, shape_text: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be an integer tensor {shape_text}, got {kind}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D {shape_text}, got shape {list(x.shape)}")
+    if x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: the tables need values")
+    return x
+
+
+def _check_pools(q, k_pages, v_pages) -> None:
+    for name, x, dims, text in (("q", q, 3, "[Nq, Hq, D]"), ("k_pages", k_pages, 4, "[num_pages, page_size, Hkv, D]"),
+                                ("v_pages", v_pages, 4, "[num_pages, page_size, Hkv, Dv]")):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor {text}, got {type(x).__name__}")
+        if x.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D {text}, got shape {list(x.shape)}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise ValueError(f"{name} must have dtype {supported}, got {x.dtype}")
+    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+        raise ValueError(f"q, k_pages, v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
+    if not (q.device == k_pages.device == v_pages.device):
+        raise ValueError(f"q, k_pages, v_pages must be on one device, got {q.device}, {k_pages.device}, "
+                         f"{v_pages.device}")
+    if k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(f"k_pages and v_pages must be pools of the same pages [num_pages, page_size, Hkv], got "
+                         f"{list(k_pages.shape[:3])} and {list(v_pages.shape[:3])}")
+    if k_pages.shape[1] == 0:
+        raise ValueError("page_size (k_pages.shape[1]) must be at least 1, got 0")
+    q_heads, kv_heads = q.shape[1], k_pages.shape[2]
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(f"Query heads ({q_heads}) must be a multiple of KV heads ({kv_heads})")
+    if k_pages.shape[3] != q.shape[2]:
+        raise ValueError(f"head dim mismatch: q has D={q.shape[2]}, k_pages has D={k_pages.shape[3]}")
+
+
+def paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, default_positions: bool) -> PagedBatch:
+    """Validate a paged call's tensors and tables; ``default_positions``: each sequence's queries sit at its last
+    keys' positions, so a sequence cannot have more queries than keys."""
+    _check_pools(q, k_pages, v_pages)
+    num_pages, page_size = k_pages.shape[0], k_pages.shape[1]
+    page_table = _integer_tensor(page_table, "page_table", 2, "[B, max_pages]")
+    batch = page_table.shape[0]
+    kv_lens = _integer_tensor(kv_lens, "kv_lens", 1, f"[B] = [{batch}]")
+    query_indptr = _integer_tensor(query_indptr, "query_indptr", 1, f"[B + 1] = [{batch + 1}]")
+    if kv_lens.shape[0] != batch:
+        raise ValueError(f"kv_lens must have one entry per sequence of page_table, [{batch}], got "
+                         f"{list(kv_lens.shape)}")
+    if query_indptr.shape[0] != batch + 1:
+        raise ValueError(f"query_indptr must have B + 1 = {batch + 1} entries, got {query_indptr.shape[0]}")
+    starts, lens, table = query_indptr.tolist(), kv_lens.tolist(), page_table.tolist()  # the host reads, once
+    if starts[0] != 0 or starts[-1] != q.shape[0]:
+        raise ValueError(f"query_indptr must run from 0 to Nq = {q.shape[0]}, got {starts[0]} .. {starts[-1]}")
+    pages = []
+    for b in range(batch):
+        if starts[b + 1] < starts[b]:
+            raise ValueError(f"query_indptr must not decrease, got {starts[b]} then {starts[b + 1]} at sequence {b}")
+        queries, keys = starts[b + 1] - starts[b], lens[b]
+        if keys < 0:
+            raise ValueError(f"kv_lens[{b}] must be >= 0, got {keys}")
+        if default_positions and keys < queries:
+            raise ValueError(f"kv_lens[{b}] = {keys} is shorter than sequence {b}'s {queries} queries (its new keys "
+                             f"count in kv_lens; pass query_positions for queries that are not its last keys)")
+        owned = -(-keys // page_size)  # pages the sequence's keys fill
+        if owned > len(table[b]):
+            raise ValueError(f"kv_lens[{b}] = {keys} needs {owned} pages of {page_size}, but page_table has "
+                             f"{len(table[b])} columns")
+        bad = [page for page in table[b][:owned] if not 0 <= page < num_pages]
+        if bad:
+            raise ValueError(f"page_table[{b}] names page {bad[0]}, out of range [0, {num_pages}) for the pools' "
+                             f"{num_pages} pages")
+        pages.append(table[b][:owned])
+    return PagedBatch(starts, lens, pages, page_size)

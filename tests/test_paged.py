@@ -1,0 +1,185 @@
+"""paged_attention against a float64 oracle that reads each key straight through the page table (a per-query loop
+written here): shuffled and shared pages, page sizes 1 to 16, partial last pages, mixed batches of decodes and
+prefills, windows, softcap, sinks, ALiBi, per-token positions, GQA/MQA, NaN in every slot no sequence owns; and the
+bad-table errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine
+from engine import paged_attention
+
+
+def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions=None, window=None, softcap=None,
+           scale=None, sinks=None, alibi=None):
+    """float64 ``(out [Nq, Hq, Dv], lse [Nq, Hq])``, one query and head at a time, each key read at
+    ``pool[page_table[b, j // P], j % P]``."""
+    nq, hq, d = q.shape
+    page_size, hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[3]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(nq, hq, dv, dtype=torch.float64)
+    lse = torch.full((nq, hq), -math.inf, dtype=torch.float64)
+    for b in range(page_table.shape[0]):
+        start, stop, length = int(query_indptr[b]), int(query_indptr[b + 1]), int(kv_lens[b])
+        for row in range(start, stop):
+            pos = int(query_positions[row]) if query_positions is not None else length - (stop - row)
+            keys = [j for j in range(length) if j <= pos and (window is None or pos - j < window)]
+            for h in range(hq):
+                slots = [(int(page_table[b, j // page_size]), j % page_size) for j in keys]
+                k = torch.stack([k_pages[p, s, h // (hq // hkv)] for p, s in slots]).double() if slots else None
+                v = torch.stack([v_pages[p, s, h // (hq // hkv)] for p, s in slots]).double() if slots else None
+                scores = (k @ q[row, h].double()) * scale if slots else torch.zeros(0, dtype=torch.float64)
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                if alibi is not None:
+                    scores = scores - float(alibi[h]) * torch.tensor([pos - j for j in keys], dtype=torch.float64)
+                logits = scores if sinks is None else torch.cat([scores, sinks[h].double().reshape(1)])
+                if logits.numel() == 0:
+                    continue
+                lse[row, h] = torch.logsumexp(logits, 0)
+                if slots:
+                    out[row, h] = torch.exp(scores - lse[row, h]) @ v
+    return out, lse
+
+
+@st.composite
+def paged_batches(draw):
+    """A pool of shuffled pages, some shared between sequences, NaN in every slot no sequence owns."""
+    page_size = draw(st.sampled_from([1, 2, 3, 16]))
+    hkv, group, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([4, 8]))
+    batch = draw(st.integers(1, 4))
+    kv_lens = [draw(st.integers(0, 40)) for _ in range(batch)]
+    q_lens = [draw(st.sampled_from([0, 1, 1, min(3, n), n])) if n else 0 for n in kv_lens]
+    seed = draw(st.integers(0, 10_000))
+    g = torch.Generator().manual_seed(seed)
+    owned = [-(-n // page_size) for n in kv_lens]
+    spare = draw(st.integers(0, 3))  # pages nobody owns
+    num_pages = sum(owned) + spare
+    order = torch.randperm(max(num_pages, 1), generator=g).tolist()
+    max_pages = max(owned + [1]) + 1
+    page_table = torch.full((batch, max_pages), 10**6, dtype=torch.long)  # past each sequence's pages: ignored
+    taken = 0
+    for b, n in enumerate(owned):
+        page_table[b, :n] = torch.tensor(order[taken:taken + n], dtype=torch.long)
+        taken += n
+    share = draw(st.booleans()) and batch > 1 and kv_lens[0] >= page_size and kv_lens[1] >= page_size
+    if share:  # sequence 1's first page is sequence 0's (a shared prefix page, full)
+        page_table[1, 0] = page_table[0, 0]
+    dtype = torch.float64
+    k_pages = torch.full((max(num_pages, 1), page_size, hkv, d), math.nan, dtype=dtype)
+    v_pages = torch.full((max(num_pages, 1), page_size, hkv, d + 1), math.nan, dtype=dtype)
+    for b, n in enumerate(kv_lens):
+        for j in range(n):
+            page, slot = int(page_table[b, j // page_size]), j % page_size
+            if share and b == 1 and j < page_size:
+                continue  # sequence 0 wrote this shared page
+            k_pages[page, slot] = torch.randn(hkv, d, generator=g, dtype=dtype)
+            v_pages[page, slot] = torch.randn(hkv, d + 1, generator=g, dtype=dtype)
+    indptr = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.long)
+    q = torch.randn(int(indptr[-1]), hkv * group, d, generator=g, dtype=dtype)
+    options = {}
+    if draw(st.booleans()):
+        options["window"] = draw(st.integers(1, 8))
+    if draw(st.booleans()):
+        options["softcap"] = 4.0
+    if draw(st.booleans()):
+        options["sinks"] = torch.randn(hkv * group, generator=g, dtype=dtype)
+    if draw(st.booleans()):
+        options["alibi"] = torch.rand(hkv * group, generator=g, dtype=dtype)
+    positions = None
+    if draw(st.booleans()) and q.shape[0]:  # per-token positions: anywhere in the sequence (or before it)
+        positions = torch.cat([torch.randint(-2, max(n, 1) + 2, (ql,), generator=g) for n, ql in zip(kv_lens, q_lens)])
+    return (q, k_pages, v_pages, page_table, torch.tensor(kv_lens), indptr, positions), options
+
+
+@settings(max_examples=60)
+@given(paged_batches(), st.sampled_from(["auto", "tiled", "reference"]))
+def test_paged_attention_equals_the_oracle_reading_through_the_page_table(problem, kernel):
+    args, options = problem
+    ours = dict(options)
+    if "alibi" in ours:
+        ours["alibi_slopes"] = ours.pop("alibi")
+    out, lse = paged_attention(*args, return_lse=True, kernel=kernel, **ours)
+    want, want_lse = oracle(*args, **options)
+    assert not bool(out.isnan().any())  # the NaN in unowned slots never reach an output
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(lse, want_lse, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_a_mixed_batch_in_low_precision_is_within_its_precision(dtype):
+    # one decode against 600 cached keys (the native decode kernel's shape), a chunked prefill, a prefill
+    g = torch.Generator().manual_seed(0)
+    page_size, kv_lens = 16, [600, 70, 9]  # with 1, 6 and 9 queries (query_indptr below)
+    pages = [-(-n // page_size) for n in kv_lens]
+    order = torch.randperm(sum(pages) + 2, generator=g)
+    table = torch.zeros(3, max(pages), dtype=torch.long)
+    for b, (start, n) in enumerate(zip([0, pages[0], pages[0] + pages[1]], pages)):
+        table[b, :n] = order[start:start + n]
+    k_pages = torch.randn(len(order), page_size, 2, 64, generator=g)
+    v_pages = torch.randn(len(order), page_size, 2, 64, generator=g)
+    indptr = torch.tensor([0, 1, 7, 16])
+    q = torch.randn(16, 8, 64, generator=g)
+    want, _ = oracle(q, k_pages, v_pages, table, torch.tensor(kv_lens), indptr)
+    out = paged_attention(q.to(dtype), k_pages.to(dtype), v_pages.to(dtype), table, torch.tensor(kv_lens), indptr)
+    tolerance = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-5}[dtype]
+    torch.testing.assert_close(out.double(), want, rtol=tolerance, atol=tolerance)
+    text = engine.explain_paged(q, k_pages, v_pages, table, torch.tensor(kv_lens), indptr)
+    assert "sequence 0 (1 queries, 600 keys): kernel decode" in text  # decode_native, or decode without a compiler
+    assert "sequence 1 (6 queries, 70 keys): kernel " in text and "sequence 2 (9 queries, 9 keys): kernel " in text
+
+
+def bad_case():
+    q = torch.randn(3, 4, 8)
+    k_pages, v_pages = torch.randn(5, 4, 2, 8), torch.randn(5, 4, 2, 8)
+    return dict(q=q, k_pages=k_pages, v_pages=v_pages, page_table=torch.tensor([[0, 1], [2, 3]]),
+                kv_lens=torch.tensor([6, 2]), query_indptr=torch.tensor([0, 1, 3]))
+
+
+BAD = [
+    (dict(page_table=torch.tensor([[0, 5], [2, 3]])), "page_table[0] names page 5, out of range [0, 5)"),
+    (dict(page_table=torch.tensor([[0, -1], [2, 3]])), "page_table[0] names page -1"),
+    (dict(query_indptr=torch.tensor([0, 2, 1])), "query_indptr must run from 0 to Nq = 3, got 0 .. 1"),
+    (dict(query_indptr=torch.tensor([0, 3, 2, 3]), kv_lens=torch.tensor([6, 2, 1]),
+          page_table=torch.tensor([[0, 1], [2, 3], [4, 4]])), "query_indptr must not decrease, got 3 then 2"),
+    (dict(kv_lens=torch.tensor([6, 1])), "kv_lens[1] = 1 is shorter than sequence 1's 2 queries"),
+    (dict(kv_lens=torch.tensor([9, 2])), "kv_lens[0] = 9 needs 3 pages of 4, but page_table has 2 columns"),
+    (dict(kv_lens=torch.tensor([6, -1])), "kv_lens[1] must be >= 0, got -1"),
+    (dict(v_pages=torch.randn(5, 4, 1, 8)), "k_pages and v_pages must be pools of the same pages"),
+    (dict(k_pages=torch.randn(5, 4, 3, 8), v_pages=torch.randn(5, 4, 3, 8)), "Query heads (4) must be a multiple of "
+                                                                            "KV heads (3)"),
+    (dict(k_pages=torch.randn(5, 4, 2, 6), v_pages=torch.randn(5, 4, 2, 6)), "head dim mismatch: q has D=8"),
+    (dict(page_table=torch.tensor([[0.0, 1.0], [2.0, 3.0]])), "page_table must be an integer tensor"),
+    (dict(kv_lens=torch.tensor([6, 2, 0])), "kv_lens must have one entry per sequence of page_table, [2]"),
+    (dict(query_indptr=torch.tensor([0, 3])), "query_indptr must have B + 1 = 3 entries, got 2"),
+    (dict(q=torch.randn(3, 4, 8, dtype=torch.float64)), "q, k_pages, v_pages must share one dtype"),
+    (dict(q=torch.randn(3, 8)), "q must be 3-D [Nq, Hq, D]"),
+]
+
+
+@pytest.mark.parametrize("bad, message", BAD, ids=[m[:40] for _, m in BAD])
+def test_bad_tables_raise_value_errors_naming_what_was_expected(bad, message):
+    args = bad_case() | bad
+    with pytest.raises(ValueError) as error:
+        paged_attention(**args)
+    assert message in str(error.value)
+
+
+def test_a_window_and_explicit_positions_follow_the_one_rule():
+    # a chunk of 3 queries at positions 4..6 of a 7-key sequence, window 2: query at 6 sees keys 5 and 6 only
+    g = torch.Generator().manual_seed(1)
+    k_pages, v_pages = torch.randn(2, 4, 1, 4, generator=g), torch.randn(2, 4, 1, 4, generator=g)
+    q = torch.randn(3, 1, 4, generator=g)
+    table, lens, indptr = torch.tensor([[1, 0]]), torch.tensor([7]), torch.tensor([0, 3])
+    out = paged_attention(q, k_pages, v_pages, table, lens, indptr, torch.tensor([4, 5, 6]), window=2)
+    keys = torch.cat([k_pages[1], k_pages[0]])[:7, 0]  # [7, 4] in key order
+    values = torch.cat([v_pages[1], v_pages[0]])[:7, 0]
+    weights = torch.softmax(q[2, 0] @ keys[5:7].T / 2, dim=0)
+    torch.testing.assert_close(out[2, 0], weights @ values[5:7])

@@ -25,7 +25,7 @@ from engine.masks import (
     padding_positions,
 )
 from engine.masks.structured import StructuredMask, as_structured
-from engine.paged import explain_paged, paged_attention
+from engine.paged import PagedKVCache, explain_paged, paged_attention
 from engine.planning import AttentionPlan, explain, plan
 from engine.relative_bias import RelativePositionBias
 from engine.rope import apply_rope, rope_frequencies
@@ -38,6 +38,7 @@ __all__ = [
     "explain",
     "paged_attention",
     "explain_paged",
+    "PagedKVCache",
     "merge_attention_states",
     "KernelChoice",
     "SlowPathWarning",

@@ -2,9 +2,11 @@
 
 ``paged_attention`` (engine.paged.attention) takes FlashInfer's / vLLM's layout (engine.paged.tables: pools
 ``[num_pages, page_size, Hkv, D]``, a page table, key lengths and query offsets per sequence) and applies the
-engine's one rule with each sequence's positions.
+engine's one rule with each sequence's positions; ``PagedKVCache`` (engine.paged.cache) keeps the pools and each
+sequence's pages (add, append packed tokens, fork with shared pages and copy on write, free, roll back).
 """
 
 from engine.paged.attention import explain_paged, gather_keys, paged_attention
+from engine.paged.cache import PagedKVCache
 
-__all__ = ["paged_attention", "explain_paged", "gather_keys"]
+__all__ = ["paged_attention", "explain_paged", "gather_keys", "PagedKVCache"]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine import paged_attention
+from engine.kernels.decode.native_build import native_unavailable
 
 
 def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions=None, window=None, softcap=None,
@@ -49,13 +50,17 @@ def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positio
 
 
 @st.composite
-def paged_batches(draw):
-    """A pool of shuffled pages, some shared between sequences, NaN in every slot no sequence owns."""
+def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float64):
+    """A pool of shuffled pages, some shared between sequences, NaN in every slot no sequence owns; ``uniform``:
+    every sequence the same 1..4 queries (a decode step, as the in-place kernel takes it), no softcap or ALiBi."""
     page_size = draw(st.sampled_from([1, 2, 3, 16]))
     hkv, group, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([4, 8]))
     batch = draw(st.integers(1, 4))
     kv_lens = [draw(st.integers(0, 40)) for _ in range(batch)]
     q_lens = [draw(st.sampled_from([0, 1, 1, min(3, n), n])) if n else 0 for n in kv_lens]
+    if uniform:
+        t = draw(st.integers(1, 4))
+        kv_lens, q_lens = [max(n, t) for n in kv_lens], [t] * batch
     seed = draw(st.integers(0, 10_000))
     g = torch.Generator().manual_seed(seed)
     owned = [-(-n // page_size) for n in kv_lens]
@@ -71,7 +76,6 @@ def paged_batches(draw):
     share = draw(st.booleans()) and batch > 1 and kv_lens[0] >= page_size and kv_lens[1] >= page_size
     if share:  # sequence 1's first page is sequence 0's (a shared prefix page, full)
         page_table[1, 0] = page_table[0, 0]
-    dtype = torch.float64
     k_pages = torch.full((max(num_pages, 1), page_size, hkv, d), math.nan, dtype=dtype)
     v_pages = torch.full((max(num_pages, 1), page_size, hkv, d + 1), math.nan, dtype=dtype)
     for b, n in enumerate(kv_lens):
@@ -86,11 +90,11 @@ def paged_batches(draw):
     options = {}
     if draw(st.booleans()):
         options["window"] = draw(st.integers(1, 8))
-    if draw(st.booleans()):
+    if not uniform and draw(st.booleans()):
         options["softcap"] = 4.0
     if draw(st.booleans()):
         options["sinks"] = torch.randn(hkv * group, generator=g, dtype=dtype)
-    if draw(st.booleans()):
+    if not uniform and draw(st.booleans()):
         options["alibi"] = torch.rand(hkv * group, generator=g, dtype=dtype)
     positions = None
     if draw(st.booleans()) and q.shape[0]:  # per-token positions: anywhere in the sequence (or before it)
@@ -111,6 +115,23 @@ def test_paged_attention_equals_the_oracle_reading_through_the_page_table(proble
     torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     torch.testing.assert_close(lse, want_lse, rtol=1e-9, atol=1e-9)
+
+
+@settings(max_examples=60)
+@given(paged_batches(uniform=True, dtype=torch.float32))
+def test_a_decode_step_read_in_place_through_the_page_table_equals_the_oracle(problem):
+    # every sequence the same 1..4 queries, fp32: the native kernel reads the pages in place (no gathered copy)
+    args, options = problem
+    if native_unavailable() is not None:
+        pytest.skip(native_unavailable())
+    text = engine.explain_paged(*args, window=options.get("window"))
+    assert "decode_native reads K/V in place" in text, text
+    out, lse = paged_attention(*args, return_lse=True, window=options.get("window"), sinks=options.get("sinks"))
+    want, want_lse = oracle(*args, **options)
+    assert not bool(out.isnan().any())  # the NaN in unowned slots (and past each sequence's length) never leak
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)

@@ -8,10 +8,11 @@ iff ``j <= query_pos`` (and ``query_pos - j < window``)::
     page_size 2, sequence 0: kv_len 5, 1 query (decode at position 4); sequence 1: kv_len 3, 3 queries (a prefill)
     q rows:  [ s0 q@4 | s1 q@0 s1 q@1 s1 q@2 ]        query_indptr = [0, 1, 4]
 
-This module is the readable path: each sequence's keys are gathered from its pages (only the slots it owns, so a
-NaN in a slot no sequence owns never reaches an output) and ``causal_attention`` runs on them with the sequence's
-positions, its kernel chosen as for any call (``explain_paged`` says which). Kernels that read the pages in place
-are the next step; this path stays their oracle.
+Two paths, ``explain_paged`` says which runs and why: a decode step (every sequence the same 1..16 new queries,
+CPU, no gradients, no softcap or ALiBi) runs the native decode kernel reading K/V in place through the page table
+(engine.paged.native); anything else takes the readable path: each sequence's keys gathered from its pages (only
+the slots it owns, so a NaN in a slot no sequence owns never reaches an output), then ``causal_attention`` with
+the sequence's positions, its kernel chosen as for any call. The readable path is the in-place kernel's oracle.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from engine.attention import causal_attention
 from engine.inputs import resolve_positions
 from engine.masks.window import window_mask
+from engine.paged.native import native_paged_attention, native_paged_fits
 from engine.paged.tables import PagedBatch, paged_batch
 from engine.planning import explain
 
@@ -51,6 +53,11 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
     _check_options(window, alibi_slopes, q.shape[1])
+    if native_paged_fits(q, k_pages, v_pages, tables, softcap, alibi_slopes, kernel) is None:
+        result = native_paged_attention(q, k_pages, v_pages, tables, positions, query_positions is None, window,
+                                        scale, sinks)
+        if result is not None:  # (None: NaN/inf in q, which the gathered path keeps to its rows)
+            return result if return_lse else result[0]
     q_heads, dv = q.shape[1], v_pages.shape[3]
     out = q.new_zeros(q.shape[0], q_heads, dv)  # [Nq, Hq, Dv]
     lse = torch.full((q.shape[0], q_heads), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64
@@ -73,7 +80,12 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
     """Which path ``paged_attention`` with these arguments takes, and each sequence's kernel with the reason."""
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
-    lines = ["paged: each sequence's keys gathered from its pages (the readable path), then causal_attention"]
+    why_not = native_paged_fits(q, k_pages, v_pages, tables, softcap, modifiers.get("alibi_slopes"), kernel)
+    if why_not is None:
+        return ("paged: decode_native reads K/V in place through the page table (every sequence "
+                f"{tables.starts[1] - tables.starts[0]} queries; no gathered copy)")
+    lines = [f"paged: each sequence's keys gathered from its pages (the readable path), then causal_attention; "
+             f"not decode_native in place: {why_not}"]
     for b in range(tables.batch):
         if tables.query_rows(b).stop == tables.query_rows(b).start:
             lines.append(f"  sequence {b}: no queries")

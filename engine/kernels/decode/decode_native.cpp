@@ -246,6 +246,13 @@ struct DecodeCall {
     int64_t visible_strides[4];
     float* out;                     // [B, Hkv, R, Dv] fp32, contiguous: written whole
     float* lse;                     // [B, Hkv, R] fp32, contiguous: written whole
+    // A paged cache (null pages: k / v hold [B, Hkv, S, D] as above): k and v are pools [num_pages, page_size,
+    // Hkv, D] with k_strides / v_strides those of (page, slot, head); key j of sequence b is slot j % page_size
+    // of page pages[b * pages_stride + j / page_size]; sequence b has lengths[b] keys (S is the longest).
+    const int64_t* pages;
+    int64_t pages_stride;
+    int64_t page_size;
+    const int64_t* lengths;
 };
 
 }  // extern "C"
@@ -263,6 +270,9 @@ struct Operands {
     int64_t vis[4];
     int64_t B, H, R, S, D, Dv;
     float k_unit, v_unit;           // constant factor of every key / value (2^8 for fp8, else 1)
+    const int64_t* pages;           // a paged cache's page table (DecodeCall), or null
+    int64_t pages_stride, page_size;
+    const int64_t* lengths;         // keys per sequence, or null: S each
 };
 
 struct Partial {                    // one work item's online-softmax state
@@ -279,6 +289,8 @@ struct Item {
     Partial& part;
     const void *kb, *vb;
     const float *ksc, *vsc;
+    const int64_t* table;           // this sequence's pages (a paged cache), else null
+    int64_t head, end;              // this item's KV head; its last key + 1 (clamped to the sequence's length)
     const uint8_t* visb;
     const float* qb;
     // block scratch: scores / probabilities [R][BLOCK], visibility [R][BLOCK] as 0 / all-ones bit masks
@@ -291,11 +303,28 @@ struct Item {
         vb = (const char*)o.v + elem_size() * (b * o.vs[0] + h * o.vs[1]);
         ksc = o.k_scale ? o.k_scale + b * o.kss[0] + h * o.kss[1] : nullptr;
         vsc = o.v_scale ? o.v_scale + b * o.vss[0] + h * o.vss[1] : nullptr;
+        table = o.pages ? o.pages + b * o.pages_stride : nullptr;
+        head = h;
+        end = o.lengths ? std::min<int64_t>(p_.j1, std::max<int64_t>(p_.j0, o.lengths[b])) : p_.j1;
         visb = o.visible ? o.visible + b * o.vis[0] + h * o.vis[1] : nullptr;
         qb = o.q + p_.bh * o.R * o.D;
     }
 
     static constexpr int64_t elem_size() { return KIND == F32 ? 4 : (KIND == BF16 || KIND == F16) ? 2 : 1; }
+
+    // Where key (value) j of this item's sequence and head starts: a row of [S, D], or a slot of a page.
+    const char* key_row(int64_t j) const {
+        if (table) return pooled(o.k, o.ks, j);
+        return (const char*)kb + elem_size() * j * o.ks[2];
+    }
+    const char* value_row(int64_t j) const {
+        if (table) return pooled(o.v, o.vs, j);
+        return (const char*)vb + elem_size() * j * o.vs[2];
+    }
+    const char* pooled(const void* pool, const int64_t* strides, int64_t j) const {
+        const int64_t page = table[j / o.page_size], slot = j % o.page_size;
+        return (const char*)pool + elem_size() * (page * strides[0] + slot * strides[1] + head * strides[2]);
+    }
 
     float key_scale(int64_t j) const { return o.k_unit * (ksc ? ksc[j * o.kss[2]] : 1.0f); }
     float value_scale(int64_t j) const { return o.v_unit * (vsc ? vsc[j * o.vss[2]] : 1.0f); }
@@ -306,8 +335,8 @@ struct Item {
         const int64_t PF_K = std::max<int64_t>(1, PF_K_BYTES / std::max<int64_t>(1, elem_size() * o.D));
         const int64_t PF_V = std::max<int64_t>(1, PF_V_BYTES / std::max<int64_t>(1, elem_size() * o.Dv));
         for (int64_t jj = j; jj < j + 2; ++jj) {
-            if (jj + PF_K < part.j1) prefetch_row((const char*)kb + elem_size() * (jj + PF_K) * o.ks[2], o.D);
-            if (jj + PF_V < part.j1) prefetch_row((const char*)vb + elem_size() * (jj + PF_V) * o.vs[2], o.Dv);
+            if (jj + PF_K < end) prefetch_row(key_row(jj + PF_K), o.D);
+            if (jj + PF_V < end) prefetch_row(value_row(jj + PF_V), o.Dv);
         }
     }
     static void prefetch_row(const char* row, int64_t width) {
@@ -323,8 +352,8 @@ struct Item {
 #if DN_AVX512 || DN_AVX2
             for (; jj + 2 <= n; jj += 2) {
                 if (r0 == 0) prefetch_rows(j0 + jj);
-                const void* k0 = (const char*)kb + elem_size() * (j0 + jj) * o.ks[2];
-                const void* k1 = (const char*)kb + elem_size() * (j0 + jj + 1) * o.ks[2];
+                const void* k0 = key_row(j0 + jj);
+                const void* k1 = key_row(j0 + jj + 1);
                 vec a0[N], a1[N];
                 for (int r = 0; r < N; ++r) a0[r] = a1[r] = vzero();
                 for (int64_t d = 0; d < D; d += W) {
@@ -351,7 +380,7 @@ struct Item {
                 }
             }
             for (; jj < n; ++jj) {
-                const void* k0 = (const char*)kb + elem_size() * (j0 + jj) * o.ks[2];
+                const void* k0 = key_row(j0 + jj);
                 vec a0[N];
                 for (int r = 0; r < N; ++r) a0[r] = vzero();
                 for (int64_t d = 0; d < D; d += W) {
@@ -364,7 +393,7 @@ struct Item {
 #endif
         } else {
             for (; jj < n; ++jj) {
-                const void* krow = (const char*)kb + elem_size() * (j0 + jj) * o.ks[2];
+                const void* krow = key_row(j0 + jj);
                 float dots[N] = {};
                 for (int64_t d = 0; d < D; ++d) {
                     const float kd = load_scalar<KIND>(krow, d);
@@ -394,7 +423,7 @@ struct Item {
             const int64_t Dv = o.Dv;
             float* acc = part.acc.data();
             for (int jj = 0; jj < n; ++jj) {
-                const void* vrow = (const char*)vb + elem_size() * (j0 + jj) * o.vs[2];
+                const void* vrow = value_row(j0 + jj);
                 for (int r = 0; r < N; ++r) {
                     if (MASKED && !_bits(keep[(r0 + r) * BLOCK + jj])) continue;
                     const float p = s[(r0 + r) * BLOCK + jj];
@@ -415,7 +444,7 @@ struct Item {
             for (int t = 0; t < TILES; ++t) a[r][t] = vloadf(acc + (r0 + r) * Dv + d0 + t * W);
         for (int jj = 0; jj < n; ++jj) {
             if (MASKED && !seen_key[jj]) continue;
-            const void* vrow = (const char*)vb + elem_size() * (j0 + jj) * o.vs[2];
+            const void* vrow = value_row(j0 + jj);
             vec vv[TILES];
             for (int t = 0; t < TILES; ++t) vv[t] = vload<KIND>(vrow, d0 + t * W);
             for (int r = 0; r < N; ++r) {
@@ -585,8 +614,8 @@ struct Item {
     }
 
     void run() {
-        for (int64_t j0 = part.j0; j0 < part.j1; j0 += BLOCK) {
-            const int n = (int)std::min<int64_t>(BLOCK, part.j1 - j0);
+        for (int64_t j0 = part.j0; j0 < end; j0 += BLOCK) {
+            const int n = (int)std::min<int64_t>(BLOCK, end - j0);
             const bool masked = visb != nullptr;
             if (masked && !block_visibility(j0, n)) continue;  // no row sees these keys: never read
             for_row_groups(j0, n, masked, true);
@@ -639,7 +668,9 @@ int decode_native_layout(int64_t* offsets, int capacity) {
         (int64_t)offsetof(DecodeCall, v_scale_strides), (int64_t)offsetof(DecodeCall, q),
         (int64_t)offsetof(DecodeCall, q_strides), (int64_t)offsetof(DecodeCall, scale),
         (int64_t)offsetof(DecodeCall, visible), (int64_t)offsetof(DecodeCall, visible_strides),
-        (int64_t)offsetof(DecodeCall, out), (int64_t)offsetof(DecodeCall, lse), (int64_t)sizeof(DecodeCall)};
+        (int64_t)offsetof(DecodeCall, out), (int64_t)offsetof(DecodeCall, lse), (int64_t)offsetof(DecodeCall, pages),
+        (int64_t)offsetof(DecodeCall, pages_stride), (int64_t)offsetof(DecodeCall, page_size),
+        (int64_t)offsetof(DecodeCall, lengths), (int64_t)sizeof(DecodeCall)};
     const int n = (int)(sizeof(all) / sizeof(all[0]));
     for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
     return n;
@@ -686,6 +717,7 @@ int decode_native(const DecodeCall* call) {
     for (int i = 0; i < 4; ++i) o.vis[i] = c.visible ? c.visible_strides[i] : 0;
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
     o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
+    o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
 #if DN_AVX512 || DN_AVX2
     const bool simd = D % W == 0 && Dv % W == 0;
 #else

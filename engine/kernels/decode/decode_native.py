@@ -177,3 +177,32 @@ def _run(library, template, q_rows, keys, values, out, lse) -> int:
 def _call(library, q_rows, scale, keys, values, visible, out, lse) -> int:
     """One call with nothing planned (the tests build other vector paths and call them through this)."""
     return _run(library, _template(scale, q_rows, keys, values, visible), q_rows, keys, values, out, lse)
+
+
+def paged_decode(library, q_rows: torch.Tensor, scale: float, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                 pages: torch.Tensor, lengths: torch.Tensor, visible: torch.Tensor | None, out: torch.Tensor,
+                 lse: torch.Tensor) -> int:
+    """The kernel reading K/V in place from a paged cache (engine.paged): q_rows fp32 ``[B, Hkv, R, D]``, pools
+    ``[num_pages, page_size, Hkv, D | Dv]`` (fp32 / bf16 / fp16, unit stride on the last axis), pages int64
+    ``[B, max_pages]`` and lengths int64 ``[B]`` (contiguous), visible bool ``[B, Hkv|1, R, S]`` or None (every key
+    up to each sequence's length), out fp32 ``[B, Hkv, R, Dv]`` and lse ``[B, Hkv, R]``: written whole. Returns the
+    kernel's status (OK, or NON_FINITE_Q: nothing written)."""
+    if k_pages.dtype not in (torch.float32, torch.bfloat16, torch.float16) or v_pages.dtype != k_pages.dtype:
+        raise DoesNotFit(f"page dtypes {k_pages.dtype}, {v_pages.dtype}: not read in place by the native kernel")
+    batch, kv_heads, rows, d = q_rows.shape
+    longest = int(lengths.max()) if lengths.numel() else 0
+    call = DecodeCall(kind=KINDS[k_pages.dtype], threads=torch.get_num_threads(), B=batch, H=kv_heads, R=rows,
+                      S=longest, D=d, Dv=v_pages.shape[3], scale=scale, out=out.data_ptr(), lse=lse.data_ptr(),
+                      pages=pages.data_ptr(), pages_stride=pages.stride(0), page_size=k_pages.shape[1],
+                      lengths=lengths.data_ptr())
+    call.k, call.k_strides[:] = k_pages.data_ptr(), k_pages.stride()[:3]
+    call.v, call.v_strides[:] = v_pages.data_ptr(), v_pages.stride()[:3]
+    call.q, call.q_strides[:] = q_rows.data_ptr(), q_rows.stride()[:3]
+    if visible is not None:  # [B, Hkv|1, R, S] -> broadcast over heads with a zero stride, read as bytes
+        vis = visible.expand(batch, kv_heads, rows, longest).view(torch.uint8)
+        call.visible, call.visible_strides[:] = vis.data_ptr(), vis.stride()
+    status = library.decode(ctypes.byref(call))
+    if status not in (OK, NON_FINITE_Q):
+        raise DoesNotFit(f"the native kernel refused the call (status {status})")
+    return status
+

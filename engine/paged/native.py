@@ -1,0 +1,89 @@
+"""The paged batch on the native decode kernel, reading K/V in place through the page table (no gathered copy).
+
+It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
+plain decoding), on the CPU, without gradients, softcap or ALiBi (sinks act on its out and lse afterwards). The
+kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
+the sequence's own length, and takes each query row's visibility from positions (and the window) unless every
+key up to that length is visible (one query per sequence at its default position, no window)::
+
+    q [Nq = B*T, Hq, D] -> rows [B, Hkv, G*T, D]     (row g*T + i: query i of head h*G + g)
+    out [B, Hkv, G*T, Dv] -> [Nq, Hq, Dv],  lse likewise
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.common import needs_grad
+from engine.kernels.decode.decode_native import NON_FINITE_Q, paged_decode
+from engine.kernels.decode.native_build import load_native, native_unavailable
+from engine.kernels.sinks import apply_sinks
+from engine.modifiers import prepare_modifiers
+from engine.paged.tables import PagedBatch
+
+MAX_QUERIES = 16  # per sequence, as the decode kernels
+
+__all__ = ["native_paged_fits", "native_paged_attention"]
+
+
+def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_slopes, kernel: str) -> str | None:
+    """Why the paged batch cannot run on the native kernel in place (None: it can). Builds nothing."""
+    if kernel not in ("auto", "decode_native"):
+        return f"kernel={kernel!r} forced: the gathered path runs it"
+    why_not = native_unavailable()
+    if why_not is not None:
+        return why_not
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the native kernel reads fp32 / bf16 / fp16 pages on the CPU, got {q.dtype} on {q.device}"
+    if needs_grad(q, k_pages, v_pages):
+        return "gradients are needed: the native kernel has no backward"
+    if softcap is not None or alibi_slopes is not None:
+        return "softcap / ALiBi: not computed by the native kernel"
+    counts = {tables.starts[b + 1] - tables.starts[b] for b in range(tables.batch)}
+    if len(counts) != 1 or not 1 <= next(iter(counts)) <= MAX_QUERIES:
+        return f"sequences with {sorted(counts)} queries: the native kernel takes the same 1..{MAX_QUERIES} for all"
+    return None
+
+
+def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor, default_positions: bool,
+                           window: int | None, scale: float | None, sinks):
+    """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None when q holds NaN/inf (the kernel found it as
+    it scaled q; the gathered path keeps it to its rows)."""
+    library = load_native()
+    if isinstance(library, str):
+        return None
+    batch, t = tables.batch, tables.starts[1] - tables.starts[0]
+    q_heads, d = q.shape[1], q.shape[2]
+    kv_heads, dv = k_pages.shape[2], v_pages.shape[3]
+    group = q_heads // kv_heads
+    scale = d ** -0.5 if scale is None else float(scale)
+    sinks = prepare_modifiers((batch, q_heads, t, 1), q.device, sinks=sinks).sinks if sinks is not None else None
+    q_rows = q.float().view(batch, t, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * t,
+                                                                                        d)  # [B, Hkv, G*T, D]
+    width = max([len(p) for p in tables.pages] + [1])
+    pages = torch.tensor([p + [0] * (width - len(p)) for p in tables.pages], dtype=torch.long)  # [B, max_pages]
+    lengths = torch.tensor(tables.kv_lens, dtype=torch.long)  # [B]
+    visible = None  # one query per sequence at its last key, no window: every key up to its length
+    if not default_positions or window is not None or t > 1:
+        visible = _row_visibility(positions.view(batch, t), lengths, window, group)  # [B, 1, G*T, S]
+    out = torch.empty(batch, kv_heads, group * t, dv)  # [B, Hkv, G*T, Dv], written whole
+    lse = torch.empty(batch, kv_heads, group * t)  # [B, Hkv, G*T]
+    if paged_decode(library, q_rows, scale, k_pages, v_pages, pages, lengths, visible, out, lse) == NON_FINITE_Q:
+        return None
+    out = out.view(batch, kv_heads, group, t, dv).permute(0, 3, 1, 2, 4).reshape(batch * t, q_heads, dv)
+    lse = lse.view(batch, kv_heads, group, t).permute(0, 3, 1, 2).reshape(batch * t, q_heads)
+    if sinks is not None:  # a step after the kernel: [Nq, Hq, 1, Dv] and [Nq, Hq, 1] as sinks' [B, Hq, T, Dv]
+        out, lse = (x[:, :, 0] for x in apply_sinks(out[:, :, None], lse[:, :, None], sinks))
+    return out.to(q.dtype), lse
+
+
+def _row_visibility(positions: torch.Tensor, lengths: torch.Tensor, window: int | None, group: int) -> torch.Tensor:
+    """Bool ``[B, 1, G*T, S]``: key j visible to query i of sequence b iff ``j <= pos[b, i]``, ``j < length[b]`` and
+    (with a window) ``pos[b, i] - j < window``; rows g*T + i repeat query i for each head of the group."""
+    longest = int(lengths.max())
+    keys = torch.arange(longest)  # [S]
+    visible = (keys <= positions[:, :, None]) & (keys < lengths[:, None, None])  # [B, T, S]
+    if window is not None:
+        visible &= positions[:, :, None] - keys < window
+    batch, t, s = visible.shape
+    return visible[:, None].expand(batch, group, t, s).reshape(batch, 1, group * t, s)

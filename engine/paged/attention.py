@@ -62,11 +62,12 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     out = q.new_zeros(q.shape[0], q_heads, dv)  # [Nq, Hq, Dv]
     lse = torch.full((q.shape[0], q_heads), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64
                      else torch.float32, device=q.device)  # [Nq, Hq]
+    pages = tables.pages  # [B] lists of page ids
     for b in range(tables.batch):
         rows = tables.query_rows(b)
         if rows.stop == rows.start:
             continue
-        args = _sequence_call(q, k_pages, v_pages, tables, positions, b, window)
+        args = _sequence_call(q, k_pages, v_pages, tables, pages[b], positions, b, window)
         o, part_lse = causal_attention(*args, scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
                                        return_lse=True, kernel=kernel)  # [1, Hq, q_len, Dv], [1, Hq, q_len]
         out[rows] = o[0].transpose(0, 1)  # [q_len, Hq, Dv]
@@ -90,7 +91,7 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
         if tables.query_rows(b).stop == tables.query_rows(b).start:
             lines.append(f"  sequence {b}: no queries")
             continue
-        args = _sequence_call(q, k_pages, v_pages, tables, positions, b, window)
+        args = _sequence_call(q, k_pages, v_pages, tables, tables.pages[b], positions, b, window)
         choice = explain(*args, scale, softcap=softcap, kernel=kernel, **modifiers)
         lines.append(f"  sequence {b} ({args[0].shape[2]} queries, {tables.kv_lens[b]} keys): kernel {choice.kernel}"
                      f" ({choice.reason})")
@@ -106,12 +107,14 @@ def gather_keys(pages: torch.Tensor, owned: list[int], length: int, page_size: i
     return rows[:length].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, length, E]
 
 
-def _sequence_call(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor, b: int, window: int | None):
-    """``(q, k, v, query_positions, key_positions, allowed)`` of sequence b as one causal_attention call."""
+def _sequence_call(q, k_pages, v_pages, tables: PagedBatch, pages: list[int], positions: torch.Tensor, b: int,
+                   window: int | None):
+    """``(q, k, v, query_positions, key_positions, allowed)`` of sequence b (its ``pages``) as one causal_attention
+    call."""
     rows, length = tables.query_rows(b), tables.kv_lens[b]
     q_b = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-    k_b = gather_keys(k_pages, tables.pages[b], length, tables.page_size)  # [1, Hkv, S_b, D]
-    v_b = gather_keys(v_pages, tables.pages[b], length, tables.page_size)  # [1, Hkv, S_b, Dv]
+    k_b = gather_keys(k_pages, pages, length, tables.page_size)  # [1, Hkv, S_b, D]
+    v_b = gather_keys(v_pages, pages, length, tables.page_size)  # [1, Hkv, S_b, Dv]
     query_pos = positions[rows]  # [q_len]
     key_pos = torch.arange(length, device=q.device)  # [S_b]
     allowed = None if window is None else window_mask(query_pos, key_pos, window)  # [q_len, S_b]

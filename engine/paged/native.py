@@ -60,8 +60,7 @@ def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: t
     sinks = prepare_modifiers((batch, q_heads, t, 1), q.device, sinks=sinks).sinks if sinks is not None else None
     q_rows = q.float().view(batch, t, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * t,
                                                                                         d)  # [B, Hkv, G*T, D]
-    width = max([len(p) for p in tables.pages] + [1])
-    pages = torch.tensor([p + [0] * (width - len(p)) for p in tables.pages], dtype=torch.long)  # [B, max_pages]
+    pages = tables.page_table  # [B, max_pages] int64: the kernel reads each sequence's own entries only
     lengths = torch.tensor(tables.kv_lens, dtype=torch.long)  # [B]
     visible = None  # one query per sequence at its last key, no window: every key up to its length
     if not default_positions or window is not None or t > 1:

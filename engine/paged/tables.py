@@ -29,13 +29,20 @@ __all__ = ["PagedBatch", "paged_batch"]
 
 @dataclass(frozen=True)
 class PagedBatch:
-    """The tables of one paged call as Python ints: per sequence its query rows ``[starts[b], starts[b+1])``, its
-    number of keys and the pages holding them (only the ones it owns: ``ceil(kv_len / page_size)``)."""
+    """The tables of one paged call: per sequence its query rows ``[starts[b], starts[b+1])`` and number of keys
+    (Python ints), and ``page_table`` int64 ``[B, max_pages]`` whose first ``ceil(kv_len / page_size)`` entries
+    of row b (``pages[b]``) are checked page ids; the entries after them are never read."""
 
     starts: list[int]
     kv_lens: list[int]
-    pages: list[list[int]]
+    page_table: torch.Tensor
     page_size: int
+
+    @property
+    def pages(self) -> list[list[int]]:
+        """Each sequence's own pages as ints (the gathered path's index)."""
+        table = self.page_table.tolist()
+        return [table[b][:-(-n // self.page_size)] for b, n in enumerate(self.kv_lens)]
 
     @property
     def batch(self) -> int:
@@ -97,10 +104,9 @@ def paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, default_
                          f"{list(kv_lens.shape)}")
     if query_indptr.shape[0] != batch + 1:
         raise ValueError(f"query_indptr must have B + 1 = {batch + 1} entries, got {query_indptr.shape[0]}")
-    starts, lens, table = query_indptr.tolist(), kv_lens.tolist(), page_table.tolist()  # the host reads, once
+    starts, lens = query_indptr.tolist(), kv_lens.tolist()  # the host reads of the small tables, once
     if starts[0] != 0 or starts[-1] != q.shape[0]:
         raise ValueError(f"query_indptr must run from 0 to Nq = {q.shape[0]}, got {starts[0]} .. {starts[-1]}")
-    pages = []
     for b in range(batch):
         if starts[b + 1] < starts[b]:
             raise ValueError(f"query_indptr must not decrease, got {starts[b]} then {starts[b + 1]} at sequence {b}")
@@ -111,12 +117,15 @@ def paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, default_
             raise ValueError(f"kv_lens[{b}] = {keys} is shorter than sequence {b}'s {queries} queries (its new keys "
                              f"count in kv_lens; pass query_positions for queries that are not its last keys)")
         owned = -(-keys // page_size)  # pages the sequence's keys fill
-        if owned > len(table[b]):
+        if owned > page_table.shape[1]:
             raise ValueError(f"kv_lens[{b}] = {keys} needs {owned} pages of {page_size}, but page_table has "
-                             f"{len(table[b])} columns")
-        bad = [page for page in table[b][:owned] if not 0 <= page < num_pages]
-        if bad:
-            raise ValueError(f"page_table[{b}] names page {bad[0]}, out of range [0, {num_pages}) for the pools' "
-                             f"{num_pages} pages")
-        pages.append(table[b][:owned])
-    return PagedBatch(starts, lens, pages, page_size)
+                             f"{page_table.shape[1]} columns")
+    table = page_table.to(device="cpu", dtype=torch.long).contiguous()  # [B, max_pages]
+    owned = (kv_lens.to("cpu", torch.long) + page_size - 1) // page_size  # [B]
+    used = torch.arange(table.shape[1]) < owned[:, None]  # [B, max_pages]: the entries a sequence reads
+    bad = used & ((table < 0) | (table >= num_pages))
+    if bool(bad.any()):
+        b, column = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"page_table[{b}] names page {int(table[b, column])}, out of range [0, {num_pages}) for the "
+                         f"pools' {num_pages} pages")
+    return PagedBatch(starts, lens, table, page_size)

@@ -291,6 +291,8 @@ struct Item {
     const float *ksc, *vsc;
     const int64_t* table;           // this sequence's pages (a paged cache), else null
     int64_t head, end;              // this item's KV head; its last key + 1 (clamped to the sequence's length)
+    const char* krows[BLOCK];       // where each key / value row of the current block starts (block_rows)
+    const char* vrows[BLOCK];
     const uint8_t* visb;
     const float* qb;
     // block scratch: scores / probabilities [R][BLOCK], visibility [R][BLOCK] as 0 / all-ones bit masks
@@ -326,6 +328,24 @@ struct Item {
         return (const char*)pool + elem_size() * (page * strides[0] + slot * strides[1] + head * strides[2]);
     }
 
+    // The rows of keys j0 .. j0 + n - 1. Paged: walk the pages (no division per key) and ask for every row of the
+    // block at once (the hardware prefetcher does not cross from one page to the next).
+    void block_rows(int64_t j0, int n) {
+        if (!table) {
+            for (int jj = 0; jj < n; ++jj) krows[jj] = key_row(j0 + jj), vrows[jj] = value_row(j0 + jj);
+            return;
+        }
+        int64_t index = j0 / o.page_size, slot = j0 % o.page_size;
+        for (int jj = 0; jj < n; ++jj) {
+            const int64_t page = table[index];
+            krows[jj] = (const char*)o.k + elem_size() * (page * o.ks[0] + slot * o.ks[1] + head * o.ks[2]);
+            vrows[jj] = (const char*)o.v + elem_size() * (page * o.vs[0] + slot * o.vs[1] + head * o.vs[2]);
+            if (++slot == o.page_size) slot = 0, ++index;
+        }
+        for (int jj = 0; jj < n; ++jj) prefetch_row(krows[jj], o.D);
+        for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
+    }
+
     float key_scale(int64_t j) const { return o.k_unit * (ksc ? ksc[j * o.kss[2]] : 1.0f); }
     float value_scale(int64_t j) const { return o.v_unit * (vsc ? vsc[j * o.vss[2]] : 1.0f); }
 
@@ -351,9 +371,9 @@ struct Item {
         if constexpr (SIMD) {
 #if DN_AVX512 || DN_AVX2
             for (; jj + 2 <= n; jj += 2) {
-                if (r0 == 0) prefetch_rows(j0 + jj);
-                const void* k0 = key_row(j0 + jj);
-                const void* k1 = key_row(j0 + jj + 1);
+                if (r0 == 0 && !table) prefetch_rows(j0 + jj);
+                const void* k0 = krows[jj];
+                const void* k1 = krows[jj + 1];
                 vec a0[N], a1[N];
                 for (int r = 0; r < N; ++r) a0[r] = a1[r] = vzero();
                 for (int64_t d = 0; d < D; d += W) {
@@ -380,7 +400,7 @@ struct Item {
                 }
             }
             for (; jj < n; ++jj) {
-                const void* k0 = key_row(j0 + jj);
+                const void* k0 = krows[jj];
                 vec a0[N];
                 for (int r = 0; r < N; ++r) a0[r] = vzero();
                 for (int64_t d = 0; d < D; d += W) {
@@ -393,7 +413,7 @@ struct Item {
 #endif
         } else {
             for (; jj < n; ++jj) {
-                const void* krow = key_row(j0 + jj);
+                const void* krow = krows[jj];
                 float dots[N] = {};
                 for (int64_t d = 0; d < D; ++d) {
                     const float kd = load_scalar<KIND>(krow, d);
@@ -423,7 +443,7 @@ struct Item {
             const int64_t Dv = o.Dv;
             float* acc = part.acc.data();
             for (int jj = 0; jj < n; ++jj) {
-                const void* vrow = value_row(j0 + jj);
+                const void* vrow = vrows[jj];
                 for (int r = 0; r < N; ++r) {
                     if (MASKED && !_bits(keep[(r0 + r) * BLOCK + jj])) continue;
                     const float p = s[(r0 + r) * BLOCK + jj];
@@ -444,7 +464,7 @@ struct Item {
             for (int t = 0; t < TILES; ++t) a[r][t] = vloadf(acc + (r0 + r) * Dv + d0 + t * W);
         for (int jj = 0; jj < n; ++jj) {
             if (MASKED && !seen_key[jj]) continue;
-            const void* vrow = value_row(j0 + jj);
+            const void* vrow = vrows[jj];
             vec vv[TILES];
             for (int t = 0; t < TILES; ++t) vv[t] = vload<KIND>(vrow, d0 + t * W);
             for (int r = 0; r < N; ++r) {
@@ -618,6 +638,7 @@ struct Item {
             const int n = (int)std::min<int64_t>(BLOCK, end - j0);
             const bool masked = visb != nullptr;
             if (masked && !block_visibility(j0, n)) continue;  // no row sees these keys: never read
+            block_rows(j0, n);
             for_row_groups(j0, n, masked, true);
             softmax_step(j0, n, masked);
             for_row_groups(j0, n, masked, false);

@@ -234,3 +234,21 @@ class _silenced_stderr:
     def __exit__(self, *exc: object) -> None:
         os.dup2(self._saved, 2)
         os.close(self._saved)
+
+
+def interleaved_us(impls: dict[str, Callable[[], Any]], rounds: int, calls: int, warmup: int = 20) -> dict[str, float]:
+    """Median over rounds of each implementation's mean microseconds per call; every round runs each
+    implementation ``calls`` times, in an order that rotates from round to round."""
+    names = list(impls)
+    for name in names:
+        for _ in range(warmup):
+            impls[name]()
+    per_round: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            fn = impls[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_round[name].append((time.perf_counter() - start) / calls * 1e6)
+    return {name: statistics.median(times) for name, times in per_round.items()}

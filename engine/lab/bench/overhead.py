@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 import engine
 from engine.lab import plots
-from engine.lab.measure import format_table, machine_info, progress, save_results
+from engine.lab.measure import format_table, interleaved_us, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads, positive_int
 
 GROUPS = ("calls", "generate")
@@ -91,24 +91,6 @@ def decode_calls(step_plan: engine.AttentionPlan, q: torch.Tensor, k: torch.Tens
     return {"engine causal_attention": lambda: engine.causal_attention(q, k, v),
             "engine plan.run": lambda: step_plan.run(q, k, v),
             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
-
-
-def interleaved_us(impls: dict[str, Callable[[], Any]], rounds: int, calls: int, warmup: int = 20) -> dict[str, float]:
-    """Median over rounds of each implementation's mean microseconds per call; every round runs each
-    implementation ``calls`` times, in an order that rotates from round to round."""
-    names = list(impls)
-    for name in names:
-        for _ in range(warmup):
-            impls[name]()
-    per_round: dict[str, list[float]] = {name: [] for name in names}
-    for index in range(rounds):
-        for name in names[index % len(names):] + names[:index % len(names)]:
-            fn = impls[name]
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per_round[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(times) for name, times in per_round.items()}
 
 
 def generate_unavailable() -> str | None:

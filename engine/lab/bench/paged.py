@@ -1,0 +1,149 @@
+"""``run.py bench paged``: a decode step over a paged KV cache beside the same keys held contiguously.
+
+- ``decode``: B sequences of S keys each, one new query per sequence (Hq 32 / Hkv 8 / D 128, fp32 and bf16), their
+  pages shuffled in the pool. Rows: ``contiguous`` (``engine.plan(...).run`` on ``[B, Hkv, S, D]``: the native
+  decode kernel), ``paged`` (``paged_attention`` on pools laid out as ``PagedKVCache`` keeps them, head-major),
+  ``paged NHD`` (the same pages in FlashInfer's ``[num_pages, page_size, Hkv, D]`` storage order) and ``copy`` (the
+  machine's copy bandwidth on as many bytes). Timed interleaved; K/V GB/s and the ratio to contiguous.
+- ``memory``: 64 requests of ragged lengths (1..2047 tokens, fixed seed): the slots a paged cache holds against a
+  contiguous cache's reservation at the longest length.
+
+    python run.py bench paged --quick          # S = 8k, a minute
+    python run.py bench paged                  # S = 8k, 16k, 32k (about 4 GiB at 32k)
+
+Target: paged decode within 1.1x of contiguous decode's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+import engine
+from engine import PagedKVCache, paged_attention
+from engine.lab import plots
+from engine.lab.measure import format_table, interleaved_us, machine_info, progress, save_results
+from engine.lab.options import add_common, apply_threads
+
+B, HQ, HKV, D = 8, 32, 8, 128
+TARGET = 1.1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser, "bench_paged", impl_help="ignored (every row runs)", threads=2)
+    parser.add_argument("--groups", default="decode,memory", help="comma-separated groups: decode, memory")
+
+
+def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator, head_major: bool):
+    """``(k_pages, v_pages, page_table)`` holding ``k, v [B, Hkv, S, D]`` in shuffled pages ``[num_pages,
+    page_size, Hkv, D]``: head-major storage (as PagedKVCache keeps it) or FlashInfer's NHD order."""
+    batch, kv_heads, s, d = k.shape
+    n = s // page_size
+    table = torch.randperm(batch * n, generator=generator).view(batch, n)  # [B, pages per sequence]
+    out = []
+    for x in (k, v):
+        pages = x.reshape(batch, kv_heads, n, page_size, d).permute(0, 2, 1, 3, 4).reshape(batch * n, kv_heads,
+                                                                                           page_size, d)
+        stored = torch.empty_like(pages)  # [num_pages, Hkv, P, D]
+        stored[table.reshape(-1)] = pages
+        out.append(stored.permute(0, 2, 1, 3) if head_major else stored.permute(0, 2, 1, 3).contiguous())
+    return out[0], out[1], table
+
+
+def decode_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    keys = (8192,) if args.quick else (8192, 16384, 32768)
+    cases = [(s, p, dtype) for s in keys for p in (16, 256) for dtype in (torch.float32, torch.bfloat16)]
+    rounds, calls = (3, 2) if args.quick else (7, 3)
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for s, page_size, dtype in progress(cases, "bench paged: decode", quiet=args.quiet):
+        rows += _decode_case(s, page_size, dtype, g, rounds, calls)
+    return rows
+
+
+def _decode_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator, rounds: int,
+                 calls: int) -> list[dict[str, Any]]:
+    k = torch.randn(B, HKV, s, D, generator=g).to(dtype)  # [B, Hkv, S, D]
+    v = torch.randn(B, HKV, s, D, generator=g).to(dtype)
+    q = torch.randn(B, HQ, 1, D, generator=g).to(dtype)  # [B, Hq, 1, D]
+    step = engine.plan(q, k, v)
+    lens, indptr, packed = torch.full((B,), s), torch.arange(B + 1), q[:, :, 0]  # [B], [B+1], [Nq = B, Hq, D]
+    head_major, nhd = pools(k, v, page_size, g, True), pools(k, v, page_size, g, False)
+    src = k.reshape(-1)
+    dst = torch.zeros_like(src)
+    impls = {"contiguous": lambda: step.run(q, k, v),
+             "paged": lambda: paged_attention(packed, head_major[0], head_major[1], head_major[2], lens, indptr),
+             "paged NHD": lambda: paged_attention(packed, nhd[0], nhd[1], nhd[2], lens, indptr),
+             "copy": lambda: dst.copy_(src)}
+    want = step.run(q, k, v)[:, :, 0]
+    diff = max((impls[name]() - want).abs().max().item() for name in ("paged", "paged NHD"))
+    ms = {name: us / 1000 for name, us in interleaved_us(impls, rounds, calls, warmup=1).items()}
+    kv_bytes = 2 * k.numel() * k.element_size()
+    copy_gbs = 2 * src.numel() * src.element_size() / ms["copy"] / 1e6  # read + written
+    rows = []
+    for name in ("contiguous", "paged", "paged NHD"):
+        ratio = ms[name] / ms["contiguous"]
+        gbs = kv_bytes / ms[name] / 1e6
+        rows.append({"group": "decode", "case": f"B={B} S={s} page {page_size} {str(dtype)[6:]}", "impl": name,
+                     "ms": ms[name], "time/contiguous": ratio, "K/V GB/s": gbs, "of copy": gbs / copy_gbs,
+                     "target": f"<= {TARGET}x" if name == "paged" else None,
+                     "met": ("yes" if ratio <= TARGET else "no") if name == "paged" else None,
+                     "max |diff|": diff, "S": s, "page": page_size, "dtype": str(dtype)})
+    return rows
+
+
+def memory_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """64 ragged requests in a paged cache (page 16) against a contiguous cache's reservation at the longest."""
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(1, 2048, (64,), generator=g).tolist()
+    page_size = 16
+    cache = PagedKVCache(sum(-(-n // page_size) for n in lengths), page_size, HKV, D)
+    seqs = [cache.add() for _ in lengths]
+    zeros = torch.zeros(sum(lengths), HKV, D)
+    cache.append(seqs, zeros, zeros, torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist()))
+    slot_bytes = 2 * HKV * D * 4  # one token's K and V, fp32
+    paged = cache.pages_in_use * page_size
+    contiguous = len(lengths) * max(lengths)
+    return [{"group": "memory", "case": "64 ragged requests, 1..2047 tokens", "impl": name, "token slots": slots,
+             "MiB": slots * slot_bytes / 2**20, "tokens": sum(lengths), "waste": (slots - sum(lengths)) / slots}
+            for name, slots in (("paged (page 16)", paged), ("contiguous reservation", contiguous))]
+
+
+def plot(rows: list[dict[str, Any]], path) -> None:
+    paged = [r for r in rows if r["group"] == "decode" and r["impl"] != "contiguous"]
+    fig, (axes,) = plots.figure(width=8.0)
+    cases = sorted({r["case"] for r in paged}, key=lambda c: [r["case"] for r in paged].index(c))
+    for offset, name in enumerate(("paged", "paged NHD")):
+        values = [next(r["time/contiguous"] for r in paged if r["case"] == c and r["impl"] == name) for c in cases]
+        axes.bar([i + 0.4 * offset for i in range(len(cases))], values, width=0.4, label=name)
+    axes.axhline(TARGET, color="gray", linestyle="--", label=f"target {TARGET}x")
+    axes.set_xticks([i + 0.2 for i in range(len(cases))], cases, rotation=30, ha="right", fontsize=7)
+    axes.set_ylabel("time / contiguous decode")
+    axes.set_title("paged decode vs the same keys contiguous (native kernel)")
+    axes.legend()
+    plots.save(fig, path)
+
+
+def main(args: argparse.Namespace) -> int:
+    apply_threads(args)
+    groups = [g.strip() for g in args.groups.split(",") if g.strip()]
+    unknown = sorted(set(groups) - {"decode", "memory"})
+    if unknown:
+        print(f"unknown --groups {unknown}: choose from decode, memory")
+        return 2
+    rows = (decode_rows(args) if "decode" in groups else []) + (memory_rows(args) if "memory" in groups else [])
+    decode = [r for r in rows if r["group"] == "decode"]
+    if decode:
+        print(format_table(decode, ["case", "impl", "ms", "time/contiguous", "K/V GB/s", "of copy", "target", "met",
+                                    "max |diff|"]))
+    memory = [r for r in rows if r["group"] == "memory"]
+    if memory:
+        print("\n" + format_table(memory, ["case", "impl", "tokens", "token slots", "MiB", "waste"]))
+    paths = save_results(args.out, "paged", rows, {**machine_info(), "command": "bench paged", "args": vars(args)})
+    if decode:
+        plot(rows, f"{args.out}/paged.png")
+        paths.append(f"{args.out}/paged.png")
+    print("\nwrote " + ", ".join(str(p) for p in paths))
+    return 0

@@ -1,0 +1,38 @@
+"""run.py bench paged: its pools hold the keys where the page table says, and the memory group counts slots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from engine import paged_attention
+from engine.lab.bench import paged as bench_paged
+
+
+def test_the_benchs_pools_hold_each_key_where_its_page_table_says():
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 3, 32, 8, generator=g), torch.randn(2, 3, 32, 8, generator=g)  # [B, Hkv, S, D]
+    for head_major in (True, False):
+        k_pages, v_pages, table = bench_paged.pools(k, v, 8, g, head_major)
+        assert k_pages.shape == (8, 8, 3, 8)
+        for b, j in ((0, 0), (1, 17), (1, 31)):
+            assert torch.equal(k_pages[table[b, j // 8], j % 8], k[b, :, j]) and \
+                torch.equal(v_pages[table[b, j // 8], j % 8], v[b, :, j])
+        q = torch.randn(2, 6, 8, generator=g)
+        out = paged_attention(q, k_pages, v_pages, table, torch.tensor([32, 32]), torch.arange(3))
+        dense = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
+        torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_group_counts_paged_slots_against_the_contiguous_reservation(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    bench_paged.add_arguments(parser)
+    args = parser.parse_args(["--groups", "memory", "--out", str(tmp_path), "--quiet"])
+    assert bench_paged.main(args) == 0
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "paged.json").read_text())["rows"]}
+    paged, contiguous = rows["paged (page 16)"], rows["contiguous reservation"]
+    assert paged["tokens"] == contiguous["tokens"] and paged["token slots"] - paged["tokens"] < 64 * 16
+    assert contiguous["token slots"] > paged["token slots"]
+    assert "contiguous reservation" in capsys.readouterr().out

@@ -204,3 +204,16 @@ def test_a_window_and_explicit_positions_follow_the_one_rule():
     values = torch.cat([v_pages[1], v_pages[0]])[:7, 0]
     weights = torch.softmax(q[2, 0] @ keys[5:7].T / 2, dim=0)
     torch.testing.assert_close(out[2, 0], weights @ values[5:7])
+
+
+def test_pools_with_a_strided_last_axis_take_the_gathered_path_and_stay_exact():
+    g = torch.Generator().manual_seed(2)
+    k_wide, v_wide = torch.randn(4, 4, 2, 16, generator=g), torch.randn(4, 4, 2, 16, generator=g)
+    k_pages, v_pages = k_wide[..., ::2], v_wide[..., ::2]  # [4, 4, 2, 8], stride 2 on the last axis
+    q = torch.randn(2, 4, 8, generator=g)
+    table, lens, indptr = torch.tensor([[3, 1], [0, 2]]), torch.tensor([7, 5]), torch.arange(3)
+    assert "gathered" in engine.explain_paged(q, k_pages, v_pages, table, lens, indptr)
+    want, _ = oracle(q, k_pages, v_pages, table, lens, indptr)
+    torch.testing.assert_close(paged_attention(q, k_pages, v_pages, table, lens, indptr).double(), want, rtol=1e-5,
+                               atol=1e-5)
+

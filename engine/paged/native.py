@@ -39,6 +39,8 @@ def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_sl
         return "gradients are needed: the native kernel has no backward"
     if softcap is not None or alibi_slopes is not None:
         return "softcap / ALiBi: not computed by the native kernel"
+    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (k_pages, v_pages)):
+        return "a pool whose last axis is strided: the native kernel reads each row as contiguous memory"
     counts = {tables.starts[b + 1] - tables.starts[b] for b in range(tables.batch)}
     if len(counts) != 1 or not 1 <= next(iter(counts)) <= MAX_QUERIES:
         return f"sequences with {sorted(counts)} queries: the native kernel takes the same 1..{MAX_QUERIES} for all"

@@ -31,6 +31,8 @@ from engine.quantized import QuantizedKV
 
 __all__ = ["AttentionPlan", "plan", "explain"]
 
+TENSORS = (torch.Tensor, QuantizedKV)  # what q, k, v may be
+
 
 @dataclass(frozen=True)
 class AttentionPlan:
@@ -83,11 +85,16 @@ class AttentionPlan:
     def matches(self, q, k, v) -> bool:
         """True when q, k, v are tensors this plan was made for (shapes, dtypes, device, K/V kind, gradient need)."""
         planned = self.signature  # compared field by field: the hot path of every layer
+        if not (isinstance(q, torch.Tensor) and isinstance(k, TENSORS) and isinstance(v, TENSORS)):
+            return False
         return not (q.shape != planned[0] or k.shape != planned[1] or v.shape != planned[2] or q.dtype != planned[3]
                     or q.device != planned[5] or _element(k) != planned[4] or isinstance(k, QuantizedKV) != planned[6]
                     or _wants_grad(self.inputs, q, k, v) != self.grad)
 
     def _refuse(self, q, k, v) -> None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, TENSORS):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         planned = self.signature
         given = _signature(q, k, v)
         for i, what in enumerate(("q's shape", "k's shape", "v's shape", "dtype", "k/v's element dtype", "device",

@@ -88,6 +88,8 @@ def test_a_plan_refuses_tensors_it_was_not_made_for_naming_the_difference():
         step.run(q[:, :, :0], k, v)
     with pytest.raises(ValueError, match="made for tensors that do not need gradients"):
         step.run(q.requires_grad_(), k, v)  # its kernel has no backward: a dropped gradient otherwise
+    with pytest.raises(ValueError, match="k must be a torch.Tensor, got list"):
+        step.run(q.detach(), [1.0], v)
     meta = torch.empty(1, 4, 1, 16, device="meta")
     with pytest.raises(ValueError, match="made for device cpu, got meta"):
         step.run(meta, k.to("meta"), v.to("meta"))

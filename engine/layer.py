@@ -29,6 +29,7 @@ from engine.inputs import check_allowed, resolve_positions
 from engine.kv_cache import KVCache
 from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
+from engine.paged import PagedKVCache, paged_attention
 from engine.planning import plan
 from engine.rope import PAIRINGS, apply_rope
 
@@ -144,6 +145,32 @@ class MultiHeadAttention(nn.Module):
             step_plan = shared[1]
         out = step_plan.run(q, k, v)  # [B, Hq, T, D]
         return self.o_proj(merge_heads(out))  # [B, T, E]
+
+    def forward_paged(self, x: torch.Tensor, cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor
+                      ) -> torch.Tensor:
+        """Packed new tokens of several sequences, ``x [N, E]`` (sequence ``seqs[i]`` owns rows ``indptr[i] ..
+        indptr[i+1]-1``, continuing at its length in ``cache``): their keys and values go to the sequences' pages
+        and they attend to them (engine.paged_attention): a mixed batch of prefills and decodes, ``[N, E]``."""
+        if not self.causal:
+            raise ValueError("forward_paged serves causal decoders (a sequence's keys up to each query)")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.q_proj.in_features:
+            raise ValueError(f"x must be packed tokens [N, E] with E = {self.q_proj.in_features}, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        starts = indptr.tolist()
+        positions = torch.cat([torch.arange(cache.length(seq), cache.length(seq) + stop - start, device=x.device)
+                               for seq, start, stop in zip(seqs, starts, starts[1:])] or
+                              [torch.zeros(0, dtype=torch.long, device=x.device)])  # [N]
+        q = split_heads(self.q_proj(x[None]), self.num_heads)  # [1, Hq, N, D]
+        k = split_heads(self.k_proj(x[None]), self.num_kv_heads)  # [1, Hkv, N, D]
+        v = split_heads(self.v_proj(x[None]), self.num_kv_heads)  # [1, Hkv, N, D]
+        if self.rope_base is not None:
+            q = apply_rope(q, positions[None], self.rope_base, self.rope_pairing)  # [1, Hq, N, D]
+            k = apply_rope(k, positions[None], self.rope_base, self.rope_pairing)  # [1, Hkv, N, D]
+        cache.append(seqs, k[0].transpose(0, 1), v[0].transpose(0, 1), indptr)  # [N, Hkv, D] each
+        table, lengths = cache.tables(seqs)
+        out = paged_attention(q[0].transpose(0, 1), cache.keys, cache.values, table, lengths, indptr,
+                              window=self.window, softcap=self.softcap, scale=self.scale)  # [N, Hq, D]
+        return self.o_proj(out.reshape(out.shape[0], -1))  # [N, E]
 
     def _plan_key(self, x: torch.Tensor, cache: KVCache | None) -> tuple:
         """What a step's plan depends on besides the step's positions, padding and mask: this layer's

@@ -133,3 +133,37 @@ def test_64_ragged_requests_hold_one_partial_page_each_at_most():
     paged_slots = cache.pages_in_use * page_size
     assert paged_slots - sum(lengths) < 64 * page_size  # less than one page per request beyond its tokens
     assert paged_slots < 0.6 * 64 * max(lengths)  # the contiguous reservation
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_a_layer_serving_ragged_requests_from_pages_equals_each_request_alone(page_size, window):
+    # continuous batching in miniature: three prompts of different lengths prefilled in one packed call, then
+    # decode steps that also admit a new request mid-way; each request's outputs equal that request run alone
+    # with a contiguous KVCache
+    from engine import MultiHeadAttention
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(32, 4, 2, window=window).double()
+    paged = PagedKVCache(64, page_size, 2, 8, dtype=torch.float64)
+    prompts = [torch.randn(n, 32, dtype=torch.float64) for n in (7, 3, 12)]
+    seqs = [paged.add() for _ in prompts]
+    alone = [layer.new_cache(1, 32) for _ in prompts]
+    outs = layer.forward_paged(torch.cat(prompts), paged, seqs, torch.tensor([0, 7, 10, 22]))  # [22, E]
+    for i, (prompt, start) in enumerate(zip(prompts, (0, 7, 10))):
+        want = layer(prompt[None], cache=alone[i])[0]
+        torch.testing.assert_close(outs[start:start + len(prompt)], want, rtol=1e-10, atol=1e-10)
+    late = torch.randn(5, 32, dtype=torch.float64)  # a request that arrives at the second step
+    for step in range(3):
+        tokens = torch.randn(len(seqs), 32, dtype=torch.float64)  # one new token per running request
+        batch, counts = [tokens], [1] * len(seqs)
+        if step == 1:
+            seqs.append(paged.add())
+            alone.append(layer.new_cache(1, 32))
+            batch, counts = [tokens, late], counts + [5]
+        indptr = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
+        outs = layer.forward_paged(torch.cat(batch), paged, seqs, indptr)
+        rows = torch.cat(batch)
+        for i in range(len(seqs)):
+            want = layer(rows[indptr[i]:indptr[i + 1]][None], cache=alone[i])[0]
+            torch.testing.assert_close(outs[indptr[i]:indptr[i + 1]], want, rtol=1e-10, atol=1e-10)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from engine.generate_paged import report_paged
 from engine.kv_cache import KVCache, kv_cache_bytes
 from engine.layer import MultiHeadAttention
 
@@ -52,8 +53,15 @@ class Block(nn.Module):
 
     def forward(self, x, positions, cache, valid, plans=None):
         x = x + self.attn(self.attn_norm(x), positions=positions, cache=cache, valid=valid, plans=plans)  # [B, T, E]
-        h = self.mlp_norm(x)  # [B, T, E]
-        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # [B, T, E]
+        return self.mlp(x)
+
+    def forward_paged(self, x, cache, seqs, indptr):
+        """Packed tokens ``[N, E]`` of several sequences, attending through a PagedKVCache."""
+        return self.mlp(x + self.attn.forward_paged(self.attn_norm(x), cache, seqs, indptr))  # [N, E]
+
+    def mlp(self, x):
+        h = self.mlp_norm(x)  # [..., E]
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # [..., E]
 
 
 class TinyDecoder(nn.Module):
@@ -79,6 +87,14 @@ class TinyDecoder(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, positions, None if caches is None else caches[i], valid, plans)  # [B, T, E]
         return self.lm_head(self.norm(x))  # [B, T, V]
+
+    def forward_paged(self, ids: torch.Tensor, caches: list, seqs: list[int], indptr: torch.Tensor) -> torch.Tensor:
+        """Packed ids ``[N]`` of several sequences (``seqs[i]``: rows ``indptr[i] .. indptr[i+1]-1``) -> logits
+        ``[N, V]``, one PagedKVCache per layer (engine.generate_paged)."""
+        x = self.embed(ids)  # [N, E]
+        for block, cache in zip(self.blocks, caches):
+            x = block.forward_paged(x, cache, seqs, indptr)  # [N, E]
+        return self.lm_head(self.norm(x))  # [N, V]
 
 
 def left_padded_prompts(batch: int, prompt_len: int, vocab: int, ragged: bool, generator: torch.Generator):
@@ -197,6 +213,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads for torch (default 1: a tiny model's ops are too small to split, and "
                              "extra threads mostly wait on each other when the cores are shared)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument("--paged", type=int, default=None, metavar="PAGE_SIZE",
+                        help="also serve the prompts from a PagedKVCache with pages of this many tokens (each row's "
+                             "real tokens only, packed) and check its greedy tokens equal the contiguous cache's")
 
 
 def _describe(args, capacity: int) -> str:
@@ -258,6 +277,8 @@ def _run(args: argparse.Namespace, capacity: int, chunk: int, device: torch.devi
           f"{args.kv_dtype or args.dtype} = {nbytes:,} B (2*layers*B*Hkv*S*D*bytes = {formula:,} B{scales}); "
           f"positions and validity {sum(c.bookkeeping_nbytes for c in caches):,} B; filled {caches[0].length} slots")
     print(f"row 0 tokens: {tokens[0, :16].tolist()}{' ...' if tokens.shape[1] > 16 else ''}")
+    if args.paged and not report_paged(model, ids, valid, tokens, args.new_tokens, args.paged, capacity):
+        return 1
     if args.check:
         same, margin = check_against_full_forward(model, ids, positions, valid, tokens)
         print(f"check: cached greedy tokens == full uncached forward: {'yes' if same else 'NO'} "

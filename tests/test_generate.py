@@ -77,3 +77,12 @@ def test_the_check_notices_wrong_tokens():
     wrong[1, 3] = (wrong[1, 3] + 1) % 64
     assert check_against_full_forward(model, ids, positions, valid, tokens)[0]
     assert not check_against_full_forward(model, ids, positions, valid, wrong)[0]
+
+
+@pytest.mark.parametrize("extra", [("--ragged", "--paged", "4"), ("--ragged", "--paged", "1", "--window", "5")])
+def test_paged_serving_gives_the_contiguous_caches_greedy_tokens(capsys, extra):
+    # each row's real tokens (no padding) as a sequence of a PagedKVCache, prefilled in one packed call
+    code, out, _ = run(capsys, *extra)
+    assert code == 0
+    assert re.search(r"paged \(page \d+\): same greedy tokens as the contiguous cache: yes; 40 tokens in", out)
+    assert "a contiguous cache reserves 64)" in out  # 2 rows x (12 + 20)

@@ -217,3 +217,22 @@ def test_pools_with_a_strided_last_axis_take_the_gathered_path_and_stay_exact():
     torch.testing.assert_close(paged_attention(q, k_pages, v_pages, table, lens, indptr).double(), want, rtol=1e-5,
                                atol=1e-5)
 
+
+
+def test_gradients_flow_through_the_gathered_path_to_q_and_the_pools():
+    # training over a paged cache: the gathered path runs (the in-place kernel has no backward; explain says which)
+    # and autograd reaches q and every owned slot of the pools; unowned slots get 0
+    g = torch.Generator().manual_seed(3)
+    k_pages = torch.randn(5, 4, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v_pages = torch.randn(5, 4, 2, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(3, 4, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    table, lens, indptr = torch.tensor([[3, 0], [1, 4]]), torch.tensor([6, 3]), torch.tensor([0, 1, 3])
+    assert "gathered" in engine.explain_paged(q, k_pages, v_pages, table, lens, indptr)
+    out = paged_attention(q, k_pages, v_pages, table, lens, indptr)
+    want, _ = oracle(q, k_pages, v_pages, table, lens, indptr)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((out * w).sum(), (q, k_pages, v_pages))
+    expected = torch.autograd.grad((want * w).sum(), (q, k_pages, v_pages))
+    for ours, theirs in zip(got, expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    assert torch.equal(got[1][2], torch.zeros_like(got[1][2]))  # page 2 is nobody's

@@ -123,12 +123,7 @@ class MultiHeadAttention(nn.Module):
             positions = self._resolve_positions(positions, cache, batch, t, x.device)  # [B, T]
         else:
             positions = shared[0]  # [B, T], resolved by the step's first layer
-        q = split_heads(self.q_proj(x), self.num_heads)  # [B, Hq, T, D]
-        k = split_heads(self.k_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
-        v = split_heads(self.v_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
-        if self.rope_base is not None:
-            q = apply_rope(q, positions, self.rope_base, self.rope_pairing)  # [B, Hq, T, D]
-            k = apply_rope(k, positions, self.rope_base, self.rope_pairing)  # [B, Hkv, T, D]
+        q, k, v = self._project(x, positions)  # [B, Hq, T, D], [B, Hkv, T, D] x 2
         if cache is not None:
             k, v, key_positions, key_valid = cache.update(k, v, positions, valid)  # [B, Hkv, S, D], [B, S]
         else:
@@ -160,17 +155,22 @@ class MultiHeadAttention(nn.Module):
         positions = torch.cat([torch.arange(cache.length(seq), cache.length(seq) + stop - start, device=x.device)
                                for seq, start, stop in zip(seqs, starts, starts[1:])] or
                               [torch.zeros(0, dtype=torch.long, device=x.device)])  # [N]
-        q = split_heads(self.q_proj(x[None]), self.num_heads)  # [1, Hq, N, D]
-        k = split_heads(self.k_proj(x[None]), self.num_kv_heads)  # [1, Hkv, N, D]
-        v = split_heads(self.v_proj(x[None]), self.num_kv_heads)  # [1, Hkv, N, D]
-        if self.rope_base is not None:
-            q = apply_rope(q, positions[None], self.rope_base, self.rope_pairing)  # [1, Hq, N, D]
-            k = apply_rope(k, positions[None], self.rope_base, self.rope_pairing)  # [1, Hkv, N, D]
+        q, k, v = self._project(x[None], positions[None])  # [1, Hq, N, D], [1, Hkv, N, D] x 2
         cache.append(seqs, k[0].transpose(0, 1), v[0].transpose(0, 1), indptr)  # [N, Hkv, D] each
         table, lengths = cache.tables(seqs)
         out = paged_attention(q[0].transpose(0, 1), cache.keys, cache.values, table, lengths, indptr,
                               window=self.window, softcap=self.softcap, scale=self.scale)  # [N, Hq, D]
         return self.o_proj(out.reshape(out.shape[0], -1))  # [N, E]
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """q, k, v of ``x [B, T, E]`` split into heads, RoPE applied at ``positions [B, T]``."""
+        q = split_heads(self.q_proj(x), self.num_heads)  # [B, Hq, T, D]
+        k = split_heads(self.k_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
+        v = split_heads(self.v_proj(x), self.num_kv_heads)  # [B, Hkv, T, D]
+        if self.rope_base is not None:
+            q = apply_rope(q, positions, self.rope_base, self.rope_pairing)  # [B, Hq, T, D]
+            k = apply_rope(k, positions, self.rope_base, self.rope_pairing)  # [B, Hkv, T, D]
+        return q, k, v
 
     def _plan_key(self, x: torch.Tensor, cache: KVCache | None) -> tuple:
         """What a step's plan depends on besides the step's positions, padding and mask: this layer's

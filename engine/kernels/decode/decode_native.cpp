@@ -314,19 +314,10 @@ struct Item {
 
     static constexpr int64_t elem_size() { return KIND == F32 ? 4 : (KIND == BF16 || KIND == F16) ? 2 : 1; }
 
-    // Where key (value) j of this item's sequence and head starts: a row of [S, D], or a slot of a page.
-    const char* key_row(int64_t j) const {
-        if (table) return pooled(o.k, o.ks, j);
-        return (const char*)kb + elem_size() * j * o.ks[2];
-    }
-    const char* value_row(int64_t j) const {
-        if (table) return pooled(o.v, o.vs, j);
-        return (const char*)vb + elem_size() * j * o.vs[2];
-    }
-    const char* pooled(const void* pool, const int64_t* strides, int64_t j) const {
-        const int64_t page = table[j / o.page_size], slot = j % o.page_size;
-        return (const char*)pool + elem_size() * (page * strides[0] + slot * strides[1] + head * strides[2]);
-    }
+    // Where key (value) j of this item's sequence and head starts in an unpaged [S, D] (a paged cache's rows come
+    // from block_rows' walk of the pages).
+    const char* key_row(int64_t j) const { return (const char*)kb + elem_size() * j * o.ks[2]; }
+    const char* value_row(int64_t j) const { return (const char*)vb + elem_size() * j * o.vs[2]; }
 
     // The rows of keys j0 .. j0 + n - 1. Paged: walk the pages (no division per key) and ask for every row of the
     // block at once (the hardware prefetcher does not cross from one page to the next).

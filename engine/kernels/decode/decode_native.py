@@ -131,10 +131,23 @@ def _template(scale: float, q_rows, keys, values, visible) -> tuple[DecodeCall, 
     call = DecodeCall(kind=KINDS[k_data.dtype], B=batch, H=kv_heads, R=rows, S=k_data.shape[2], D=d,
                       Dv=v_data.shape[3], scale=scale)
     strides = _fill_strides(call, q_rows, keys, values)
-    if visible is not None:  # [B|1, Hkv|1, R, n] -> broadcast with zero strides, read as bytes (kept by the plan)
-        vis = visible.expand(batch, kv_heads, rows, k_data.shape[2]).view(torch.uint8)
-        call.visible, call.visible_strides[:] = vis.data_ptr(), vis.stride()
+    _set_visible(call, visible)  # (the visibility tensor is the plan's: it outlives every run)
     return call, strides
+
+
+def _set_visible(call: DecodeCall, visible: torch.Tensor | None) -> None:
+    """``visible`` bool ``[B|1, Hkv|1, R, S]`` as the kernel reads it: broadcast with zero strides, read as bytes."""
+    if visible is not None:
+        vis = visible.expand(call.B, call.H, call.R, call.S).view(torch.uint8)
+        call.visible, call.visible_strides[:] = vis.data_ptr(), vis.stride()
+
+
+def _decode(library, call: DecodeCall) -> int:
+    """Run one filled ``DecodeCall``; its status (OK, or NON_FINITE_Q: nothing written)."""
+    status = library.decode(ctypes.byref(call))
+    if status not in (OK, NON_FINITE_Q):
+        raise DoesNotFit(f"the native kernel refused the call (status {status})")
+    return status
 
 
 def _fill_strides(call: DecodeCall, q_rows, keys, values) -> tuple:
@@ -168,10 +181,7 @@ def _run(library, template, q_rows, keys, values, out, lse) -> int:
                                                   out.data_ptr(), lse.data_ptr())
     if k_scale is not None:
         call.k_scale, call.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
-    status = library.decode(ctypes.byref(call))
-    if status not in (OK, NON_FINITE_Q):
-        raise DoesNotFit(f"the native kernel refused the call (status {status})")
-    return status
+    return _decode(library, call)
 
 
 def _call(library, q_rows, scale, keys, values, visible, out, lse) -> int:
@@ -198,11 +208,6 @@ def paged_decode(library, q_rows: torch.Tensor, scale: float, k_pages: torch.Ten
     call.k, call.k_strides[:] = k_pages.data_ptr(), k_pages.stride()[:3]
     call.v, call.v_strides[:] = v_pages.data_ptr(), v_pages.stride()[:3]
     call.q, call.q_strides[:] = q_rows.data_ptr(), q_rows.stride()[:3]
-    if visible is not None:  # [B, Hkv|1, R, S] -> broadcast over heads with a zero stride, read as bytes
-        vis = visible.expand(batch, kv_heads, rows, longest).view(torch.uint8)
-        call.visible, call.visible_strides[:] = vis.data_ptr(), vis.stride()
-    status = library.decode(ctypes.byref(call))
-    if status not in (OK, NON_FINITE_Q):
-        raise DoesNotFit(f"the native kernel refused the call (status {status})")
-    return status
+    _set_visible(call, visible)
+    return _decode(library, call)
 

@@ -236,3 +236,21 @@ def test_gradients_flow_through_the_gathered_path_to_q_and_the_pools():
     for ours, theirs in zip(got, expected):
         torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
     assert torch.equal(got[1][2], torch.zeros_like(got[1][2]))  # page 2 is nobody's
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_low_precision_decode_step_read_in_place_is_within_its_precision(dtype):
+    # one query per sequence, pools in bf16 / fp16 (converted in the kernel's registers), ragged lengths
+    if native_unavailable() is not None:
+        pytest.skip(native_unavailable())
+    g = torch.Generator().manual_seed(4)
+    page_size, lens = 16, [600, 37, 1]
+    table = torch.randperm(3 * 38, generator=g).view(3, 38)  # 38 pages each: 600 keys need 38
+    k_pages, v_pages = (torch.randn(3 * 38, page_size, 2, 64, generator=g) for _ in range(2))
+    q = torch.randn(3, 8, 64, generator=g)
+    args = (table, torch.tensor(lens), torch.arange(4))
+    low = (q.to(dtype), k_pages.to(dtype), v_pages.to(dtype))
+    assert "decode_native reads K/V in place" in engine.explain_paged(*low, *args)
+    want, _ = oracle(*(x.double() for x in low), *args)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(paged_attention(*low, *args).double(), want, rtol=tolerance, atol=tolerance)

@@ -5,8 +5,6 @@ bad-table errors."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -15,91 +13,7 @@ from hypothesis import strategies as st
 import engine
 from engine import paged_attention
 from engine.kernels.decode.native_build import native_unavailable
-
-
-def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions=None, window=None, softcap=None,
-           scale=None, sinks=None, alibi=None):
-    """float64 ``(out [Nq, Hq, Dv], lse [Nq, Hq])``, one query and head at a time, each key read at
-    ``pool[page_table[b, j // P], j % P]``."""
-    nq, hq, d = q.shape
-    page_size, hkv, dv = k_pages.shape[1], k_pages.shape[2], v_pages.shape[3]
-    scale = 1 / math.sqrt(d) if scale is None else scale
-    out = torch.zeros(nq, hq, dv, dtype=torch.float64)
-    lse = torch.full((nq, hq), -math.inf, dtype=torch.float64)
-    for b in range(page_table.shape[0]):
-        start, stop, length = int(query_indptr[b]), int(query_indptr[b + 1]), int(kv_lens[b])
-        for row in range(start, stop):
-            pos = int(query_positions[row]) if query_positions is not None else length - (stop - row)
-            keys = [j for j in range(length) if j <= pos and (window is None or pos - j < window)]
-            for h in range(hq):
-                slots = [(int(page_table[b, j // page_size]), j % page_size) for j in keys]
-                k = torch.stack([k_pages[p, s, h // (hq // hkv)] for p, s in slots]).double() if slots else None
-                v = torch.stack([v_pages[p, s, h // (hq // hkv)] for p, s in slots]).double() if slots else None
-                scores = (k @ q[row, h].double()) * scale if slots else torch.zeros(0, dtype=torch.float64)
-                if softcap is not None:
-                    scores = softcap * torch.tanh(scores / softcap)
-                if alibi is not None:
-                    scores = scores - float(alibi[h]) * torch.tensor([pos - j for j in keys], dtype=torch.float64)
-                logits = scores if sinks is None else torch.cat([scores, sinks[h].double().reshape(1)])
-                if logits.numel() == 0:
-                    continue
-                lse[row, h] = torch.logsumexp(logits, 0)
-                if slots:
-                    out[row, h] = torch.exp(scores - lse[row, h]) @ v
-    return out, lse
-
-
-@st.composite
-def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float64):
-    """A pool of shuffled pages, some shared between sequences, NaN in every slot no sequence owns; ``uniform``:
-    every sequence the same 1..4 queries (a decode step, as the in-place kernel takes it), no softcap or ALiBi."""
-    page_size = draw(st.sampled_from([1, 2, 3, 16]))
-    hkv, group, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([4, 8]))
-    batch = draw(st.integers(1, 4))
-    kv_lens = [draw(st.integers(0, 40)) for _ in range(batch)]
-    q_lens = [draw(st.sampled_from([0, 1, 1, min(3, n), n])) if n else 0 for n in kv_lens]
-    if uniform:
-        t = draw(st.integers(1, 4))
-        kv_lens, q_lens = [max(n, t) for n in kv_lens], [t] * batch
-    seed = draw(st.integers(0, 10_000))
-    g = torch.Generator().manual_seed(seed)
-    owned = [-(-n // page_size) for n in kv_lens]
-    spare = draw(st.integers(0, 3))  # pages nobody owns
-    num_pages = sum(owned) + spare
-    order = torch.randperm(max(num_pages, 1), generator=g).tolist()
-    max_pages = max(owned + [1]) + 1
-    page_table = torch.full((batch, max_pages), 10**6, dtype=torch.long)  # past each sequence's pages: ignored
-    taken = 0
-    for b, n in enumerate(owned):
-        page_table[b, :n] = torch.tensor(order[taken:taken + n], dtype=torch.long)
-        taken += n
-    share = draw(st.booleans()) and batch > 1 and kv_lens[0] >= page_size and kv_lens[1] >= page_size
-    if share:  # sequence 1's first page is sequence 0's (a shared prefix page, full)
-        page_table[1, 0] = page_table[0, 0]
-    k_pages = torch.full((max(num_pages, 1), page_size, hkv, d), math.nan, dtype=dtype)
-    v_pages = torch.full((max(num_pages, 1), page_size, hkv, d + 1), math.nan, dtype=dtype)
-    for b, n in enumerate(kv_lens):
-        for j in range(n):
-            page, slot = int(page_table[b, j // page_size]), j % page_size
-            if share and b == 1 and j < page_size:
-                continue  # sequence 0 wrote this shared page
-            k_pages[page, slot] = torch.randn(hkv, d, generator=g, dtype=dtype)
-            v_pages[page, slot] = torch.randn(hkv, d + 1, generator=g, dtype=dtype)
-    indptr = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.long)
-    q = torch.randn(int(indptr[-1]), hkv * group, d, generator=g, dtype=dtype)
-    options = {}
-    if draw(st.booleans()):
-        options["window"] = draw(st.integers(1, 8))
-    if not uniform and draw(st.booleans()):
-        options["softcap"] = 4.0
-    if draw(st.booleans()):
-        options["sinks"] = torch.randn(hkv * group, generator=g, dtype=dtype)
-    if not uniform and draw(st.booleans()):
-        options["alibi"] = torch.rand(hkv * group, generator=g, dtype=dtype)
-    positions = None
-    if draw(st.booleans()) and q.shape[0]:  # per-token positions: anywhere in the sequence (or before it)
-        positions = torch.cat([torch.randint(-2, max(n, 1) + 2, (ql,), generator=g) for n, ql in zip(kv_lens, q_lens)])
-    return (q, k_pages, v_pages, page_table, torch.tensor(kv_lens), indptr, positions), options
+from tests.paged_cases import oracle, paged_batches
 
 
 @settings(max_examples=60)
@@ -166,7 +80,8 @@ def bad_case():
 
 BAD = [
     (dict(page_table=torch.tensor([[0, 5], [2, 3]])), "page_table[0] names page 5, out of range [0, 5)"),
-    (dict(page_table=torch.tensor([[0, -1], [2, 3]])), "page_table[0] names page -1"),
+    (dict(page_table=torch.tensor([[0, -2], [2, 3]])), "page_table[0] names page -2"),
+    (dict(page_table=torch.tensor([[0, -1], [2, 3]])), "page_table[0, 1] is -1 (a released page), but sequence 0's"),
     (dict(query_indptr=torch.tensor([0, 2, 1])), "query_indptr must run from 0 to Nq = 3, got 0 .. 1"),
     (dict(query_indptr=torch.tensor([0, 3, 2, 3]), kv_lens=torch.tensor([6, 2, 1]),
           page_table=torch.tensor([[0, 1], [2, 3], [4, 4]])), "query_indptr must not decrease, got 3 then 2"),

@@ -13,6 +13,9 @@ CPU, no gradients, no softcap or ALiBi) runs the native decode kernel reading K/
 (engine.paged.native); anything else takes the readable path: each sequence's keys gathered from its pages (only
 the slots it owns, so a NaN in a slot no sequence owns never reaches an output), then ``causal_attention`` with
 the sequence's positions, its kernel chosen as for any call. The readable path is the in-place kernel's oracle.
+Pools may be int8 / fp8 ``QuantizedKV`` pools (a quantized cache's): both paths read them (the gathered one as a
+QuantizedKV per sequence, which the ``dequantized`` kernel takes when ``decode_native`` does not). A page table entry
+-1 is a page a sliding-window cache released: allowed only outside every query's window (engine.paged.tables).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ from engine.attention import causal_attention
 from engine.inputs import resolve_positions
 from engine.masks.window import window_mask
 from engine.paged.native import native_paged_attention, native_paged_fits
-from engine.paged.tables import PagedBatch, paged_batch
+from engine.paged.tables import PagedBatch, check_released, paged_batch
 from engine.planning import explain
+from engine.quantized import QuantizedKV
 
 __all__ = ["paged_attention", "explain_paged", "gather_keys"]
 
@@ -53,12 +57,13 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
     _check_options(window, alibi_slopes, q.shape[1])
+    check_released(tables, positions, window)
     if native_paged_fits(q, k_pages, v_pages, tables, softcap, alibi_slopes, kernel) is None:
         result = native_paged_attention(q, k_pages, v_pages, tables, positions, query_positions is None, window,
                                         scale, sinks)
         if result is not None:  # (None: NaN/inf in q, which the gathered path keeps to its rows)
             return result if return_lse else result[0]
-    q_heads, dv = q.shape[1], v_pages.shape[3]
+    q_heads, dv = q.shape[1], v_pages.shape[3]  # (the gathered path)
     out = q.new_zeros(q.shape[0], q_heads, dv)  # [Nq, Hq, Dv]
     lse = torch.full((q.shape[0], q_heads), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64
                      else torch.float32, device=q.device)  # [Nq, Hq]
@@ -81,6 +86,7 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
     """Which path ``paged_attention`` with these arguments takes, and each sequence's kernel with the reason."""
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
+    check_released(tables, positions, window)
     why_not = native_paged_fits(q, k_pages, v_pages, tables, softcap, modifiers.get("alibi_slopes"), kernel)
     if why_not is None:
         return ("paged: decode_native reads K/V in place through the page table (every sequence "
@@ -98,11 +104,16 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
     return "\n".join(lines)
 
 
-def gather_keys(pages: torch.Tensor, owned: list[int], length: int, page_size: int) -> torch.Tensor:
-    """A sequence's ``length`` keys (or values) from its pages, ``[1, Hkv, length, E]``: only the slots it owns."""
+def gather_keys(pages, owned: list[int], length: int, page_size: int):
+    """A sequence's ``length`` keys (or values) from its pages, ``[1, Hkv, length, E]`` (a QuantizedKV from
+    quantized pools): only the slots it owns; a released page (-1) reads page 0, which the window masks out."""
+    if isinstance(pages, QuantizedKV):
+        data, scale = gather_keys(pages.data, owned, length, page_size), gather_keys(pages.scale[..., None], owned,
+                                                                                     length, page_size)
+        return QuantizedKV(data, scale[..., 0])  # [1, Hkv, length, E], [1, Hkv, length]
     if not owned:
         return pages.new_zeros(1, pages.shape[2], 0, pages.shape[3])  # [1, Hkv, 0, E]
-    index = torch.tensor(owned, device=pages.device)
+    index = torch.tensor([max(page, 0) for page in owned], device=pages.device)
     rows = pages.index_select(0, index).reshape(len(owned) * page_size, pages.shape[2], pages.shape[3])
     return rows[:length].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, length, E]
 

@@ -1,7 +1,8 @@
 """The paged batch on the native decode kernel, reading K/V in place through the page table (no gathered copy).
 
 It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
-plain decoding), on the CPU, without gradients, softcap or ALiBi (sinks act on its out and lse afterwards). The
+plain decoding), on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in
+registers), without gradients, softcap or ALiBi (sinks act on its out and lse afterwards). The
 kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
 the sequence's own length, and takes each query row's visibility from positions (and the window) unless every
 key up to that length is visible (one query per sequence at its default position, no window)::
@@ -20,6 +21,7 @@ from engine.kernels.decode.native_build import load_native, native_unavailable
 from engine.kernels.sinks import apply_sinks
 from engine.modifiers import prepare_modifiers
 from engine.paged.tables import PagedBatch
+from engine.quantized import QuantizedKV
 
 MAX_QUERIES = 16  # per sequence, as the decode kernels
 
@@ -34,12 +36,12 @@ def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_sl
     if why_not is not None:
         return why_not
     if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"the native kernel reads fp32 / bf16 / fp16 pages on the CPU, got {q.dtype} on {q.device}"
+        return f"the native kernel takes fp32 / bf16 / fp16 queries on the CPU, got {q.dtype} on {q.device}"
     if needs_grad(q, k_pages, v_pages):
         return "gradients are needed: the native kernel has no backward"
     if softcap is not None or alibi_slopes is not None:
         return "softcap / ALiBi: not computed by the native kernel"
-    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (k_pages, v_pages)):
+    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (_data(k_pages), _data(v_pages))):
         return "a pool whose last axis is strided: the native kernel reads each row as contiguous memory"
     counts = {tables.starts[b + 1] - tables.starts[b] for b in range(tables.batch)}
     if len(counts) != 1 or not 1 <= next(iter(counts)) <= MAX_QUERIES:
@@ -62,7 +64,7 @@ def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: t
     sinks = prepare_modifiers((batch, q_heads, t, 1), q.device, sinks=sinks).sinks if sinks is not None else None
     q_rows = q.float().view(batch, t, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * t,
                                                                                         d)  # [B, Hkv, G*T, D]
-    pages = tables.page_table  # [B, max_pages] int64: the kernel reads each sequence's own entries only
+    pages = tables.readable_table  # [B, max_pages] int64: the kernel reads each sequence's own entries only
     lengths = torch.tensor(tables.kv_lens, dtype=torch.long)  # [B]
     visible = None  # one query per sequence at its last key, no window: every key up to its length
     if not default_positions or window is not None or t > 1:
@@ -76,6 +78,11 @@ def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: t
     if sinks is not None:  # a step after the kernel: [Nq, Hq, 1, Dv] and [Nq, Hq, 1] as sinks' [B, Hq, T, Dv]
         out, lse = (x[:, :, 0] for x in apply_sinks(out[:, :, None], lse[:, :, None], sinks))
     return out.to(q.dtype), lse
+
+
+def _data(pool):
+    """The entries of a pool (a QuantizedKV's int8 / fp8 data)."""
+    return pool.data if isinstance(pool, QuantizedKV) else pool
 
 
 def _row_visibility(positions: torch.Tensor, lengths: torch.Tensor, window: int | None, group: int) -> torch.Tensor:

@@ -12,6 +12,10 @@ The layout is FlashInfer's (NHD) and vLLM's block table::
         sequence 0: keys 0..3 in page 7, keys 4..5 in page 2 (slots 0, 1; slots 2, 3 unowned)
         sequence 1: keys 0..2 in page 5 (x: past its pages, ignored)
 
+A page entry of -1 is a released page (a sliding-window cache gave it back): allowed only where no query of the
+call can see any of its keys (``check_released``), and never read. K/V pools may be ``QuantizedKV`` (int8 / fp8 data
+``[num_pages, page_size, Hkv, D]`` with scales ``[num_pages, page_size, Hkv]``, engine.quantized).
+
 ``paged_batch`` checks every table against the pools and q and returns a ``PagedBatch`` of plain ints (one host
 read of the small tables), or raises a ValueError naming what was expected and what was given.
 """
@@ -23,20 +27,30 @@ from dataclasses import dataclass
 import torch
 
 from engine.inputs import SUPPORTED_DTYPES
+from engine.quantized import QuantizedKV
 
-__all__ = ["PagedBatch", "paged_batch"]
+__all__ = ["PagedBatch", "paged_batch", "check_released", "RELEASED"]
+
+RELEASED = -1  # a page table entry whose page was given back (its keys outside every query's window)
 
 
 @dataclass(frozen=True)
 class PagedBatch:
     """The tables of one paged call: per sequence its query rows ``[starts[b], starts[b+1])`` and number of keys
     (Python ints), and ``page_table`` int64 ``[B, max_pages]`` whose first ``ceil(kv_len / page_size)`` entries
-    of row b (``pages[b]``) are checked page ids; the entries after them are never read."""
+    of row b (``pages[b]``) are checked page ids (or RELEASED); the entries after them are never read."""
 
     starts: list[int]
     kv_lens: list[int]
     page_table: torch.Tensor
     page_size: int
+    released: bool = False  # some sequence's own entries are RELEASED
+
+    @property
+    def readable_table(self) -> torch.Tensor:
+        """``page_table`` with RELEASED entries pointing at page 0: what a kernel that computes an address for every
+        key it might touch reads (those keys are masked out, never used)."""
+        return self.page_table.clamp(min=0) if self.released else self.page_table
 
     @property
     def pages(self) -> list[list[int]]:
@@ -64,16 +78,28 @@ def _integer_tensor(x, name: str, dims: int, shape_text: str) -> torch.Tensor:
 
 
 def _check_pools(q, k_pages, v_pages) -> None:
-    for name, x, dims, text in (("q", q, 3, "[Nq, Hq, D]"), ("k_pages", k_pages, 4, "[num_pages, page_size, Hkv, D]"),
-                                ("v_pages", v_pages, 4, "[num_pages, page_size, Hkv, Dv]")):
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor {text}, got {type(x).__name__}")
-        if x.dim() != dims:
-            raise ValueError(f"{name} must be {dims}-D {text}, got shape {list(x.shape)}")
-        if x.dtype not in SUPPORTED_DTYPES:
-            supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-            raise ValueError(f"{name} must have dtype {supported}, got {x.dtype}")
-    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+    if not isinstance(q, torch.Tensor):
+        raise ValueError(f"q must be a torch.Tensor [Nq, Hq, D], got {type(q).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D [Nq, Hq, D], got shape {list(q.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        supported = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"q must have dtype {supported}, got {q.dtype}")
+    quantized = isinstance(k_pages, QuantizedKV), isinstance(v_pages, QuantizedKV)
+    if any(quantized) and not all(quantized):
+        raise ValueError(f"k_pages and v_pages must both be QuantizedKV pools or both tensors, got "
+                         f"{type(k_pages).__name__} and {type(v_pages).__name__}")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if not isinstance(x, (torch.Tensor, QuantizedKV)):
+            raise ValueError(f"{name} must be a torch.Tensor (or QuantizedKV) [num_pages, page_size, Hkv, D], got "
+                             f"{type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D [num_pages, page_size, Hkv, D], got shape {list(x.shape)}")
+    if all(quantized):
+        if k_pages.data.dtype != v_pages.data.dtype:
+            raise ValueError(f"quantized k_pages and v_pages must share one dtype, got {k_pages.data.dtype} and "
+                             f"{v_pages.data.dtype}")
+    elif not (q.dtype == k_pages.dtype == v_pages.dtype):
         raise ValueError(f"q, k_pages, v_pages must share one dtype, got {q.dtype}, {k_pages.dtype}, {v_pages.dtype}")
     if not (q.device == k_pages.device == v_pages.device):
         raise ValueError(f"q, k_pages, v_pages must be on one device, got {q.device}, {k_pages.device}, "
@@ -123,9 +149,27 @@ def paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, default_
     table = page_table.to(device="cpu", dtype=torch.long).contiguous()  # [B, max_pages]
     owned = (kv_lens.to("cpu", torch.long) + page_size - 1) // page_size  # [B]
     used = torch.arange(table.shape[1]) < owned[:, None]  # [B, max_pages]: the entries a sequence reads
-    bad = used & ((table < 0) | (table >= num_pages))
+    bad = used & (((table < 0) & (table != RELEASED)) | (table >= num_pages))
     if bool(bad.any()):
         b, column = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"page_table[{b}] names page {int(table[b, column])}, out of range [0, {num_pages}) for the "
-                         f"pools' {num_pages} pages")
-    return PagedBatch(starts, lens, table, page_size)
+                         f"pools' {num_pages} pages (or {RELEASED}: released)")
+    return PagedBatch(starts, lens, table, page_size, bool((used & (table == RELEASED)).any()))
+
+
+def check_released(tables: PagedBatch, positions: torch.Tensor, window: int | None) -> None:
+    """Raise a ValueError when a query could see a key of a RELEASED page: keys ``j0 .. j1`` of one are invisible to
+    a query at ``p`` iff ``p < j0`` (all later) or ``p - j1 >= window`` (all outside its window)."""
+    if not tables.released:
+        return
+    size = tables.page_size
+    for b, column in (tables.page_table[:, :] == RELEASED).nonzero().tolist():
+        j0, j1 = column * size, min((column + 1) * size, tables.kv_lens[b]) - 1
+        if j0 > j1:
+            continue  # past the sequence's keys: never read
+        p = positions[tables.query_rows(b)].cpu()  # [q_len]
+        sees = (p >= j0) if window is None else (p >= j0) & (p - j1 < window)
+        if bool(sees.any()):
+            raise ValueError(f"page_table[{b}, {column}] is {RELEASED} (a released page), but sequence {b}'s query at "
+                             f"position {int(p[sees][0])} sees its keys {j0}..{j1} (window={window}): only pages "
+                             f"wholly outside every query's window may be released")

@@ -247,8 +247,9 @@ struct DecodeCall {
     float* out;                     // [B, Hkv, R, Dv] fp32, contiguous: written whole
     float* lse;                     // [B, Hkv, R] fp32, contiguous: written whole
     // A paged cache (null pages: k / v hold [B, Hkv, S, D] as above): k and v are pools [num_pages, page_size,
-    // Hkv, D] with k_strides / v_strides those of (page, slot, head); key j of sequence b is slot j % page_size
-    // of page pages[b * pages_stride + j / page_size]; sequence b has lengths[b] keys (S is the longest).
+    // Hkv, D] with k_strides / v_strides those of (page, slot, head), scales (int8 / fp8) pools [num_pages,
+    // page_size, Hkv] likewise; key j of sequence b is slot j % page_size of page pages[b * pages_stride +
+    // j / page_size]; sequence b has lengths[b] keys (S is the longest).
     const int64_t* pages;
     int64_t pages_stride;
     int64_t page_size;
@@ -293,6 +294,7 @@ struct Item {
     int64_t head, end;              // this item's KV head; its last key + 1 (clamped to the sequence's length)
     const char* krows[BLOCK];       // where each key / value row of the current block starts (block_rows)
     const char* vrows[BLOCK];
+    float kunit[BLOCK];             // each key's dequantisation factor (1 for fp32 / bf16 / fp16), from block_rows
     const uint8_t* visb;
     const float* qb;
     // block scratch: scores / probabilities [R][BLOCK], visibility [R][BLOCK] as 0 / all-ones bit masks
@@ -303,9 +305,10 @@ struct Item {
         const int64_t b = p_.bh / o.H, h = p_.bh % o.H;
         kb = (const char*)o.k + elem_size() * (b * o.ks[0] + h * o.ks[1]);
         vb = (const char*)o.v + elem_size() * (b * o.vs[0] + h * o.vs[1]);
-        ksc = o.k_scale ? o.k_scale + b * o.kss[0] + h * o.kss[1] : nullptr;
-        vsc = o.v_scale ? o.v_scale + b * o.vss[0] + h * o.vss[1] : nullptr;
         table = o.pages ? o.pages + b * o.pages_stride : nullptr;
+        // scales: [B, Hkv, S] rows, or a paged cache's pool [num_pages, page_size, Hkv] (block_rows walks it)
+        ksc = !o.k_scale ? nullptr : table ? o.k_scale : o.k_scale + b * o.kss[0] + h * o.kss[1];
+        vsc = !o.v_scale ? nullptr : table ? o.v_scale : o.v_scale + b * o.vss[0] + h * o.vss[1];
         head = h;
         end = o.lengths ? std::min<int64_t>(p_.j1, std::max<int64_t>(p_.j0, o.lengths[b])) : p_.j1;
         visb = o.visible ? o.visible + b * o.vis[0] + h * o.vis[1] : nullptr;
@@ -319,11 +322,18 @@ struct Item {
     const char* key_row(int64_t j) const { return (const char*)kb + elem_size() * j * o.ks[2]; }
     const char* value_row(int64_t j) const { return (const char*)vb + elem_size() * j * o.vs[2]; }
 
-    // The rows of keys j0 .. j0 + n - 1. Paged: walk the pages (no division per key) and ask for every row of the
-    // block at once (the hardware prefetcher does not cross from one page to the next).
+    // The rows of keys j0 .. j0 + n - 1 and their scales (kunit, vscale). Paged: walk the pages (no division per
+    // key) and ask for every row of the block at once (the hardware prefetcher does not cross from one page to the
+    // next).
     void block_rows(int64_t j0, int n) {
+        const bool value_scales = vsc || o.v_unit != 1.0f;
         if (!table) {
-            for (int jj = 0; jj < n; ++jj) krows[jj] = key_row(j0 + jj), vrows[jj] = value_row(j0 + jj);
+            for (int jj = 0; jj < n; ++jj) {
+                krows[jj] = key_row(j0 + jj), vrows[jj] = value_row(j0 + jj);
+                kunit[jj] = o.k_unit * (ksc ? ksc[(j0 + jj) * o.kss[2]] : 1.0f);
+            }
+            if (value_scales)
+                for (int jj = 0; jj < n; ++jj) vscale[jj] = o.v_unit * (vsc ? vsc[(j0 + jj) * o.vss[2]] : 1.0f);
             return;
         }
         int64_t index = j0 / o.page_size, slot = j0 % o.page_size;
@@ -331,14 +341,14 @@ struct Item {
             const int64_t page = table[index];
             krows[jj] = (const char*)o.k + elem_size() * (page * o.ks[0] + slot * o.ks[1] + head * o.ks[2]);
             vrows[jj] = (const char*)o.v + elem_size() * (page * o.vs[0] + slot * o.vs[1] + head * o.vs[2]);
+            kunit[jj] = o.k_unit * (ksc ? ksc[page * o.kss[0] + slot * o.kss[1] + head * o.kss[2]] : 1.0f);
+            if (value_scales)
+                vscale[jj] = o.v_unit * (vsc ? vsc[page * o.vss[0] + slot * o.vss[1] + head * o.vss[2]] : 1.0f);
             if (++slot == o.page_size) slot = 0, ++index;
         }
         for (int jj = 0; jj < n; ++jj) prefetch_row(krows[jj], o.D);
         for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
     }
-
-    float key_scale(int64_t j) const { return o.k_unit * (ksc ? ksc[j * o.kss[2]] : 1.0f); }
-    float value_scale(int64_t j) const { return o.v_unit * (vsc ? vsc[j * o.vss[2]] : 1.0f); }
 
     // Ask for keys j, j+1 of the next block and values j, j+1 of this one while this block's scores run
     // (the hardware prefetcher alone leaves each core waiting on two interleaved streams).
@@ -375,7 +385,7 @@ struct Item {
                         a1[r] = vfma(qv, x1, a1[r]);
                     }
                 }
-                const float u0 = key_scale(j0 + jj), u1 = key_scale(j0 + jj + 1);
+                const float u0 = kunit[jj], u1 = kunit[jj + 1];
                 if constexpr (N == 4) {
                     float sums[8];
                     hsum8(a0[0], a0[1], a0[2], a0[3], a1[0], a1[1], a1[2], a1[3], sums);
@@ -398,7 +408,7 @@ struct Item {
                     const vec x0 = vload<KIND>(k0, d);
                     for (int r = 0; r < N; ++r) a0[r] = vfma(vloadf(qb + (r0 + r) * D + d), x0, a0[r]);
                 }
-                const float u0 = key_scale(j0 + jj);
+                const float u0 = kunit[jj];
                 for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = vsum(a0[r]) * u0;
             }
 #endif
@@ -410,7 +420,7 @@ struct Item {
                     const float kd = load_scalar<KIND>(krow, d);
                     for (int r = 0; r < N; ++r) dots[r] += qb[(r0 + r) * D + d] * kd;
                 }
-                const float unit = key_scale(j0 + jj);
+                const float unit = kunit[jj];
                 for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = dots[r] * unit;
             }
         }
@@ -551,8 +561,6 @@ struct Item {
 
     void softmax_step(int64_t j0, int n, bool masked) {
         const int64_t R = o.R, Dv = o.Dv;
-        if (vsc || o.v_unit != 1.0f)
-            for (int jj = 0; jj < n; ++jj) vscale[jj] = value_scale(j0 + jj);
         for (int64_t r = 0; r < R; ++r) {
             float* sr = &s[r * BLOCK];
             float block_max = NEG_INF;

@@ -48,7 +48,7 @@ def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float6
     every sequence the same 1..4 queries (a decode step, as the in-place kernel takes it), no softcap or ALiBi."""
     page_size = draw(st.sampled_from([1, 2, 3, 16]))
     hkv, group, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([4, 8]))
-    batch = draw(st.integers(1, 4))
+    batch = draw(st.integers(1, 5))
     kv_lens = [draw(st.integers(0, 40)) for _ in range(batch)]
     q_lens = [draw(st.sampled_from([0, 1, 1, min(3, n), n])) if n else 0 for n in kv_lens]
     if uniform:
@@ -66,15 +66,16 @@ def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float6
     for b, n in enumerate(owned):
         page_table[b, :n] = torch.tensor(order[taken:taken + n], dtype=torch.long)
         taken += n
-    share = draw(st.booleans()) and batch > 1 and kv_lens[0] >= page_size and kv_lens[1] >= page_size
-    if share:  # sequence 1's first page is sequence 0's (a shared prefix page, full)
-        page_table[1, 0] = page_table[0, 0]
+    shared_pages = draw(st.integers(0, 3))  # sequence 0's first pages, shared by each sequence long enough
+    sharing = {b for b in range(1, batch) if min(kv_lens[0], kv_lens[b]) >= shared_pages * page_size}
+    for b in sharing:  # a shared prefix (full pages); the pages these sequences drew instead go unowned (NaN)
+        page_table[b, :shared_pages] = page_table[0, :shared_pages]
     k_pages = torch.full((max(num_pages, 1), page_size, hkv, d), math.nan, dtype=dtype)
     v_pages = torch.full((max(num_pages, 1), page_size, hkv, d + 1), math.nan, dtype=dtype)
     for b, n in enumerate(kv_lens):
         for j in range(n):
             page, slot = int(page_table[b, j // page_size]), j % page_size
-            if share and b == 1 and j < page_size:
+            if b in sharing and j < shared_pages * page_size:
                 continue  # sequence 0 wrote this shared page
             k_pages[page, slot] = torch.randn(hkv, d, generator=g, dtype=dtype)
             v_pages[page, slot] = torch.randn(hkv, d + 1, generator=g, dtype=dtype)

@@ -5,6 +5,8 @@ bad-table errors."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -67,8 +69,10 @@ def test_a_mixed_batch_in_low_precision_is_within_its_precision(dtype):
     tolerance = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-5}[dtype]
     torch.testing.assert_close(out.double(), want, rtol=tolerance, atol=tolerance)
     text = engine.explain_paged(q, k_pages, v_pages, table, torch.tensor(kv_lens), indptr)
-    assert "sequence 0 (1 queries, 600 keys): kernel decode" in text  # decode_native, or decode without a compiler
-    assert "sequence 1 (6 queries, 70 keys): kernel " in text and "sequence 2 (9 queries, 9 keys): kernel " in text
+    # decode_native, or decode without a compiler
+    assert "sequence 0 (1 queries, 600 keys): gathered, kernel decode" in text
+    assert "sequence 1 (6 queries, 70 keys): gathered, kernel " in text
+    assert "sequence 2 (9 queries, 9 keys): gathered, kernel " in text
 
 
 def bad_case():
@@ -169,3 +173,49 @@ def test_a_low_precision_decode_step_read_in_place_is_within_its_precision(dtype
     want, _ = oracle(*(x.double() for x in low), *args)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3
     torch.testing.assert_close(paged_attention(*low, *args).double(), want, rtol=tolerance, atol=tolerance)
+
+
+@contextlib.contextmanager
+def small_runs(run_keys: int):
+    """RUN_KEYS and CASCADE_MIN_KEYS made small, so short sequences take the paths long ones take."""
+    import engine.paged.cascade as cascade_module
+    import engine.paged.runs as runs_module
+    saved = runs_module.RUN_KEYS, cascade_module.CASCADE_MIN_KEYS
+    runs_module.RUN_KEYS, cascade_module.CASCADE_MIN_KEYS = run_keys, 2
+    try:
+        yield
+    finally:
+        runs_module.RUN_KEYS, cascade_module.CASCADE_MIN_KEYS = saved
+
+
+@settings(max_examples=80, deadline=None)
+@given(problem=paged_batches(), cascade=st.sampled_from([True, None, False]), run_keys=st.sampled_from([1, 3, 8]))
+def test_runs_of_pages_and_shared_prefix_passes_equal_the_oracle(problem, cascade, run_keys):
+    # keys a run of pages at a time (engine.paged.runs), and each shared prefix once for all its sequences
+    # (engine.paged.cascade), against the oracle that reads every key through the page table
+    args, options = problem
+    ours = dict(options)
+    if "alibi" in ours:
+        ours["alibi_slopes"] = ours.pop("alibi")
+    with small_runs(run_keys):
+        out, lse = paged_attention(*args, return_lse=True, cascade=cascade, **ours)
+    want, want_lse = oracle(*args, **options)
+    assert not bool(out.isnan().any())
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    torch.testing.assert_close(lse, want_lse, rtol=1e-9, atol=1e-9)
+
+
+def test_explain_names_the_shared_prefix_pass_and_the_runs_of_pages():
+    g = torch.Generator().manual_seed(5)
+    pool = torch.randn(12, 4, 2, 8, generator=g)
+    table = torch.tensor([[0, 1, 2, 3], [0, 1, 4, 5], [6, 7, 8, 9]])  # sequences 0 and 1 share 8 keys
+    lens, q, indptr = torch.tensor([14, 16, 13]), torch.randn(3, 4, 8, generator=g), torch.arange(4)
+    with small_runs(8):
+        text = engine.explain_paged(q, pool, pool, table, lens, indptr, softcap=5.0)
+        out = paged_attention(q, pool, pool, table, lens, indptr, softcap=5.0)
+    assert "sequences [0, 1] share their first 8 keys: read once for their 2 queries" in text, text
+    assert "sequence 2 (1 queries, 13 keys): by runs of 8 keys" in text, text
+    torch.testing.assert_close(out.double(), oracle(q, pool, pool, table, lens, indptr, softcap=5.0)[0], rtol=1e-5,
+                               atol=1e-5)
+    assert "share" not in engine.explain_paged(q, pool, pool, table, lens, indptr, cascade=False)

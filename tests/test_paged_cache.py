@@ -1,6 +1,9 @@
 """PagedKVCache: ragged sequences appended in packed steps read back through paged_attention as attention over each
 sequence's own keys; forks share pages and copy a shared partial page before writing; free, roll back, refusals
-that leave the cache unchanged, and the memory a ragged batch holds."""
+that leave the cache unchanged, and the memory a ragged batch holds. Quantized pools (int8, fp8 e4m3) read back
+within engine.quantized's bound and attend as their dequantized keys; a windowed cache releases the pages no later
+query sees (-1 in the table), holds a bounded number of pages per sequence and serves a layer as a contiguous
+cache does."""
 
 from __future__ import annotations
 
@@ -10,8 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine import PagedKVCache, causal_attention, paged_attention
+from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
+from tests.precision import assert_within_precision, plain_attention
 
 HKV, HQ, D = 2, 4, 8
+QUANTIZED = list(QUANTIZED_DTYPES)  # int8, and float8_e4m3fn where this torch has it
 
 
 def tokens(n, seed):
@@ -25,6 +31,62 @@ def attend_all(cache, seqs, q_per_seq):
     table, lens = cache.tables(seqs)
     q = torch.cat(q_per_seq)  # [B, Hq, D]
     return paged_attention(q, cache.keys, cache.values, table, lens, torch.arange(len(seqs) + 1))
+
+
+def offsets(counts):
+    """indptr ``[len(counts) + 1]`` of packed rows: sequence i owns rows ``offsets[i] .. offsets[i+1]-1``."""
+    return torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist())
+
+
+def read_pool(pool, row, stop, start=0):
+    """Slots ``start .. stop-1`` of one sequence from a pool ``[num_pages, P, ...]`` through its page-table ``row``,
+    slot by slot as the layout says (key j: page ``row[j // P]``, slot ``j % P``), in float64; a released page
+    (-1) reads as NaN."""
+    page_size = pool.shape[1]
+    slots = [pool[int(row[j // page_size]), j % page_size].double() if row[j // page_size] >= 0
+             else torch.full(pool.shape[2:], float("nan"), dtype=torch.float64) for j in range(start, stop)]
+    return torch.stack(slots) if slots else torch.zeros(0, *pool.shape[2:], dtype=torch.float64)
+
+
+def read_back(cache, seq, start=0):
+    """``(keys [S, Hkv, D], values [S, Hkv, Dv])`` float64 of ``seq`` from ``start`` as the pools hold them; a
+    quantized pool dequantized here, ``data * scale`` (exact in float64)."""
+    table, lens = cache.tables([seq])
+
+    def one(pool):
+        if isinstance(pool, QuantizedKV):
+            scale = read_pool(pool.scale, table[0], int(lens[0]), start)  # [S, Hkv]
+            return read_pool(pool.data, table[0], int(lens[0]), start) * scale[..., None]  # [S, Hkv, E]
+        return read_pool(pool, table[0], int(lens[0]), start)  # [S, Hkv, E]
+
+    return one(cache.keys), one(cache.values)
+
+
+def as_stored(x, dtype):
+    """What a pool of ``dtype`` holds for the rows ``x [N, Hkv, E]``, float64: x itself, or x quantized per token
+    and head and dequantized exactly."""
+    if dtype not in QUANTIZED_DTYPES:
+        return x.to(dtype).double()
+    stored = quantize(x[None], dtype)  # [1, N, Hkv, E]
+    return stored.data[0].double() * stored.scale[0].double()[..., None]
+
+
+def visible(t, s, window=None):
+    """bool ``[T, S]``: T queries at a sequence's last positions ``s-t .. s-1``; key j visible iff ``j <= pos``
+    (and ``pos - j < window``)."""
+    pos, key_pos = torch.arange(s - t, s)[:, None], torch.arange(s)[None]  # [T, 1], [1, S]
+    return (key_pos <= pos) & (pos - key_pos < (window or s + 1))  # [T, S]
+
+
+def oracle(q, keys, values, window=None):
+    """float64 attention of ``q [T, Hq, D]`` (a sequence's last T positions) to its ``keys [S, Hkv, D]``; query
+    head h reads KV head h // G. Returns ``[T, Hq, Dv]``."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.double().repeat_interleave(group, dim=1)  # [S, Hq, D]
+    v = values.double().repeat_interleave(group, dim=1)  # [S, Hq, Dv]
+    scores = torch.einsum("thd,shd->hts", q.double(), k) * q.shape[2] ** -0.5  # [Hq, T, S]
+    weights = scores.masked_fill(~visible(q.shape[0], k.shape[0], window), float("-inf")).softmax(-1)  # [Hq, T, S]
+    return torch.einsum("hts,she->the", weights, v)  # [T, Hq, Dv]
 
 
 def contiguous(q, keys, values):
@@ -118,8 +180,11 @@ def test_refused_appends_leave_the_cache_as_it_was():
             cache.append(**args)
     with pytest.raises(ValueError, match="num_pages must be a positive int"):
         PagedKVCache(0, 4, HKV, D)
-    with pytest.raises(ValueError, match="dtype must be one the kernels compute"):
-        PagedKVCache(4, 4, HKV, D, dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"dtype must be one the kernels compute \(.*float64.*\) or a quantized one "
+                                         r"\(torch.int8.*\), got torch.int32"):
+        PagedKVCache(4, 4, HKV, D, dtype=torch.int32)
+    with pytest.raises(ValueError, match="keys must be a floating-point tensor, got torch.int64"):
+        cache.append([b], torch.zeros(1, HKV, D, dtype=torch.long), more_values[:1], torch.tensor([0, 1]))
 
 
 def test_64_ragged_requests_hold_one_partial_page_each_at_most():
@@ -167,3 +232,220 @@ def test_a_layer_serving_ragged_requests_from_pages_equals_each_request_alone(pa
         for i in range(len(seqs)):
             want = layer(rows[indptr[i]:indptr[i + 1]][None], cache=alone[i])[0]
             torch.testing.assert_close(outs[indptr[i]:indptr[i + 1]], want, rtol=1e-10, atol=1e-10)
+
+
+# --- quantized pools --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_quantized_appends_read_back_within_the_stated_bound(dtype, page_size):
+    cache = PagedKVCache(32, page_size, HKV, D, dtype=dtype)
+    assert isinstance(cache.keys, QuantizedKV) and cache.keys.data.dtype == dtype
+    assert cache.keys.shape == (32, page_size, HKV, D) and cache.values.scale.shape == (32, page_size, HKV)
+    assert cache.nbytes == 2 * 32 * page_size * HKV * (D + 4)  # 1-byte entries, a 4-byte scale per token and head
+    seqs = [cache.add() for _ in range(3)]
+    written = {seq: [] for seq in seqs}
+    for step, counts in enumerate([[5, 1, 9], [1, 0, 1], [3, 4, 0]]):  # ragged prefills, decodes, an idle row
+        keys, values = tokens(sum(counts), step)
+        keys = (keys * torch.rand(len(keys), HKV, 1, dtype=torch.float64) * 10).float()  # rows of many sizes, fp32
+        cache.append(seqs, keys, values.float(), offsets(counts))
+        for seq, start, stop in zip(seqs, offsets(counts)[:-1].tolist(), offsets(counts)[1:].tolist()):
+            written[seq].append(keys[start:stop])
+    for seq in seqs:
+        x = torch.cat(written[seq])  # [S, Hkv, D] as written
+        table, _ = cache.tables([seq])
+        data = read_pool(cache.keys.data, table[0], len(x))  # [S, Hkv, D]
+        scale = read_pool(cache.keys.scale, table[0], len(x))  # [S, Hkv]
+        stored = quantize(x[None], dtype)  # per token and head, as if the sequence were quantized alone
+        assert torch.equal(data, stored.data[0].double()) and torch.equal(scale, stored.scale[0].double())
+        err = (data * scale[..., None] - x.double()).abs()  # [S, Hkv, D]
+        if dtype == torch.int8:  # half a step, plus fp32's rounding of x / scale (|x / scale| <= 127)
+            bound = scale[..., None] * (0.5 + 127 * 2.0 ** -24)
+        else:  # e4m3: max(|x| / 16, 2^-10 * scale), engine.quantized's bound
+            bound = torch.maximum(x.double().abs() / 16, scale[..., None] * 2.0 ** -10) * (1 + 1e-6)
+        assert bool((err <= bound).all())
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_a_quantized_fork_copies_the_shared_partial_pages_data_and_scales_before_writing(dtype):
+    cache = PagedKVCache(8, 4, HKV, D, dtype=dtype)
+    parent = cache.add()
+    keys, values = tokens(6, 0)
+    cache.append([parent], keys, values, offsets([6]))  # pages: one full, one half
+    child = cache.fork(parent)
+    before = read_back(cache, parent)
+    new_keys, new_values = tokens(1, 1)
+    cache.append([child], new_keys * 100, new_values, offsets([1]))  # a far larger scale: a shared scale would show
+    assert cache.pages_in_use == 3
+    table, _ = cache.tables([parent, child])
+    assert table[0, 0] == table[1, 0] and table[0, 1] != table[1, 1]
+    after = read_back(cache, parent)
+    assert all(torch.equal(a, b) for a, b in zip(after, before))  # the parent is unchanged, data and scales
+    child_keys, child_values = read_back(cache, child)
+    assert torch.equal(child_keys[:6], before[0]) and torch.equal(child_values[:6], before[1])  # the copy
+    assert torch.equal(child_keys[6:], as_stored(new_keys * 100, dtype))
+    assert torch.equal(child_values[6:], as_stored(new_values, dtype))
+    cache.free(parent)
+    cache.free(child)
+    assert cache.pages_in_use == 0
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+@pytest.mark.parametrize("query_counts", [(1, 1, 1), (1, 3, 2)], ids=["decode", "mixed"])
+def test_a_quantized_pool_attends_as_its_dequantized_keys(dtype, query_counts):
+    # needs paged_attention to take QuantizedKV pools. The oracle dequantizes the pools itself (read_back, exact in
+    # float64), so the only error left is float32 arithmetic: within 2x a plain float32 run's (tests.precision)
+    cache = PagedKVCache(16, 4, HKV, D, dtype=dtype)
+    lengths = (5, 13, 2)  # a partial page; four pages; less than the query count would allow
+    seqs = [cache.add() for _ in lengths]
+    keys, values = tokens(sum(lengths), 7)
+    cache.append(seqs, keys, values, offsets(lengths))
+    q = torch.randn(sum(query_counts), HQ, D)  # [Nq, Hq, D] float32
+    table, lens = cache.tables(seqs)
+    out = paged_attention(q, cache.keys, cache.values, table, lens, offsets(query_counts))  # [Nq, Hq, D]
+    for seq, start, stop in zip(seqs, offsets(query_counts)[:-1].tolist(), offsets(query_counts)[1:].tolist()):
+        k, v = read_back(cache, seq)  # [S, Hkv, D] dequantized
+        q_b = q[start:stop]  # [T, Hq, D]
+        plain = plain_attention(q_b.transpose(0, 1)[None], k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None],
+                                visible(len(q_b), len(k)), D ** -0.5, torch.float32)[0].transpose(0, 1)  # [T, Hq, D]
+        assert_within_precision(out[start:stop], oracle(q_b, k, v), plain, torch.float32)
+
+
+# --- sliding-window release -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int8], ids=str)
+@pytest.mark.parametrize("page_size, window", [
+    (1, 1),  # a query sees only itself: every older page goes
+    (4, 6),  # the window spans a page boundary
+    (4, 5),  # W - 1 a multiple of P: one page fewer than the bound at most
+    (3, 7),  # odd sizes
+    (16, 6),  # pages longer than the window
+])
+def test_a_long_windowed_generation_holds_at_most_ceil_w_over_p_plus_one_pages_per_sequence(dtype, page_size, window):
+    bound = -(-window // page_size) + 1
+    prompts = (11, 2)
+    pool = sum(max(-(-n // page_size), bound) for n in prompts)  # the prefill's pages, then the bound: no more
+    cache = PagedKVCache(pool, page_size, HKV, D, dtype=dtype, window=window)
+    seqs = [cache.add() for _ in prompts]
+    keys, values = tokens(sum(prompts), 0)
+    cache.append(seqs, keys, values, offsets(prompts))
+    written = [[keys[:11]], [keys[11:]]]
+    for step in range(200):  # a pool without releases would run out after a few steps
+        before = [cache.length(seq) for seq in seqs]
+        new_keys, new_values = tokens(2, step + 1)
+        cache.append(seqs, new_keys, new_values, offsets([1, 1]))
+        table, lens = cache.tables(seqs)
+        columns = torch.arange(table.shape[1])
+        for b, seq in enumerate(seqs):
+            written[b].append(new_keys[b:b + 1])
+            assert cache.pages_held(seq) <= bound
+            # released: a page whose keys are all <= length before the step - W (the step's queries sit at >= it)
+            released = ((columns + 1) * page_size <= before[b] - window + 1) & (columns < -(-int(lens[b]) // page_size))
+            assert torch.equal(table[b] == -1, released)
+        assert cache.pages_in_use == sum(cache.pages_held(seq) for seq in seqs)  # the released pages are free
+    for b, seq in enumerate(seqs):
+        x = torch.cat(written[b])  # [S, Hkv, D]
+        back, _ = read_back(cache, seq)
+        first_kept = int((cache.tables([seq])[0][0] == -1).sum()) * page_size
+        assert bool(back[:first_kept].isnan().all())  # released pages are not read
+        assert torch.equal(back[first_kept:], as_stored(x[first_kept:], dtype))  # the window's keys are kept
+        assert first_kept >= len(x) - window - page_size
+
+
+def test_a_page_shared_by_forks_returns_to_the_pool_only_when_every_holder_releases_it():
+    cache = PagedKVCache(6, 4, HKV, D, dtype=torch.float64, window=4)
+    parent = cache.add()
+    keys, values = tokens(9, 0)
+    cache.append([parent], keys[:8], values[:8], offsets([8]))  # pages 0 (keys 0..3), 1 (keys 4..7)
+    child = cache.fork(parent)
+    cache.append([parent], keys[8:], values[8:], offsets([1]))  # its query at 8 sees keys 5..8: page 0 released
+    assert cache.tables([parent, child])[0].tolist() == [[-1, 1, 2], [0, 1, 0]]  # the child still holds page 0
+    assert cache.pages_in_use == 3
+    cache.append([child], keys[8:], values[8:], offsets([1]))  # the last holder lets go: page 0 is free ...
+    assert cache.tables([child])[0].tolist() == [[-1, 1, 0]]  # ... and is the page the child's new key goes to
+    assert cache.pages_in_use == 3
+    grandchild = cache.fork(child)  # shares the live pages only
+    assert cache.tables([grandchild])[0].tolist() == [[-1, 1, 0]] and cache.pages_in_use == 3
+    cache.free(child)
+    assert cache.pages_in_use == 3  # the grandchild holds them
+    cache.free(grandchild)
+    assert cache.pages_in_use == 2  # page 1 stays with the parent
+    cache.free(parent)
+    assert cache.pages_in_use == 0
+
+
+def test_truncate_cannot_roll_back_into_released_keys():
+    cache = PagedKVCache(8, 4, HKV, D, dtype=torch.float64, window=4)
+    seq = cache.add()
+    keys, values = tokens(13, 0)
+    cache.append([seq], keys[:12], values[:12], offsets([12]))
+    cache.append([seq], keys[12:], values[12:], offsets([1]))  # its query at 12 sees keys 9..12: keys 0..7 released
+    assert cache.tables([seq])[0].tolist() == [[-1, -1, 2, 1]] and cache.pages_in_use == 2  # page 1 freed, reused
+    with pytest.raises(ValueError, match=r"keys 0..7 were released and a query at position 10 \(window 4\) could need "
+                                         r"one; the shortest length it can roll back to is 11"):
+        cache.truncate(seq, 10)  # its query at 10 would see keys 7..10
+    assert cache.length(seq) == 13 and cache.pages_in_use == 2  # refused: unchanged
+    cache.truncate(seq, 11)  # the next query, at 11, sees keys 8..11: all kept
+    assert cache.length(seq) == 11 and cache.tables([seq])[0].tolist() == [[-1, -1, 2]] and cache.pages_in_use == 1
+    # released by hand (no window): pages whose keys are all before the position; no rolling back before it
+    plain = PagedKVCache(8, 4, HKV, D, dtype=torch.float64)
+    seq = plain.add()
+    plain.append([seq], keys, values, offsets([13]))
+    plain.release_before(seq, 9)  # pages 0 and 1 (keys 0..7); page 2 still holds key 8
+    assert plain.tables([seq])[0].tolist() == [[-1, -1, 2, 3]] and plain.pages_held(seq) == 2
+    plain.release_before(seq, 3)  # nothing more: a no-op
+    with pytest.raises(ValueError, match="shortest length it can roll back to is 8"):
+        plain.truncate(seq, 7)
+    with pytest.raises(ValueError, match=r"position must be an int in \[0, 13\] \(sequence 0's tokens\), got 14"):
+        plain.release_before(seq, 14)
+    plain.truncate(seq, 8)
+    assert plain.pages_in_use == 0 and plain.tables([seq])[0].tolist() == [[-1, -1]]
+    with pytest.raises(ValueError, match="window must be a positive int \\(keys seen, own included\\) or None, got 0"):
+        PagedKVCache(8, 4, HKV, D, window=0)
+
+
+def test_a_windowed_append_counts_the_pages_it_releases_and_a_refused_one_releases_none():
+    cache = PagedKVCache(3, 2, HKV, D, dtype=torch.float64, window=2)
+    a, b = cache.add(), cache.add()
+    keys, values = tokens(6, 0)
+    cache.append([a, b], keys, values, offsets([4, 2]))  # a: pages 0, 1; b: page 2; the pool is full
+    more, more_values = tokens(6, 1)
+    with pytest.raises(ValueError, match=r"the pool has 1 free pages of 2 tokens \(1 of them released by the window\) "
+                                         r"and this append needs 4"):
+        cache.append([a, b], more, more_values, offsets([3, 3]))  # a would release page 0 (keys 0, 1 <= 4 - 2)
+    assert cache.tables([a, b])[0].tolist() == [[0, 1], [2, 0]] and cache.pages_in_use == 3  # nothing released
+    cache.append([a], more[:1], more_values[:1], offsets([1]))  # fits: the page a releases takes its new key
+    assert cache.tables([a])[0].tolist() == [[-1, 1, 0]] and cache.pages_in_use == 3
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_a_layer_with_a_windowed_cache_releasing_pages_equals_each_request_alone(page_size):
+    # needs paged_attention to take -1 page-table entries outside every query's window. Three prompts prefilled in
+    # one packed call, twelve decode steps (a request joins at the fourth): the cache releases pages as the window
+    # moves on, and each request's outputs equal that request run alone with a contiguous KVCache
+    from engine import MultiHeadAttention
+
+    torch.manual_seed(0)
+    window = 6
+    layer = MultiHeadAttention(32, 4, 2, window=window).double()
+    paged = PagedKVCache(64, page_size, 2, 8, dtype=torch.float64, window=window)
+    seqs, alone = [], []
+    steps = [[torch.randn(n, 32, dtype=torch.float64) for n in (7, 3, 12)]]  # step 0: the prompts
+    for step in range(1, 13):
+        steps.append([torch.randn(1, 32, dtype=torch.float64) for _ in range(3 if step < 4 else 4)])
+        if step == 4:
+            steps[-1][-1] = torch.randn(5, 32, dtype=torch.float64)  # a late request's prompt
+    for rows in steps:
+        while len(seqs) < len(rows):
+            seqs.append(paged.add())
+            alone.append(layer.new_cache(1, 32))
+        indptr = offsets([len(r) for r in rows])
+        outs = layer.forward_paged(torch.cat(rows), paged, seqs, indptr)  # [N, E]
+        for i, r in enumerate(rows):
+            want = layer(r[None], cache=alone[i])[0]
+            torch.testing.assert_close(outs[indptr[i]:indptr[i + 1]], want, rtol=1e-10, atol=1e-10)
+    table, _ = paged.tables(seqs)
+    assert bool((table == -1).any())  # pages were released ...
+    assert all(paged.pages_held(seq) <= -(-window // page_size) + 1 for seq in seqs)  # ... down to the bound

@@ -24,7 +24,11 @@ import torch
 
 from engine.attention import causal_attention
 from engine.inputs import resolve_positions
+from engine.kernels.sinks import apply_sinks
 from engine.masks.window import window_mask
+from engine.modifiers import prepare_modifiers
+from engine.paged import runs as page_runs
+from engine.paged.cascade import cascade_parts, merge_prefix, shared_prefixes, suffix_tables
 from engine.paged.native import native_paged_attention, native_paged_fits
 from engine.paged.tables import PagedBatch, check_released, paged_batch
 from engine.planning import explain
@@ -33,22 +37,25 @@ from engine.quantized import QuantizedKV
 __all__ = ["paged_attention", "explain_paged", "gather_keys"]
 
 
-def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor,
-                    kv_lens: torch.Tensor, query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None,
-                    *, window: int | None = None, softcap: float | None = None, scale: float | None = None,
+def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv_lens: torch.Tensor,
+                    query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None, *,
+                    window: int | None = None, softcap: float | None = None, scale: float | None = None,
                     sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                    return_lse: bool = False, kernel: str = "auto"):
+                    return_lse: bool = False, kernel: str = "auto", cascade: bool | None = None):
     """Attention of packed queries to their sequences' paged keys.
 
     Args:
         q: ``[Nq, Hq, D]``, sequence b's queries are rows ``query_indptr[b] .. query_indptr[b+1]-1``.
-        k_pages, v_pages: ``[num_pages, page_size, Hkv, D | Dv]`` pools (q's dtype).
-        page_table: int ``[B, max_pages]``; kv_lens: int ``[B]`` (the new keys included); query_indptr: int
-            ``[B + 1]`` (engine.paged.tables).
+        k_pages, v_pages: ``[num_pages, page_size, Hkv, D | Dv]`` pools (q's dtype), or int8 / fp8 ``QuantizedKV``
+            pools.
+        page_table: int ``[B, max_pages]`` (-1: a released page); kv_lens: int ``[B]`` (the new keys included);
+            query_indptr: int ``[B + 1]`` (engine.paged.tables).
         query_positions: int ``[Nq]``; default: sequence b's queries at positions ``kv_len - q_len .. kv_len - 1``.
         window: keys seen per query, its own included (sliding-window attention), or None.
         softcap, scale, sinks ``[Hq]``, alibi_slopes ``[Hq]``: as in ``causal_attention``; kernel: ``"auto"`` or a
             kernel name, for each sequence's call.
+        cascade: read a prefix shared by several sequences once for all of them (engine.paged.cascade); None: when
+            one of at least CASCADE_MIN_KEYS keys is found.
 
     Returns:
         ``out [Nq, Hq, Dv]`` in q's dtype (``(out, lse [Nq, Hq])`` with ``return_lse``); a query that sees no key
@@ -56,14 +63,35 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
     """
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
-    _check_options(window, alibi_slopes, q.shape[1])
+    _check_options(window, alibi_slopes, q.shape[1], cascade)
     check_released(tables, positions, window)
-    if native_paged_fits(q, k_pages, v_pages, tables, softcap, alibi_slopes, kernel) is None:
-        result = native_paged_attention(q, k_pages, v_pages, tables, positions, query_positions is None, window,
-                                        scale, sinks)
-        if result is not None:  # (None: NaN/inf in q, which the gathered path keeps to its rows)
-            return result if return_lse else result[0]
-    q_heads, dv = q.shape[1], v_pages.shape[3]  # (the gathered path)
+    sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks if sinks is not None \
+        else None
+    groups = _groups(tables, cascade)
+    if groups:  # the shared prefixes once, then one paged call on the suffixes
+        modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes)
+        parts, (table, lens, shifted) = cascade_parts(q, k_pages, v_pages, tables, positions, groups, window, scale,
+                                                      kernel, {k: x for k, x in modifiers.items() if x is not None})
+        out, lse = paged_attention(q, k_pages, v_pages, table, lens, query_indptr, shifted, window=window,
+                                   scale=scale, return_lse=True, kernel=kernel, cascade=False, **modifiers)
+        out, lse = merge_prefix(out, lse, parts)
+    elif native_paged_fits(q, k_pages, v_pages, tables, softcap, alibi_slopes, kernel) is None and (
+            result := native_paged_attention(q, k_pages, v_pages, tables, positions, window, scale)) is not None:
+        # (None: NaN/inf in q, which the other paths keep to its rows)
+        out, lse = result
+    else:
+        out, lse = _per_sequence(q, k_pages, v_pages, tables, positions, window, scale, kernel,
+                                 softcap=softcap, alibi_slopes=alibi_slopes)
+    if sinks is not None:  # once per row, after every part: [Nq, Hq, 1, Dv] and [Nq, Hq, 1] as [B, Hq, T, ..]
+        out, lse = (x[:, :, 0] for x in apply_sinks(out[:, :, None], lse[:, :, None], sinks))
+    return (out, lse) if return_lse else out
+
+
+def _per_sequence(q, k_pages, v_pages, tables: PagedBatch, positions, window, scale, kernel, **modifiers):
+    """Each sequence's own call: its keys a run of pages at a time (engine.paged.runs) when it has more than one run
+    and the kernel is auto, else gathered from its pages (the readable path)."""
+    modifiers = {name: x for name, x in modifiers.items() if x is not None}
+    q_heads, dv = q.shape[1], v_pages.shape[3]
     out = q.new_zeros(q.shape[0], q_heads, dv)  # [Nq, Hq, Dv]
     lse = torch.full((q.shape[0], q_heads), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64
                      else torch.float32, device=q.device)  # [Nq, Hq]
@@ -72,35 +100,70 @@ def paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tenso
         rows = tables.query_rows(b)
         if rows.stop == rows.start:
             continue
-        args = _sequence_call(q, k_pages, v_pages, tables, pages[b], positions, b, window)
-        o, part_lse = causal_attention(*args, scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-                                       return_lse=True, kernel=kernel)  # [1, Hq, q_len, Dv], [1, Hq, q_len]
-        out[rows] = o[0].transpose(0, 1)  # [q_len, Hq, Dv]
-        lse[rows] = part_lse[0].transpose(0, 1)  # [q_len, Hq]
-    return (out, lse) if return_lse else out
+        if _by_runs(tables, b, kernel):
+            q_b = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
+            o, part_lse = page_runs.run_attention(q_b, k_pages, v_pages, pages[b], tables.page_size, 0,
+                                                  tables.kv_lens[b], positions[rows], window, scale, kernel,
+                                                  **modifiers)
+        else:
+            args = _sequence_call(q, k_pages, v_pages, tables, pages[b], positions, b, window)
+            o, part_lse = causal_attention(*args, scale, return_lse=True, kernel=kernel,
+                                           **modifiers)  # [1, Hq, q_len, Dv], [1, Hq, q_len]
+        out[rows] = o[0].transpose(0, 1).to(out.dtype)  # [q_len, Hq, Dv]
+        lse[rows] = part_lse[0].transpose(0, 1).to(lse.dtype)  # [q_len, Hq]
+    return out, lse
+
+
+def _by_runs(tables: PagedBatch, b: int, kernel: str) -> bool:
+    return kernel == "auto" and tables.kv_lens[b] > max(page_runs.RUN_KEYS // tables.page_size, 1) * tables.page_size
+
+
+def _groups(tables: PagedBatch, cascade: bool | None):
+    if cascade is False:
+        return []
+    return shared_prefixes(tables, min_keys=1 if cascade else None)
 
 
 def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions=None, *,
                   window: int | None = None, softcap: float | None = None, scale: float | None = None,
-                  kernel: str = "auto", **modifiers) -> str:
+                  kernel: str = "auto", cascade: bool | None = None, **modifiers) -> str:
     """Which path ``paged_attention`` with these arguments takes, and each sequence's kernel with the reason."""
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
     check_released(tables, positions, window)
-    why_not = native_paged_fits(q, k_pages, v_pages, tables, softcap, modifiers.get("alibi_slopes"), kernel)
+    alibi = modifiers.get("alibi_slopes")
+    lines = []
+    for members, pages in _groups(tables, cascade):
+        rows = sum(tables.starts[b + 1] - tables.starts[b] for b in members)
+        prefix = PagedBatch([0, rows], [pages * tables.page_size], tables.page_table[members[:1], :pages],
+                            tables.page_size)
+        why_not = native_paged_fits(q, k_pages, v_pages, prefix, softcap, alibi, kernel, one_pass=True)
+        how = "decode_native in place" if why_not is None else f"causal_attention by runs of pages ({why_not})"
+        lines.append(f"paged: sequences {members} share their first {pages * tables.page_size} keys: read once for "
+                     f"their {rows} queries ({how}), merged by lse with each one's suffix; the suffixes:")
+    if lines:  # the suffix pass is a paged call of its own (cascade=False), explained as any
+        table, lens, shifted = suffix_tables(tables, _groups(tables, cascade), positions)
+        return "\n".join(lines + ["  " + line for line in explain_paged(
+            q, k_pages, v_pages, table, lens, query_indptr, shifted, window=window, softcap=softcap, scale=scale,
+            kernel=kernel, cascade=False, **modifiers).splitlines()])
+    why_not = native_paged_fits(q, k_pages, v_pages, tables, softcap, alibi, kernel)
     if why_not is None:
         return ("paged: decode_native reads K/V in place through the page table (every sequence "
                 f"{tables.starts[1] - tables.starts[0]} queries; no gathered copy)")
-    lines = [f"paged: each sequence's keys gathered from its pages (the readable path), then causal_attention; "
-             f"not decode_native in place: {why_not}"]
+    lines = [f"paged: each sequence's own call; not decode_native in place: {why_not}"]
     for b in range(tables.batch):
         if tables.query_rows(b).stop == tables.query_rows(b).start:
             lines.append(f"  sequence {b}: no queries")
             continue
+        if _by_runs(tables, b, kernel):
+            lines.append(f"  sequence {b} ({tables.query_rows(b).stop - tables.query_rows(b).start} queries, "
+                         f"{tables.kv_lens[b]} keys): by runs of {page_runs.RUN_KEYS} keys read from its pages, each "
+                         f"one causal_attention call, merged by lse (no copy of the whole sequence)")
+            continue
         args = _sequence_call(q, k_pages, v_pages, tables, tables.pages[b], positions, b, window)
         choice = explain(*args, scale, softcap=softcap, kernel=kernel, **modifiers)
-        lines.append(f"  sequence {b} ({args[0].shape[2]} queries, {tables.kv_lens[b]} keys): kernel {choice.kernel}"
-                     f" ({choice.reason})")
+        lines.append(f"  sequence {b} ({args[0].shape[2]} queries, {tables.kv_lens[b]} keys): gathered, kernel "
+                     f"{choice.kernel} ({choice.reason})")
     return "\n".join(lines)
 
 
@@ -141,7 +204,9 @@ def _query_positions(query_positions, tables: PagedBatch, q: torch.Tensor) -> to
     return torch.cat(default).to(q.device) if default else torch.zeros(0, dtype=torch.long, device=q.device)
 
 
-def _check_options(window, alibi_slopes, q_heads: int) -> None:
+def _check_options(window, alibi_slopes, q_heads: int, cascade) -> None:
+    if cascade is not None and not isinstance(cascade, bool):
+        raise ValueError(f"cascade must be True, False or None (auto), got {cascade!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
     if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dim() != 1):

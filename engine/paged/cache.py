@@ -10,6 +10,18 @@ that share a prefix (beams, parallel samples, one system prompt) share its pages
     append 1 token to 1    p0 is shared and partly full: copied to p1 first (copy on write), then written
                            sequence 1: pages [p3, p1]; sequence 0 still reads p0 unchanged
 
+With a sliding ``window`` W (keys a query sees, its own included), a step's queries sit at positions >= the
+sequence's length L before the step and see keys j with ``pos - j < W``, so keys ``<= L - W`` are never read again:
+``append`` first releases every page whose keys all lie there (``release_before(seq, L - W + 1)``). A released page
+stays in the sequence's list as ``None`` and ``tables`` writes -1 for it; the pool gets the page back once no other
+sequence holds it. A sequence of one-token decode steps so holds at most ``ceil(W / page_size) + 1`` pages::
+
+    window 6, page_size 4, 13 keys (0..12) before a decode step: its query at 13 sees keys 8..13
+        pages   [p3    p0    p5     p1]     keys 0..3, 4..7, 8..11, 12
+        after   [None  None  p5     p1]     tables() row [-1, -1, 5, 1]; p3, p0 back to the pool
+
+Keys ``[N, Hkv, D]`` in any float dtype go to pools of ``dtype``: float (the kernels' dtypes) or quantized (int8,
+float8_e4m3fn: one fp32 scale per token and head, ``keys``/``values`` are ``QuantizedKV``; engine.paged.pool).
 ``append`` takes the packed new tokens of several sequences at once (FlashInfer's ``append_paged_kv_cache``);
 ``tables`` gives the page table and key lengths ``paged_attention`` reads. Every operation checks what it needs
 (free pages, known sequences, shapes) before it changes anything, so a refused call leaves the cache as it was.
@@ -21,59 +33,64 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.inputs import SUPPORTED_DTYPES
+from engine.paged.pool import PagePool
+from engine.paged.tables import RELEASED
 
 __all__ = ["PagedKVCache"]
 
 
 @dataclass
 class _Sequence:
-    pages: list[int] = field(default_factory=list)
+    pages: list[int | None] = field(default_factory=list)  # None: released (a prefix of the list)
     length: int = 0
+
+    @property
+    def released(self) -> int:
+        """Leading pages released (their keys are gone)."""
+        return next((i for i, page in enumerate(self.pages) if page is not None), len(self.pages))
 
 
 class PagedKVCache:
     """Pools ``keys [num_pages, page_size, Hkv, D]`` and ``values [num_pages, page_size, Hkv, Dv]`` in ``dtype`` (the
-    shape ``paged_attention`` reads; views of head-major storage); sequences are ids handed out by ``add`` or
-    ``fork``."""
+    shape ``paged_attention`` reads; views of head-major storage; ``QuantizedKV`` for int8 / float8_e4m3fn);
+    sequences are ids handed out by ``add`` or ``fork``. ``window``: keys a query sees, its own included (at least
+    the attention's window), or None to keep every page."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int | None = None,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 window: int | None = None) -> None:
         value_dim = head_dim if value_dim is None else value_dim
         for name, n in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("value_dim", value_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
-        if dtype not in SUPPORTED_DTYPES:
-            supported = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-            raise ValueError(f"dtype must be one the kernels compute ({supported}), got {dtype!r}")
-        self.page_size = page_size
-        # stored head-major, [num_pages, Hkv, page_size, D]: a head's keys of one page are one run of memory, which
-        # the native kernel streams (the NHD order puts them Hkv * D apart: 1.3-1.9x slower decode, measured);
-        # seen in paged_attention's [num_pages, page_size, Hkv, D] order through a permuted view
-        storage = dict(dtype=dtype, device=device)
-        self.keys = torch.zeros(num_pages, kv_heads, page_size, head_dim, **storage).permute(0, 2, 1, 3)
-        self.values = torch.zeros(num_pages, kv_heads, page_size, value_dim, **storage).permute(0, 2, 1, 3)
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids first
-        self._references = [0] * num_pages  # sequences holding each page
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+        self._pool = PagePool(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, device)
+        self.page_size, self.window = page_size, window
+        self.keys, self.values = self._pool.keys, self._pool.values
         self._sequences: dict[int, _Sequence] = {}
         self._next_id = 0
 
     @property
     def num_pages(self) -> int:
-        return self.keys.shape[0]
+        return self._pool.num_pages
 
     @property
     def pages_in_use(self) -> int:
-        return self.num_pages - len(self._free)
+        return self.num_pages - self._pool.free_pages
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the pools (every page, used or not)."""
-        return self.keys.nbytes + self.values.nbytes
+        """Bytes of the pools (every page, used or not; a quantized pool's scales included)."""
+        return self._pool.nbytes
 
     def length(self, seq: int) -> int:
         return self._get(seq).length
+
+    def pages_held(self, seq: int) -> int:
+        """Pages ``seq`` holds (shared ones included; released ones not)."""
+        return sum(page is not None for page in self._get(seq).pages)
 
     def add(self) -> int:
         """A new empty sequence; returns its id."""
@@ -82,54 +99,85 @@ class PagedKVCache:
         return seq
 
     def fork(self, seq: int) -> int:
-        """A new sequence holding ``seq``'s tokens: it shares every page (no copy until one of them writes to a
-        shared, partly filled page); returns its id."""
+        """A new sequence holding ``seq``'s tokens: it shares every live page (no copy until one of them writes to
+        a shared, partly filled page) and has the same pages released; returns its id."""
         parent = self._get(seq)
         child = self.add()
         self._sequences[child] = _Sequence(list(parent.pages), parent.length)
         for page in parent.pages:
-            self._references[page] += 1
+            if page is not None:
+                self._pool.hold(page)
         return child
 
     def free(self, seq: int) -> None:
         """Forget ``seq``; pages no other sequence holds return to the pool."""
         for page in self._get(seq).pages:
-            self._release(page)
+            if page is not None:
+                self._pool.drop(page)
         del self._sequences[seq]
 
+    def release_before(self, seq: int, position: int) -> None:
+        """Release ``seq``'s pages whose keys all sit before ``position`` (no later query reads them): each becomes
+        None in its list (-1 in ``tables``) and returns to the pool when no other sequence holds it."""
+        sequence = self._get(seq)
+        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position <= sequence.length:
+            raise ValueError(f"position must be an int in [0, {sequence.length}] (sequence {seq}'s tokens), "
+                             f"got {position!r}")
+        self._release(sequence, self._releasable(sequence, position))
+
     def truncate(self, seq: int, length: int) -> None:
-        """Roll ``seq`` back to its first ``length`` tokens (rejected draft tokens, a retried step)."""
+        """Roll ``seq`` back to its first ``length`` tokens (rejected draft tokens, a retried step). Released keys do
+        not come back: the next query (at ``length``) must not need one, so ``length`` must leave every released
+        key outside its window (at least the first kept key position, plus ``window - 1`` with a window)."""
         sequence = self._get(seq)
         if isinstance(length, bool) or not isinstance(length, int) or not 0 <= length <= sequence.length:
             raise ValueError(f"length must be an int in [0, {sequence.length}] (sequence {seq}'s tokens), "
                              f"got {length!r}")
+        first_kept = sequence.released * self.page_size  # keys before it are gone
+        shortest = first_kept + (self.window - 1 if self.window is not None and first_kept else 0)
+        if length < shortest:
+            window = "" if self.window is None else f" (window {self.window})"
+            raise ValueError(f"cannot truncate sequence {seq} to {length} tokens: its keys 0..{first_kept - 1} were "
+                             f"released and a query at position {length}{window} could need one; the shortest length "
+                             f"it can roll back to is {shortest} (or free it and start again)")
         keep = -(-length // self.page_size)
         for page in sequence.pages[keep:]:
-            self._release(page)
+            self._pool.drop(page)
         sequence.pages, sequence.length = sequence.pages[:keep], length
 
     def append(self, seqs: list[int], keys: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor) -> None:
-        """Write packed new tokens: ``keys [N, Hkv, D]``, ``values [N, Hkv, Dv]``, sequence ``seqs[i]`` gets rows
-        ``indptr[i] .. indptr[i+1]-1`` at its next positions."""
+        """Write packed new tokens: ``keys [N, Hkv, D]``, ``values [N, Hkv, Dv]`` (any float dtype), sequence
+        ``seqs[i]`` gets rows ``indptr[i] .. indptr[i+1]-1`` at its next positions. With a window, each sequence's
+        pages that this step's queries (at positions >= its length) cannot see are released first."""
         counts = self._check_append(seqs, keys, values, indptr)
-        self._reserve(seqs, counts)  # pages for every sequence first: all or nothing
-        starts = indptr.tolist()
-        for seq, start, count in zip(seqs, starts, counts):
+        released = self._window_releases(seqs)  # per sequence, the indices of its pages to release
+        self._reserve(seqs, counts, released)  # all or nothing: refuses before anything changes
+        pages, slots = [], []  # where each new row goes
+        for seq, count in zip(seqs, counts):
+            if count == 0:
+                continue
             sequence = self._sequences[seq]
-            for offset in range(count):
-                page, slot = divmod(sequence.length + offset, self.page_size)
-                self.keys[sequence.pages[page], slot] = keys[start + offset]
-                self.values[sequence.pages[page], slot] = values[start + offset]
-            sequence.length += count
+            positions = torch.arange(sequence.length, sequence.length + count)  # [count]
+            first = sequence.length // self.page_size  # the page of its first new token (never released)
+            owned = torch.tensor(sequence.pages[first:], dtype=torch.long)  # [pages it writes to]
+            pages.append(owned[positions // self.page_size - first])  # [count]
+            slots.append(positions % self.page_size)  # [count]
+        if keys.shape[0]:
+            device = self.keys.device
+            self._pool.write(torch.cat(pages).to(device), torch.cat(slots).to(device), keys, values)  # [N] each
+        for seq, count in zip(seqs, counts):
+            self._sequences[seq].length += count
 
     def tables(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page_table [B, max_pages] int64, kv_lens [B] int64)`` of these sequences for ``paged_attention``;
-        columns past a sequence's pages hold 0 (never read)."""
+        a released page is ``RELEASED`` (-1: no query of a step after its release sees it); columns past a
+        sequence's pages hold 0 (never read)."""
         rows = [self._get(seq) for seq in seqs]
         width = max([len(s.pages) for s in rows] + [1])
         table = torch.zeros(len(rows), width, dtype=torch.long)
         for b, sequence in enumerate(rows):
-            table[b, :len(sequence.pages)] = torch.tensor(sequence.pages, dtype=torch.long)
+            table[b, :len(sequence.pages)] = torch.tensor([RELEASED if p is None else p for p in sequence.pages],
+                                                          dtype=torch.long)
         lengths = torch.tensor([s.length for s in rows], dtype=torch.long)
         return table.to(self.keys.device), lengths.to(self.keys.device)
 
@@ -138,10 +186,20 @@ class PagedKVCache:
             raise ValueError(f"no sequence {seq!r} in this cache (its sequences: {sorted(self._sequences)})")
         return self._sequences[seq]
 
-    def _release(self, page: int) -> None:
-        self._references[page] -= 1
-        if self._references[page] == 0:
-            self._free.append(page)
+    def _releasable(self, sequence: _Sequence, position: int) -> range:
+        """Indices of the live pages whose keys all sit before ``position``: page i holds keys ``i*P .. (i+1)*P-1``."""
+        return range(sequence.released, position // self.page_size)
+
+    def _release(self, sequence: _Sequence, pages: range) -> None:
+        for i in pages:
+            self._pool.drop(sequence.pages[i])
+            sequence.pages[i] = None
+
+    def _window_releases(self, seqs: list[int]) -> list[range]:
+        """Per sequence, its pages this step's queries cannot see (keys all <= length - window)."""
+        if self.window is None:
+            return [range(0) for _ in seqs]
+        return [self._releasable(s, max(s.length - self.window + 1, 0)) for s in map(self._sequences.get, seqs)]
 
     def _check_append(self, seqs, keys, values, indptr) -> list[int]:
         for seq in seqs:
@@ -153,6 +211,8 @@ class PagedKVCache:
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (heads, width):
                 raise ValueError(f"{name} must be [N, Hkv, E] = [N, {heads}, {width}], got "
                                  f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+            if not x.is_floating_point():
+                raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if keys.shape[0] != values.shape[0]:
             raise ValueError(f"keys and values must have the same N, got {keys.shape[0]} and {values.shape[0]}")
         if not isinstance(indptr, torch.Tensor) or indptr.dim() != 1 or indptr.shape[0] != len(seqs) + 1:
@@ -163,27 +223,29 @@ class PagedKVCache:
             raise ValueError(f"indptr must run from 0 to N = {keys.shape[0]} without decreasing, got {starts}")
         return counts
 
-    def _reserve(self, seqs: list[int], counts: list[int]) -> None:
-        """Give each sequence the pages its new tokens need, copying a shared partly filled last page first."""
+    def _reserve(self, seqs: list[int], counts: list[int], released: list[range]) -> None:
+        """Release the window's pages, then give each sequence the pages its new tokens need, copying a shared
+        partly filled last page first; checks the pool has them (counting the pages the releases free) first."""
         plans = []
         for seq, count in zip(seqs, counts):
             sequence = self._sequences[seq]
             shared_tail = (count > 0 and sequence.length % self.page_size != 0
-                           and self._references[sequence.pages[-1]] > 1)
+                           and self._pool.references(sequence.pages[-1]) > 1)  # a partial page is never released
             new = -(-(sequence.length + count) // self.page_size) - len(sequence.pages)
             plans.append((sequence, shared_tail, new))
         needed = sum(new + shared for _, shared, new in plans)
-        if needed > len(self._free):
-            raise ValueError(f"the pool has {len(self._free)} free pages of {self.page_size} tokens and this append "
-                             f"needs {needed}: free finished sequences or make the pool larger (num_pages)")
-        for sequence, shared_tail, new in plans:
+        freed = self._pool.freed_by([s.pages[i] for (s, _, _), pages in zip(plans, released) for i in pages])
+        if needed > self._pool.free_pages + freed:
+            released_text = f" ({freed} of them released by the window)" if freed else ""
+            raise ValueError(f"the pool has {self._pool.free_pages + freed} free pages of {self.page_size} tokens"
+                             f"{released_text} and this append needs {needed}: free finished sequences or make the "
+                             f"pool larger (num_pages)")
+        for (sequence, shared_tail, new), pages in zip(plans, released):
+            self._release(sequence, pages)
             if shared_tail:  # copy on write: this sequence gets its own copy of the shared, partly filled page
-                old, copy = sequence.pages[-1], self._free.pop()
-                self.keys[copy], self.values[copy] = self.keys[old], self.values[old]
-                self._references[copy] = 1
-                self._release(old)
+                old, copy = sequence.pages[-1], self._pool.take()
+                self._pool.copy(old, copy)
+                self._pool.drop(old)
                 sequence.pages[-1] = copy
             for _ in range(new):
-                page = self._free.pop()
-                self._references[page] = 1
-                sequence.pages.append(page)
+                sequence.pages.append(self._pool.take())

@@ -2,8 +2,8 @@
 
 It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
 plain decoding), on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in
-registers), without gradients, softcap or ALiBi (sinks act on its out and lse afterwards). The
-kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
+registers), without gradients, softcap or ALiBi (sinks act on its out and lse afterwards, engine.paged.attention).
+The kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
 the sequence's own length, and takes each query row's visibility from positions (and the window) unless every
 key up to that length is visible (one query per sequence at its default position, no window)::
 
@@ -18,8 +18,6 @@ import torch
 from engine.kernels.common import needs_grad
 from engine.kernels.decode.decode_native import NON_FINITE_Q, paged_decode
 from engine.kernels.decode.native_build import load_native, native_unavailable
-from engine.kernels.sinks import apply_sinks
-from engine.modifiers import prepare_modifiers
 from engine.paged.tables import PagedBatch
 from engine.quantized import QuantizedKV
 
@@ -28,8 +26,10 @@ MAX_QUERIES = 16  # per sequence, as the decode kernels
 __all__ = ["native_paged_fits", "native_paged_attention"]
 
 
-def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_slopes, kernel: str) -> str | None:
-    """Why the paged batch cannot run on the native kernel in place (None: it can). Builds nothing."""
+def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_slopes, kernel: str,
+                      one_pass: bool = False) -> str | None:
+    """Why the paged batch cannot run on the native kernel in place (None: it can). Builds nothing. ``one_pass``:
+    a shared prefix's pass (engine.paged.cascade), one sequence with any number of queries."""
     if kernel not in ("auto", "decode_native"):
         return f"kernel={kernel!r} forced: the gathered path runs it"
     why_not = native_unavailable()
@@ -44,13 +44,15 @@ def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_sl
     if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (_data(k_pages), _data(v_pages))):
         return "a pool whose last axis is strided: the native kernel reads each row as contiguous memory"
     counts = {tables.starts[b + 1] - tables.starts[b] for b in range(tables.batch)}
+    if one_pass:
+        return None
     if len(counts) != 1 or not 1 <= next(iter(counts)) <= MAX_QUERIES:
         return f"sequences with {sorted(counts)} queries: the native kernel takes the same 1..{MAX_QUERIES} for all"
     return None
 
 
-def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor, default_positions: bool,
-                           window: int | None, scale: float | None, sinks):
+def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor, window: int | None,
+                           scale: float | None):
     """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None when q holds NaN/inf (the kernel found it as
     it scaled q; the gathered path keeps it to its rows)."""
     library = load_native()
@@ -61,22 +63,21 @@ def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: t
     kv_heads, dv = k_pages.shape[2], v_pages.shape[3]
     group = q_heads // kv_heads
     scale = d ** -0.5 if scale is None else float(scale)
-    sinks = prepare_modifiers((batch, q_heads, t, 1), q.device, sinks=sinks).sinks if sinks is not None else None
     q_rows = q.float().view(batch, t, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * t,
                                                                                         d)  # [B, Hkv, G*T, D]
     pages = tables.readable_table  # [B, max_pages] int64: the kernel reads each sequence's own entries only
     lengths = torch.tensor(tables.kv_lens, dtype=torch.long)  # [B]
-    visible = None  # one query per sequence at its last key, no window: every key up to its length
-    if not default_positions or window is not None or t > 1:
-        visible = _row_visibility(positions.view(batch, t), lengths, window, group)  # [B, 1, G*T, S]
+    per_row = positions.view(batch, t).cpu()  # [B, T]
+    visible = None  # every query at or after its sequence's last key, the window covering all: no mask to read
+    if not (bool((per_row >= lengths[:, None] - 1).all())
+            and (window is None or bool((per_row < window).all()))):
+        visible = _row_visibility(per_row, lengths, window, group)  # [B, 1, G*T, S]
     out = torch.empty(batch, kv_heads, group * t, dv)  # [B, Hkv, G*T, Dv], written whole
     lse = torch.empty(batch, kv_heads, group * t)  # [B, Hkv, G*T]
     if paged_decode(library, q_rows, scale, k_pages, v_pages, pages, lengths, visible, out, lse) == NON_FINITE_Q:
         return None
     out = out.view(batch, kv_heads, group, t, dv).permute(0, 3, 1, 2, 4).reshape(batch * t, q_heads, dv)
     lse = lse.view(batch, kv_heads, group, t).permute(0, 3, 1, 2).reshape(batch * t, q_heads)
-    if sinks is not None:  # a step after the kernel: [Nq, Hq, 1, Dv] and [Nq, Hq, 1] as sinks' [B, Hq, T, Dv]
-        out, lse = (x[:, :, 0] for x in apply_sinks(out[:, :, None], lse[:, :, None], sinks))
     return out.to(q.dtype), lse
 
 

@@ -1,0 +1,105 @@
+"""Shared-prefix (cascade) attention: the queries of every sequence that shares a prefix's pages attend to it in one
+pass, merged by log-sum-exp with each sequence's own suffix. Exact.
+
+Thirty-two samples of one prompt each hold the prompt's pages (``PagedKVCache.fork``); their decode step would read
+those pages 32 times. Here the prefix is read once for all of their queries: one pass of the native decode kernel
+in place, every member's queries as rows of their KV head (``G * 32`` rows, so each key block loaded once serves
+them all), or where it does not fit, one ``causal_attention`` call per run of pages (engine.paged.runs); and the
+suffixes (each sequence's keys after the prefix) go to one
+paged call with the page table shifted past the prefix::
+
+    page_table  s0: [p4 p9 | p1]      kv_lens [10, 9, 11], page_size 4: the first 2 pages (8 keys) shared
+                s1: [p4 p9 | p6]
+                s2: [p4 p9 | p2]
+    prefix pass:  q of s0, s1, s2 stacked  x  keys 0..7 of [p4 p9]          -> out_p, lse_p
+    suffix pass:  paged call on tables [[p1], [p6], [p2]], kv_lens [2, 1, 3], positions - 8   -> out_s, lse_s
+    out, lse = merge((out_p, lse_p), (out_s, lse_s)) per query;  sinks once, after the merge
+
+``shared_prefixes`` finds the groups: sequences whose page tables begin with the same full pages (a group per first
+page, its prefix the longest run of columns equal across the group). The readable twin is the plain paged call,
+which reads the prefix once per sequence; the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels.merge import merge_attention_states
+from engine.paged.native import native_paged_attention, native_paged_fits
+from engine.paged.runs import run_attention
+from engine.paged.tables import RELEASED, PagedBatch
+
+CASCADE_MIN_KEYS = 256  # a shared prefix shorter than this is read per sequence (a separate pass costs more)
+
+__all__ = ["CASCADE_MIN_KEYS", "shared_prefixes", "cascade_parts", "suffix_tables", "merge_prefix"]
+
+
+def shared_prefixes(tables: PagedBatch, min_keys: int | None = None) -> list[tuple[list[int], int]]:
+    """``[(sequences, pages)]``: groups of two or more sequences with queries whose first ``pages`` page-table
+    entries are the same full pages, ``pages * page_size >= min_keys`` (default CASCADE_MIN_KEYS)."""
+    min_keys = CASCADE_MIN_KEYS if min_keys is None else min_keys
+    size, rows = tables.page_size, tables.page_table
+    by_first: dict[int, list[int]] = {}
+    for b in range(tables.batch):
+        if tables.starts[b + 1] > tables.starts[b] and tables.kv_lens[b] >= size and int(rows[b, 0]) != RELEASED:
+            by_first.setdefault(int(rows[b, 0]), []).append(b)
+    groups = []
+    for members in by_first.values():
+        if len(members) < 2:
+            continue
+        full = min(tables.kv_lens[b] // size for b in members)  # pages full in every member
+        block = rows[members, :full]  # [n, full]
+        same = (block == block[:1]).all(0) & (block[0] != RELEASED)  # [full]
+        pages = full if bool(same.all()) else int((~same).nonzero()[0])
+        if pages * size >= min_keys:
+            groups.append((members, pages))
+    return groups
+
+
+def cascade_parts(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor,
+                  groups: list[tuple[list[int], int]], window: int | None, scale, kernel: str, modifiers: dict):
+    """The prefix pass of each group: ``[(rows [n] int64, out [n, Hq, Dv], lse [n, Hq])]`` (fp32 / fp64), and the
+    shifted suffix tables ``(page_table, kv_lens, positions)`` of the whole batch (a sequence in no group unshifted).
+    """
+    size = tables.page_size
+    parts = []
+    for members, pages in groups:
+        rows = torch.cat([torch.arange(tables.starts[b], tables.starts[b + 1]) for b in members]).to(q.device)
+        prefix = PagedBatch([0, len(rows)], [pages * size], tables.page_table[members[0:1], :pages], size,
+                            tables.released)  # one sequence: the prefix, every member's queries
+        native = native_paged_fits(q, k_pages, v_pages, prefix, modifiers.get("softcap"),
+                                   modifiers.get("alibi_slopes"), kernel, one_pass=True) is None
+        result = native_paged_attention(q[rows], k_pages, v_pages, prefix, positions[rows], window,
+                                        scale) if native else None  # in place: [n, Hq, Dv], [n, Hq]
+        if result is None:  # (or NaN/inf in q: the runs keep it to its rows)
+            q_g = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            out, lse = run_attention(q_g, k_pages, v_pages, prefix.pages[0], size, 0, pages * size, positions[rows],
+                                     window, scale, kernel, **modifiers)  # [1, Hq, n, Dv], [1, Hq, n]
+            result = out[0].transpose(0, 1), lse[0].transpose(0, 1)
+        parts.append((rows, *result))
+    return parts, suffix_tables(tables, groups, positions)
+
+
+def suffix_tables(tables: PagedBatch, groups: list[tuple[list[int], int]], positions: torch.Tensor):
+    """``(page_table, kv_lens, positions)`` of the batch with each group's shared pages cut off its members."""
+    size = tables.page_size
+    shift = [0] * tables.batch
+    for members, pages in groups:
+        for b in members:
+            shift[b] = pages
+    width = max(1, max(tables.page_table.shape[1] - s for s in shift))
+    table = torch.zeros(tables.batch, width, dtype=torch.long)
+    for b, s in enumerate(shift):
+        table[b, :tables.page_table.shape[1] - s] = tables.page_table[b, s:]
+    kv_lens = torch.tensor([n - s * size for n, s in zip(tables.kv_lens, shift)])
+    per_row = torch.repeat_interleave(torch.tensor(shift) * size, torch.tensor(tables.starts).diff())  # [Nq]
+    return table, kv_lens, positions - per_row.to(positions.device)
+
+def merge_prefix(out: torch.Tensor, lse: torch.Tensor, parts) -> tuple[torch.Tensor, torch.Tensor]:
+    """``out [Nq, Hq, Dv]``, ``lse [Nq, Hq]`` (the suffix pass) with each group's prefix part merged into its rows."""
+    out, lse = out.clone(), lse.clone()
+    for rows, part_out, part_lse in parts:
+        merged_out, merged_lse = merge_attention_states([out[rows].to(part_out.dtype), part_out],
+                                                        [lse[rows].to(part_lse.dtype), part_lse])
+        out[rows], lse[rows] = merged_out.to(out.dtype), merged_lse.to(lse.dtype)
+    return out, lse

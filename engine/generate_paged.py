@@ -3,7 +3,7 @@
 Each row's real prompt tokens (no padding) are one sequence of a ``PagedKVCache`` per layer; the prefill is one
 packed call of every prompt, each decode step one packed call of every sequence's new token (the model's
 ``forward_paged``). The greedy tokens must equal the contiguous cache's; the pages held are reported beside the
-contiguous cache's reservation.
+contiguous cache's reservation. A layer with a sliding window releases the pages wholly behind it as it goes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def generate_paged(model, ids: torch.Tensor, valid: torch.Tensor, new_tokens: in
     pages = sum(-(-(len(p) + new_tokens) // page_size) for p in prompts)
     weight = attn.k_proj.weight
     caches = [PagedKVCache(pages, page_size, attn.num_kv_heads, attn.head_dim, dtype=weight.dtype,
-                           device=weight.device) for _ in model.blocks]
+                           device=weight.device, window=block.attn.window) for block in model.blocks]
     seqs = [[cache.add() for _ in prompts] for cache in caches][0]  # the same ids in every layer's cache
     indptr = torch.tensor([0] + torch.tensor([len(p) for p in prompts]).cumsum(0).tolist())
     start = time.perf_counter()

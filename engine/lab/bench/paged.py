@@ -5,6 +5,11 @@
   decode kernel), ``paged`` (``paged_attention`` on pools laid out as ``PagedKVCache`` keeps them, head-major),
   ``paged NHD`` (the same pages in FlashInfer's ``[num_pages, page_size, Hkv, D]`` storage order) and ``copy`` (the
   machine's copy bandwidth on as many bytes). Timed interleaved; K/V GB/s and the ratio to contiguous.
+  int8 rows: the same keys quantized per token and head (``QuantizedKV``), contiguous and in int8 pages.
+- ``cascade``: 32 sequences sharing an 8k-token prefix (forked from one prompt: the same pages) plus 64 tokens of
+  their own, one decode step. Rows: ``cascade`` (the prefix read once for all 32 queries, engine.paged.cascade),
+  ``per sequence`` (``cascade=False``: the shared pages read once per sequence), for Hkv 8 (GQA, G = 4) and
+  Hkv 32 (MHA). Target: cascade >= 4x faster than per sequence.
 - ``memory``: 64 requests of ragged lengths (1..2047 tokens, fixed seed): the slots a paged cache holds against a
   contiguous cache's reservation at the longest length.
 
@@ -26,14 +31,17 @@ from engine import PagedKVCache, paged_attention
 from engine.lab import plots
 from engine.lab.measure import format_table, interleaved_us, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads
+from engine.quantized import QuantizedKV, quantize
 
 B, HQ, HKV, D = 8, 32, 8, 128
 TARGET = 1.1
+CASCADE_TARGET = 4.0
+GROUPS = ("decode", "cascade", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, "bench_paged", impl_help="ignored (every row runs)", threads=2)
-    parser.add_argument("--groups", default="decode,memory", help="comma-separated groups: decode, memory")
+    parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated groups: {', '.join(GROUPS)}")
 
 
 def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator, head_major: bool):
@@ -52,9 +60,16 @@ def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Gen
     return out[0], out[1], table
 
 
+def quantized_pool(pool: torch.Tensor) -> QuantizedKV:
+    """An fp32 pool ``[num_pages, page_size, Hkv, D]`` in int8 with a scale per token and head (the same storage order:
+    head-major stays head-major)."""
+    stored = quantize(pool.permute(0, 2, 1, 3))  # [num_pages, Hkv, page_size, D] as stored
+    return QuantizedKV(stored.data.permute(0, 2, 1, 3), stored.scale.permute(0, 2, 1))
+
+
 def decode_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     keys = (8192,) if args.quick else (8192, 16384, 32768)
-    cases = [(s, p, dtype) for s in keys for p in (16, 256) for dtype in (torch.float32, torch.bfloat16)]
+    cases = [(s, p, dtype) for s in keys for p in (16, 256) for dtype in (torch.float32, torch.bfloat16, torch.int8)]
     rounds, calls = (3, 2) if args.quick else (7, 3)
     g = torch.Generator().manual_seed(args.seed)
     rows = []
@@ -65,13 +80,18 @@ def decode_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _decode_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator, rounds: int,
                  calls: int) -> list[dict[str, Any]]:
-    k = torch.randn(B, HKV, s, D, generator=g).to(dtype)  # [B, Hkv, S, D]
-    v = torch.randn(B, HKV, s, D, generator=g).to(dtype)
-    q = torch.randn(B, HQ, 1, D, generator=g).to(dtype)  # [B, Hq, 1, D]
+    quantized = dtype == torch.int8
+    float_dtype = torch.float32 if quantized else dtype
+    k = torch.randn(B, HKV, s, D, generator=g).to(float_dtype)  # [B, Hkv, S, D]
+    v = torch.randn(B, HKV, s, D, generator=g).to(float_dtype)
+    q = torch.randn(B, HQ, 1, D, generator=g).to(float_dtype)  # [B, Hq, 1, D]
+    head_major, nhd = pools(k, v, page_size, g, True), pools(k, v, page_size, g, False)
+    if quantized:  # per token and head, so the contiguous and the paged int8 keys are the same numbers
+        k, v = quantize(k), quantize(v)
+        head_major, nhd = [(quantized_pool(kp), quantized_pool(vp), table) for kp, vp, table in (head_major, nhd)]
     step = engine.plan(q, k, v)
     lens, indptr, packed = torch.full((B,), s), torch.arange(B + 1), q[:, :, 0]  # [B], [B+1], [Nq = B, Hq, D]
-    head_major, nhd = pools(k, v, page_size, g, True), pools(k, v, page_size, g, False)
-    src = k.reshape(-1)
+    src = (k.data if quantized else k).reshape(-1)
     dst = torch.zeros_like(src)
     impls = {"contiguous": lambda: step.run(q, k, v),
              "paged": lambda: paged_attention(packed, head_major[0], head_major[1], head_major[2], lens, indptr),
@@ -80,7 +100,7 @@ def _decode_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator,
     want = step.run(q, k, v)[:, :, 0]
     diff = max((impls[name]() - want).abs().max().item() for name in ("paged", "paged NHD"))
     ms = {name: us / 1000 for name, us in interleaved_us(impls, rounds, calls, warmup=1).items()}
-    kv_bytes = 2 * k.numel() * k.element_size()
+    kv_bytes = 2 * (k.nbytes if quantized else k.numel() * k.element_size())
     copy_gbs = 2 * src.numel() * src.element_size() / ms["copy"] / 1e6  # read + written
     rows = []
     for name in ("contiguous", "paged", "paged NHD"):
@@ -111,6 +131,36 @@ def memory_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
             for name, slots in (("paged (page 16)", paged), ("contiguous reservation", contiguous))]
 
 
+def cascade_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """32 sequences forked from one 8k-token prompt, 64 tokens each of their own, one decode step (page 16, fp32)."""
+    batch, prefix, suffix, page_size = 32, 2048 if args.quick else 8192, 64, 16
+    rounds, calls = (3, 2) if args.quick else (7, 3)
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for kv_heads in progress((HKV, HQ), "bench paged: cascade", quiet=args.quiet):
+        cache = PagedKVCache(prefix // page_size + batch * (suffix // page_size + 1), page_size, kv_heads, D)
+        root = cache.add()
+        cache.append([root], *(torch.randn(prefix, kv_heads, D, generator=g) for _ in "kv"), torch.tensor([0, prefix]))
+        seqs = [cache.fork(root) for _ in range(batch)]
+        own = torch.randn(batch * suffix, kv_heads, D, generator=g)
+        cache.append(seqs, own, own.flip(0), torch.arange(batch + 1) * suffix)
+        table, lens = cache.tables(seqs)
+        q, indptr = torch.randn(batch, HQ, D, generator=g), torch.arange(batch + 1)
+        call = (q, cache.keys, cache.values, table, lens, indptr)
+        impls = {"cascade": lambda call=call: paged_attention(*call, cascade=True),
+                 "per sequence": lambda call=call: paged_attention(*call, cascade=False)}
+        diff = (impls["cascade"]() - impls["per sequence"]()).abs().max().item()
+        ms = {name: us / 1000 for name, us in interleaved_us(impls, rounds, calls, warmup=1).items()}
+        speedup = ms["per sequence"] / ms["cascade"]
+        for name in impls:
+            rows.append({"group": "cascade", "case": f"{batch} seqs, {prefix} shared + {suffix} own, Hq {HQ} / Hkv "
+                         f"{kv_heads}", "impl": name, "ms": ms[name], "speedup": ms["per sequence"] / ms[name],
+                         "target": f">= {CASCADE_TARGET}x" if name == "cascade" else None,
+                         "met": ("yes" if speedup >= CASCADE_TARGET else "no") if name == "cascade" else None,
+                         "max |diff|": diff, "kv_heads": kv_heads})
+    return rows
+
+
 def plot(rows: list[dict[str, Any]], path) -> None:
     paged = [r for r in rows if r["group"] == "decode" and r["impl"] != "contiguous"]
     fig, (axes,) = plots.figure(width=8.0)
@@ -129,15 +179,19 @@ def plot(rows: list[dict[str, Any]], path) -> None:
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
-    unknown = sorted(set(groups) - {"decode", "memory"})
+    unknown = sorted(set(groups) - set(GROUPS))
     if unknown:
-        print(f"unknown --groups {unknown}: choose from decode, memory")
+        print(f"unknown --groups {unknown}: choose from {', '.join(GROUPS)}")
         return 2
-    rows = (decode_rows(args) if "decode" in groups else []) + (memory_rows(args) if "memory" in groups else [])
+    rows = ((decode_rows(args) if "decode" in groups else []) + (cascade_rows(args) if "cascade" in groups else [])
+            + (memory_rows(args) if "memory" in groups else []))
     decode = [r for r in rows if r["group"] == "decode"]
     if decode:
         print(format_table(decode, ["case", "impl", "ms", "time/contiguous", "K/V GB/s", "of copy", "target", "met",
                                     "max |diff|"]))
+    cascade = [r for r in rows if r["group"] == "cascade"]
+    if cascade:
+        print("\n" + format_table(cascade, ["case", "impl", "ms", "speedup", "target", "met", "max |diff|"]))
     memory = [r for r in rows if r["group"] == "memory"]
     if memory:
         print("\n" + format_table(memory, ["case", "impl", "tokens", "token slots", "MiB", "waste"]))

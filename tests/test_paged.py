@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 import engine
 from engine import paged_attention
 from engine.kernels.decode.native_build import native_unavailable
+from tests.kernel_matrix import MATRIX
 from tests.paged_cases import oracle, paged_batches
 
 
@@ -219,3 +220,21 @@ def test_explain_names_the_shared_prefix_pass_and_the_runs_of_pages():
     torch.testing.assert_close(out.double(), oracle(q, pool, pool, table, lens, indptr, softcap=5.0)[0], rtol=1e-5,
                                atol=1e-5)
     assert "share" not in engine.explain_paged(q, pool, pool, table, lens, indptr, cascade=False)
+
+
+@pytest.mark.parametrize("kernel", MATRIX)
+@settings(max_examples=15, deadline=None)
+@given(problem=paged_batches(), run_keys=st.sampled_from([4, 4096]))
+def test_every_kernel_of_the_matrix_serves_the_paged_paths(kernel, problem, run_keys):
+    # each sequence's call forced to one kernel (one that does not fit passes the call on, as for any call), over
+    # gathered sequences and runs of pages alike (run_keys 4: the runs path)
+    args, options = problem
+    ours = dict(options)
+    if "alibi" in ours:
+        ours["alibi_slopes"] = ours.pop("alibi")
+    with small_runs(run_keys):
+        out, lse = paged_attention(*args, return_lse=True, kernel=kernel, cascade=False, **ours)
+    want, want_lse = oracle(*args, **options)
+    assert not bool(out.isnan().any())
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-9, atol=1e-9)

@@ -8,14 +8,23 @@ iff ``j <= query_pos`` (and ``query_pos - j < window``)::
     page_size 2, sequence 0: kv_len 5, 1 query (decode at position 4); sequence 1: kv_len 3, 3 queries (a prefill)
     q rows:  [ s0 q@4 | s1 q@0 s1 q@1 s1 q@2 ]        query_indptr = [0, 1, 4]
 
-Two paths, ``explain_paged`` says which runs and why: a decode step (every sequence the same 1..16 new queries,
-CPU, no gradients, no softcap or ALiBi) runs the native decode kernel reading K/V in place through the page table
-(engine.paged.native); anything else takes the readable path: each sequence's keys gathered from its pages (only
-the slots it owns, so a NaN in a slot no sequence owns never reaches an output), then ``causal_attention`` with
-the sequence's positions, its kernel chosen as for any call. The readable path is the in-place kernel's oracle.
-Pools may be int8 / fp8 ``QuantizedKV`` pools (a quantized cache's): both paths read them (the gathered one as a
-QuantizedKV per sequence, which the ``dequantized`` kernel takes when ``decode_native`` does not). A page table entry
--1 is a page a sliding-window cache released: allowed only outside every query's window (engine.paged.tables).
+The paths, ``explain_paged`` says which runs and why:
+
+    shared prefix   sequences whose tables begin with the same pages (forks of one prompt): the prefix read once for
+                    all their queries, merged by lse with one paged call on the suffixes (engine.paged.cascade)
+    in place        a decode step (every sequence the same 1..16 new queries, CPU, no gradients, softcap or ALiBi):
+                    the native decode kernel reads K/V through the page table (engine.paged.native)
+    runs of pages   a sequence with more than RUN_KEYS keys: one causal_attention call per run of its pages, merged by
+                    lse, no copy of the whole sequence (engine.paged.runs)
+    gathered        the readable path: the sequence's keys gathered from its pages, then causal_attention with its
+                    positions, its kernel chosen as for any call; the oracle of the others (``kernel="reference"``
+                    always takes it)
+
+Only the slots a sequence owns are read, so a NaN in a slot no sequence owns never reaches an output. Sinks join
+once per row, after every part. Pools may be int8 / fp8 ``QuantizedKV`` pools (a quantized cache's): every path reads
+them (the others as QuantizedKV runs, which the ``dequantized`` kernel takes when ``decode_native`` does not). A page
+table entry -1 is a page a sliding-window cache released: allowed only outside every query's window
+(engine.paged.tables).
 """
 
 from __future__ import annotations
@@ -89,7 +98,7 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
 
 def _per_sequence(q, k_pages, v_pages, tables: PagedBatch, positions, window, scale, kernel, **modifiers):
     """Each sequence's own call: its keys a run of pages at a time (engine.paged.runs) when it has more than one run
-    and the kernel is auto, else gathered from its pages (the readable path)."""
+    (with any kernel but ``reference``), else gathered from its pages (the readable path)."""
     modifiers = {name: x for name, x in modifiers.items() if x is not None}
     q_heads, dv = q.shape[1], v_pages.shape[3]
     out = q.new_zeros(q.shape[0], q_heads, dv)  # [Nq, Hq, Dv]
@@ -115,7 +124,8 @@ def _per_sequence(q, k_pages, v_pages, tables: PagedBatch, positions, window, sc
 
 
 def _by_runs(tables: PagedBatch, b: int, kernel: str) -> bool:
-    return kernel == "auto" and tables.kv_lens[b] > max(page_runs.RUN_KEYS // tables.page_size, 1) * tables.page_size
+    """Sequence b read a run of pages at a time: more than one run of keys, and not the readable twin (reference)."""
+    return kernel != "reference" and tables.kv_lens[b] > max(page_runs.RUN_KEYS // tables.page_size, 1) * tables.page_size
 
 
 def _groups(tables: PagedBatch, cascade: bool | None):

@@ -125,7 +125,8 @@ def _per_sequence(q, k_pages, v_pages, tables: PagedBatch, positions, window, sc
 
 def _by_runs(tables: PagedBatch, b: int, kernel: str) -> bool:
     """Sequence b read a run of pages at a time: more than one run of keys, and not the readable twin (reference)."""
-    return kernel != "reference" and tables.kv_lens[b] > max(page_runs.RUN_KEYS // tables.page_size, 1) * tables.page_size
+    run = max(page_runs.RUN_KEYS // tables.page_size, 1) * tables.page_size
+    return kernel != "reference" and tables.kv_lens[b] > run
 
 
 def _groups(tables: PagedBatch, cascade: bool | None):

@@ -370,6 +370,32 @@ struct Item {
         const int64_t D = o.D;
         int jj = 0;
         if constexpr (SIMD) {
+#if DN_AVX512
+            // four keys per pass where 32 registers hold the 16 sums: a q vector loaded serves 4 keys (many rows,
+            // as a shared prefix's pass has, are bound by these loads, not by memory)
+            if constexpr (N == 4) {
+                for (; jj + 4 <= n; jj += 4) {
+                    if (r0 == 0 && !table) prefetch_rows(j0 + jj), prefetch_rows(j0 + jj + 2);
+                    const void* kr[4] = {krows[jj], krows[jj + 1], krows[jj + 2], krows[jj + 3]};
+                    vec a[4][N];  // [key][row]
+                    for (int k = 0; k < 4; ++k)
+                        for (int r = 0; r < N; ++r) a[k][r] = vzero();
+                    for (int64_t d = 0; d < D; d += W) {
+                        vec x[4];
+                        for (int k = 0; k < 4; ++k) x[k] = vload<KIND>(kr[k], d);
+                        for (int r = 0; r < N; ++r) {
+                            const vec qv = vloadf(qb + (r0 + r) * D + d);
+                            for (int k = 0; k < 4; ++k) a[k][r] = vfma(qv, x[k], a[k][r]);
+                        }
+                    }
+                    float sums[16];
+                    hsum8(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3], sums);
+                    hsum8(a[2][0], a[2][1], a[2][2], a[2][3], a[3][0], a[3][1], a[3][2], a[3][3], sums + 8);
+                    for (int k = 0; k < 4; ++k)
+                        for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj + k] = sums[4 * k + r] * kunit[jj + k];
+                }
+            }
+#endif
 #if DN_AVX512 || DN_AVX2
             for (; jj + 2 <= n; jj += 2) {
                 if (r0 == 0 && !table) prefetch_rows(j0 + jj);

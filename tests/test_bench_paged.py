@@ -36,3 +36,16 @@ def test_the_memory_group_counts_paged_slots_against_the_contiguous_reservation(
     assert paged["tokens"] == contiguous["tokens"] and paged["token slots"] - paged["tokens"] < 64 * 16
     assert contiguous["token slots"] > paged["token slots"]
     assert "contiguous reservation" in capsys.readouterr().out
+
+
+def test_the_cascade_group_compares_one_prefix_pass_with_reading_it_per_sequence(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_paged, "HQ", 8)  # a smaller model: the group's logic, not its timing
+    parser = argparse.ArgumentParser()
+    bench_paged.add_arguments(parser)
+    args = parser.parse_args(["--groups", "cascade", "--quick", "--out", str(tmp_path), "--quiet"])
+    assert bench_paged.main(args) == 0
+    rows = json.loads((tmp_path / "paged.json").read_text())["rows"]
+    assert {(r["impl"], r["kv_heads"]) for r in rows} == {(impl, h) for impl in ("cascade", "per sequence")
+                                                          for h in (bench_paged.HKV, 8)}
+    assert all(r["max |diff|"] < 1e-5 for r in rows)  # the two ways compute the same attention
+    assert all(r["met"] in ("yes", "no") for r in rows if r["impl"] == "cascade")

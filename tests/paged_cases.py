@@ -46,7 +46,7 @@ def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positio
 def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float64):
     """A pool of shuffled pages, some shared between sequences, NaN in every slot no sequence owns; ``uniform``:
     every sequence the same 1..4 queries (a decode step, as the in-place kernel takes it), no softcap or ALiBi."""
-    page_size = draw(st.sampled_from([1, 2, 3, 16]))
+    page_size = draw(st.sampled_from([1, 2, 3, 16, 256]))
     hkv, group, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([4, 8]))
     batch = draw(st.integers(1, 5))
     kv_lens = [draw(st.integers(0, 40)) for _ in range(batch)]

@@ -1,5 +1,5 @@
 """paged_attention against a float64 oracle that reads each key straight through the page table (a per-query loop
-written here): shuffled and shared pages, page sizes 1 to 16, partial last pages, mixed batches of decodes and
+written here): shuffled and shared pages, page sizes 1 to 256, partial last pages, mixed batches of decodes and
 prefills, windows, softcap, sinks, ALiBi, per-token positions, GQA/MQA, NaN in every slot no sequence owns; and the
 bad-table errors."""
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check of issue 11, run once on a machine with a CUDA GPU (about 9 minutes in all):
-#   1. the GPU test matrix (pytest -m gpu: tests/test_kernels_cuda.py), then
+#   1. the GPU test matrix (pytest -m gpu: tests/test_kernels_cuda.py, tests/test_paged_flex.py), then
 #   2. run.py bench kernels --device cuda (the engine against SDPA's backends, FlexAttention called directly and
 #      flash-attn if importable), starting no new case after $STOP_AFTER seconds.
 # Results go to $OUT (default results/gpu_check), at most 8 files, read back by whoever lent the machine:
@@ -24,7 +24,7 @@ mkdir -p "$OUT/bench"
   "$PYTHON" -c "import flash_attn; print('flash-attn', flash_attn.__version__)" 2>/dev/null || echo "flash-attn: not importable (its rows say so)"
 } > "$OUT/machine.txt" 2>&1
 
-timeout "$TEST_S" "$PYTHON" -m pytest -m gpu -v -rs --durations=10 -p no:cacheprovider tests/test_kernels_cuda.py > "$OUT/pytest.txt" 2>&1
+timeout "$TEST_S" "$PYTHON" -m pytest -m gpu -v -rs --durations=10 -p no:cacheprovider tests/test_kernels_cuda.py tests/test_paged_flex.py > "$OUT/pytest.txt" 2>&1
 echo "pytest -m gpu: exit $? (124 would mean: stopped at ${TEST_S} s)" >> "$OUT/machine.txt"
 
 timeout "$BENCH_S" "$PYTHON" run.py bench kernels --device cuda --repeats 5 --quiet --stop-after "$STOP_AFTER" \

@@ -12,6 +12,8 @@ The paths, ``explain_paged`` says which runs and why:
 
     shared prefix   sequences whose tables begin with the same pages (forks of one prompt): the prefix read once for
                     all their queries, merged by lse with one paged call on the suffixes (engine.paged.cascade)
+    flex            ``kernel="flex"`` (and auto on CUDA): FlexAttention over the pools as one key axis, a BlockMask of
+                    each sequence's pages (engine.kernels.flex.paged)
     in place        a decode step (every sequence the same 1..16 new queries, CPU, no gradients, softcap or ALiBi):
                     the native decode kernel reads K/V through the page table (engine.paged.native)
     runs of pages   a sequence with more than RUN_KEYS keys: one causal_attention call per run of its pages, merged by
@@ -33,6 +35,8 @@ import torch
 
 from engine.attention import causal_attention
 from engine.inputs import resolve_positions
+from engine.kernels.common import needs_grad
+from engine.kernels.flex.paged import flex_paged_attention, flex_paged_fits
 from engine.kernels.sinks import apply_sinks
 from engine.masks.window import window_mask
 from engine.modifiers import prepare_modifiers
@@ -77,6 +81,11 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
     sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks if sinks is not None \
         else None
     groups = _groups(tables, cascade)
+    flex = _flex_fits(q, k_pages, v_pages, tables, softcap, alibi_slopes, sinks, kernel, return_lse) is None
+    if not groups and flex and (result := flex_paged_attention(q, k_pages, v_pages, tables, positions, window,
+                                                                softcap, scale, sinks, return_lse=return_lse)
+                                 ) is not None:  # (None: NaN/inf in q or an overflow: the gathered path is exact)
+        return result if return_lse else result[0]  # (sinks applied by the Flex path)
     if groups:  # the shared prefixes once, then one paged call on the suffixes
         modifiers = dict(softcap=softcap, alibi_slopes=alibi_slopes)
         parts, (table, lens, shifted) = cascade_parts(q, k_pages, v_pages, tables, positions, groups, window, scale,
@@ -123,6 +132,16 @@ def _per_sequence(q, k_pages, v_pages, tables: PagedBatch, positions, window, sc
     return out, lse
 
 
+def _flex_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_slopes, sinks, kernel: str,
+               return_lse: bool) -> str | None:
+    """Why the in-place Flex path does not run this call (None: it does): ``kernel="flex"`` asks for it; ``auto``
+    takes it on CUDA (on the CPU the native kernel and the fused op are faster, measured)."""
+    if kernel != "flex" and not (kernel == "auto" and q.device.type == "cuda"):
+        return "Flex in place: kernel='flex', or auto on CUDA"
+    return flex_paged_fits(q, k_pages, v_pages, tables, softcap, alibi_slopes, sinks, needs_grad(q, k_pages, v_pages),
+                           return_lse=return_lse)
+
+
 def _by_runs(tables: PagedBatch, b: int, kernel: str) -> bool:
     """Sequence b read a run of pages at a time: more than one run of keys, and not the readable twin (reference)."""
     run = max(page_runs.RUN_KEYS // tables.page_size, 1) * tables.page_size
@@ -143,8 +162,13 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
     positions = _query_positions(query_positions, tables, q)
     check_released(tables, positions, window)
     alibi = modifiers.get("alibi_slopes")
+    groups = _groups(tables, cascade)
+    why_not_flex = _flex_fits(q, k_pages, v_pages, tables, softcap, alibi, modifiers.get("sinks"), kernel,
+                              modifiers.get("return_lse", False))
+    if not groups and why_not_flex is None:
+        return "paged: Flex reads K/V in place from the pools (a BlockMask of each sequence's pages; no gathered copy)"
     lines = []
-    for members, pages in _groups(tables, cascade):
+    for members, pages in groups:
         rows = sum(tables.starts[b + 1] - tables.starts[b] for b in members)
         prefix = PagedBatch([0, rows], [pages * tables.page_size], tables.page_table[members[:1], :pages],
                             tables.page_size)

@@ -14,6 +14,7 @@ import sys
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("attention",), "engine.examples", "run the seeds' worked examples and check every stated number"),
     (("generate",), "engine.generate", "run a small model end to end with the engine's layer and KV cache"),
+    (("serve",), "engine.serving.server", "an OpenAI-compatible HTTP server: continuous batching on the engine"),
     (("build-native",), "engine.kernels.decode.native_build", "compile the native decode kernel for this CPU now"),
     (("memory",), "engine.lab.calculators.memory", "score-matrix and KV-cache memory calculator with model presets"),
     (("bench", "kernels"), "engine.lab.bench.kernels", "engine kernels vs PyTorch SDPA and FlexAttention"),

@@ -1,1 +1,2 @@
-"""Serving a transformers model on the engine: its loader (model.py) and the OpenAI-compatible server (server.py)."""
+"""Serving a transformers model on the engine: the model it loads (model.py), the OpenAI-compatible server
+(server.py) and its request fields, sampling and errors (openai_api.py)."""

@@ -167,3 +167,41 @@ def test_the_trained_smollm2_gives_static_generates_tokens_under_continuous_batc
                                                                               max_batch_tokens=32))
     assert [out[f"req_{i}"].generated_tokens for i in range(len(inputs))] == want
     assert "Paris" in tokenizer.decode(want[0])  # trained weights: the model knows this
+
+
+def packed_oracle(query, key, value, cu_q, cu_k, scale, window=None, sinks=None):
+    """float64, request by request: query i of request r (its last keys) sees its keys j <= pos (and in the window)."""
+    out = torch.zeros(query.shape[2], query.shape[1], value.shape[3], dtype=torch.float64)
+    group = query.shape[1] // key.shape[1]
+    for r in range(len(cu_q) - 1):
+        t, s = cu_q[r + 1] - cu_q[r], cu_k[r + 1] - cu_k[r]
+        for i in range(t):
+            pos = s - t + i
+            keys = [j for j in range(s) if j <= pos and (window is None or pos - j < window)]
+            for h in range(query.shape[1]):
+                k = key[0, h // group, [cu_k[r] + j for j in keys]].double()
+                v = value[0, h // group, [cu_k[r] + j for j in keys]].double()
+                scores = k @ query[0, h, cu_q[r] + i].double() * scale
+                logits = scores if sinks is None else torch.cat([scores, sinks[h:h + 1].double()])
+                out[cu_q[r] + i, h] = torch.softmax(logits, 0)[:len(keys)] @ v
+    return out
+
+
+@pytest.mark.parametrize("cu_q, cu_k", [([0, 1, 2, 3], [0, 9, 20, 23]),  # a decode step: one paged call
+                                        ([0, 1, 6, 7, 8], [0, 10, 16, 30, 33]),  # decodes beside a prefill chunk
+                                        ([0, 9, 16], [0, 9, 16]),  # two prefills
+                                        ([0, 3, 4, 7], [0, 12, 15, 22])])  # chunks of 3 and a decode
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (4, True)])
+def test_a_continuous_batch_layer_equals_the_per_request_oracle(cu_q, cu_k, window, with_sinks):
+    g = torch.Generator().manual_seed(len(cu_q))
+    query = torch.randn(1, 4, cu_q[-1] + 2, 16, generator=g)  # two padded rows past cu_q[-1]
+    key = torch.randn(1, 2, cu_k[-1], 16, generator=g)
+    value = torch.randn(1, 2, cu_k[-1], 16, generator=g)
+    sinks = torch.randn(4, generator=g) if with_sinks else None
+    kwargs = dict(cu_seq_lens_q=torch.tensor(cu_q), cu_seq_lens_k=torch.tensor(cu_k), read_index=[], s_aux=sinks)
+    out, weights = continuous.continuous_batch_attention(None, query, key, value, None, scaling=0.25,
+                                                         sliding_window=window, **kwargs)
+    assert weights is None and out.shape == (1, cu_q[-1] + 2, 4, 16)
+    want = packed_oracle(query, key, value, cu_q, cu_k, 0.25, window, sinks)
+    torch.testing.assert_close(out[0, :cu_q[-1]].double(), want[:cu_q[-1]], rtol=1e-5, atol=1e-5)
+    assert not bool(out[0, cu_q[-1]:].any())  # padding rows: 0

@@ -20,10 +20,11 @@ then reads back each request's keys, packed):
     key, value [1, Hkv, Nk, D]  request r's keys at cu_seq_lens_k[r] .. [r+1], in order, its new ones last (a
                                 sliding-window layer: only the keys its window can still see)
 
-Each request is its own sequence, its queries its last keys: the engine's rule with per-request positions. A step
-where every request has the same 1..16 new tokens (a decode step) is one ``paged_attention`` call on the packed keys
-seen as pages of one token (``[Nk, 1, Hkv, D]``, a view): the native decode kernel reads them in place; any other
-step (prefills, chunks, a mix) runs each request's ``causal_attention`` on views of its keys. Windows, softcap and
+Each request is its own sequence, its queries its last keys: the engine's rule with per-request positions. The
+largest group of requests with the same 1..16 new tokens (the decodes of a step, a mixed step's included) is one
+``paged_attention`` call on the packed keys seen as pages of one token (``[Nk, 1, Hkv, D]``, a view): the native
+decode kernel reads them in place; every other request (a prefill, a chunk) runs its own ``causal_attention`` on
+views of its keys. Windows, softcap and
 sinks (gpt-oss) apply as for any call; the additive mask transformers builds for sdpa is not read.
 """
 
@@ -63,38 +64,45 @@ def continuous_batch_attention(module: torch.nn.Module, query: torch.Tensor, key
     cu_q = kwargs["cu_seq_lens_q"].tolist()
     cu_k = kwargs["cu_seq_lens_k"].tolist()
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
-    n_q = cu_q[-1]  # rows past it are padding (a compiled batch's fixed size): they get 0
+    # (rows past cu_q[-1] are padding, a compiled batch's fixed size: they get 0)
     q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     out = query.new_zeros(query.shape[2], query.shape[1], value.shape[3])  # [Nq_padded, Hq, Dv]
-    packed_q = query[0, :, :n_q].transpose(0, 1)  # [Nq, Hq, D]
+    packed_q = query[0].transpose(0, 1)  # [Nq_padded, Hq, D]
     window = int(sliding_window) if sliding_window is not None else None
     live = [r for r, n in enumerate(q_lens) if n > 0]
-    if live and len({q_lens[r] for r in live}) == 1 and q_lens[live[0]] <= MAX_DECODE_QUERIES \
-            and len(live) == len(q_lens) and softcap is None:
-        out[:n_q] = _decode_step(packed_q, key, value, cu_q, cu_k, window, scaling, sinks)
-    else:
-        for r in live:
-            q_r = query[:, :, cu_q[r]:cu_q[r + 1]]  # [1, Hq, T_r, D]
-            k_r, v_r = key[:, :, cu_k[r]:cu_k[r + 1]], value[:, :, cu_k[r]:cu_k[r + 1]]  # [1, Hkv, S_r, D]
-            s, t = k_r.shape[2], q_r.shape[2]
-            allowed = None if window is None else window_mask(torch.arange(s - t, s, device=query.device),
-                                                              torch.arange(s, device=query.device), window)
-            o = causal_attention(q_r, k_r, v_r, None, None, allowed, scaling, softcap=softcap,
-                                 sinks=sinks)  # [1, Hq, T_r, Dv]
-            out[cu_q[r]:cu_q[r + 1]] = o[0].transpose(0, 1)
+    few = {} if softcap is not None else {n: [r for r in live if q_lens[r] == n] for n in {q_lens[r] for r in live}
+                                          if n <= MAX_DECODE_QUERIES}
+    stepped = max(few.values(), key=len, default=[])  # the largest group of requests with the same few new tokens
+    if not (len(stepped) >= 2 or len(stepped) == len(live)):
+        stepped = []  # one request among others: its own call below
+    if stepped:
+        rows = torch.cat([torch.arange(cu_q[r], cu_q[r + 1]) for r in stepped]).to(query.device)
+        out[rows] = _decode_step(packed_q[rows], key, value, [cu_k[r] for r in stepped],
+                                 [cu_k[r + 1] - cu_k[r] for r in stepped], q_lens[stepped[0]], window, scaling, sinks)
+    for r in sorted(set(live) - set(stepped)):  # prefills, chunks: each request's own call on views of its keys
+        q_r = query[:, :, cu_q[r]:cu_q[r + 1]]  # [1, Hq, T_r, D]
+        k_r, v_r = key[:, :, cu_k[r]:cu_k[r + 1]], value[:, :, cu_k[r]:cu_k[r + 1]]  # [1, Hkv, S_r, D]
+        s, t = k_r.shape[2], q_r.shape[2]
+        allowed = None if window is None else window_mask(torch.arange(s - t, s, device=query.device),
+                                                          torch.arange(s, device=query.device), window)
+        o = causal_attention(q_r, k_r, v_r, None, None, allowed, scaling, softcap=softcap,
+                             sinks=sinks)  # [1, Hq, T_r, Dv]
+        out[cu_q[r]:cu_q[r + 1]] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None  # [1, Nq_padded, Hq, Dv]
 
 
-def _decode_step(packed_q, key, value, cu_q, cu_k, window, scaling, sinks) -> torch.Tensor:
-    """Every request the same few new tokens: one paged call, the packed keys as pages of one token (a view)."""
+def _decode_step(q_rows, key, value, starts: list[int], lengths: list[int], t: int, window, scaling,
+                 sinks) -> torch.Tensor:
+    """Requests with the same ``t`` new tokens each (their rows ``q_rows [B*t, Hq, D]``, keys at ``starts`` for
+    ``lengths``): one paged call, the packed keys as pages of one token (a view), read in place."""
     k_pool = key[0].transpose(0, 1).unsqueeze(1)  # [Nk, 1, Hkv, D]: key j of the batch is page j
     v_pool = value[0].transpose(0, 1).unsqueeze(1)
-    starts = torch.tensor(cu_k[:-1])  # [B]
-    lengths = torch.tensor(cu_k).diff()  # [B]
-    longest = max(int(lengths.max()), 1)
-    table = (starts[:, None] + torch.arange(longest)[None]).clamp(max=max(cu_k[-1] - 1, 0))  # [B, longest]
-    return paged_attention(packed_q, k_pool, v_pool, table, lengths, torch.tensor(cu_q), window=window,
-                           scale=scaling, sinks=sinks, cascade=False)  # [Nq, Hq, Dv]
+    first, count = torch.tensor(starts), torch.tensor(lengths)  # [B], [B]
+    last = max(starts[i] + lengths[i] for i in range(len(starts))) - 1
+    table = (first[:, None] + torch.arange(max(max(lengths), 1))[None]).clamp(max=max(last, 0))  # [B, longest]
+    indptr = torch.arange(len(starts) + 1) * t  # [B + 1]
+    return paged_attention(q_rows, k_pool, v_pool, table, count, indptr, window=window, scale=scaling, sinks=sinks,
+                           cascade=False)  # [B*t, Hq, Dv]
 
 
 def _routed(original):

@@ -24,6 +24,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "cp"), "engine.lab.bench.cp", "context parallelism on P processes: time, memory and bytes per rank"),
     (("bench", "overhead"), "engine.lab.bench.overhead", "per-call cost and generate tokens/s vs PyTorch SDPA"),
     (("bench", "paged"), "engine.lab.bench.paged", "decode over a paged KV cache vs the same keys contiguous"),
+    (("bench", "serving"), "engine.lab.bench.serving", "concurrent requests: engine CB vs transformers' CB, static"),
     (("explain", "scaling"), "engine.lab.figures.explain_scaling", "why scores are divided by sqrt(d_k)"),
     (("show", "weights"), "engine.lab.figures.show_weights", "heatmaps of attention weights for each mask family"),
 ]

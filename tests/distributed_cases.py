@@ -88,7 +88,7 @@ def _case(name: str, rank: int, world: int) -> dict:
     full_kwargs, cp_kwargs = {}, {}
     keys = torch.tensor_split(pos, world)[rank]  # contiguous shards of uneven length
     queries = keys
-    if name in ("causal_zigzag", "documents", "bf16", "mqa"):
+    if name in ("causal_zigzag", "documents", "bf16", "mqa", "sinks", "alibi"):
         keys = queries = zigzag_indices(length, rank, world)
     if name == "chunked_prefill":  # the last 23 tokens are new: only the ranks that hold them have queries
         queries = keys[keys >= length - 23]
@@ -99,6 +99,11 @@ def _case(name: str, rank: int, world: int) -> dict:
     if name == "window":
         full_kwargs["allowed"] = window_mask(pos, pos, 13)
         cp_kwargs["window"] = 13
+    if name == "sinks":  # with a window: gpt-oss's layers; the sinks' gradient is checked too
+        full_kwargs.update(allowed=window_mask(pos, pos, 13), sinks=torch.linspace(-2.0, 3.0, hq, dtype=dtype))
+        cp_kwargs.update(window=13, sinks=full_kwargs["sinks"])
+    if name == "alibi":
+        full_kwargs["alibi_slopes"] = cp_kwargs["alibi_slopes"] = torch.linspace(0.05, 0.5, hq, dtype=dtype)
     if name == "ragged_rows":  # row 1 is a shorter sequence: 20 pads first (their own document), positions per row
         ids = torch.stack([torch.zeros(length, dtype=torch.long), (pos >= 20).long()])  # [2, L]
         qpos = kpos = torch.stack([pos, (pos - 20).clamp(min=0)])  # [2, L]
@@ -110,7 +115,7 @@ def _case(name: str, rank: int, world: int) -> dict:
 
 
 CASES = ["causal_contiguous", "causal_zigzag", "chunked_prefill", "documents", "window", "ragged_rows", "mqa",
-         "bf16"]
+         "bf16", "sinks", "alibi"]
 
 
 def compare_with_single_process(rank: int, world: int, method: str) -> dict:
@@ -119,6 +124,10 @@ def compare_with_single_process(rank: int, world: int, method: str) -> dict:
     for name in CASES:
         c = _case(name, rank, world)
         leaves = [x.clone().requires_grad_(True) for x in (c["q"], c["k"], c["v"])]
+        sinks = {}
+        if "sinks" in c["full_kwargs"]:  # a leaf of its own in each call: its gradient is compared
+            sinks = {call: c[call].pop("sinks").clone().requires_grad_(True) for call in ("full_kwargs", "cp_kwargs")}
+            c["full_kwargs"]["sinks"], c["cp_kwargs"]["sinks"] = sinks["full_kwargs"], sinks["cp_kwargs"]
         out, lse = causal_attention(*leaves, c["qpos"], c["kpos"], return_lse=True, **c["full_kwargs"])
         g = torch.Generator().manual_seed(1)
         grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
@@ -144,6 +153,9 @@ def compare_with_single_process(rank: int, world: int, method: str) -> dict:
             "dv": diff(shards[2].grad, leaves[2].grad[:, :, c["keys"]]),
             "dtype": str(c["q"].dtype),
         }
+        if sinks:  # this rank's rows' share, and the whole sequence's (the test sums the ranks' shares)
+            errors[name]["dsinks_share"] = sinks["cp_kwargs"].grad.double()
+            errors[name]["dsinks_full"] = sinks["full_kwargs"].grad.double()
     return errors
 
 

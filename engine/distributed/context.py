@@ -23,11 +23,12 @@ from engine.distributed.allgather import depends_on_gathered, gather_shards
 from engine.distributed.ring import RingAttention
 from engine.distributed.shard import KeyShard, Queries
 from engine.inputs import prepare_inputs, resolve_positions
+from engine.kernels.sinks import apply_sinks
 
 METHODS = ("ring", "allgather")
 # Options every rank must pass identically, and the shapes every rank's shard must share.
 _SAME_ON_EVERY_RANK = ("B", "Hq", "Hkv", "D", "Dv", "dtype", "device", "causal", "window", "scale", "softcap",
-                       "method", "documents")
+                       "method", "documents", "sinks", "alibi_slopes")
 
 
 def context_parallel_attention(
@@ -44,6 +45,8 @@ def context_parallel_attention(
     causal: bool = True,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     return_lse: bool = False,
     method: str = "ring",
     timeout: timedelta | None = None,
@@ -59,6 +62,11 @@ def context_parallel_attention(
         window: sliding window (engine convention: ``window`` keys, own included).
         query_document_ids, key_document_ids: packed documents, this rank's ids (both or neither).
         causal, softcap, scale: as in ``causal_attention`` (scale defaults to ``1 / sqrt(D)``).
+        sinks: ``[Hq]`` attention sinks (gpt-oss), the same on every rank: they join each row once, after the merge
+            of every shard (not once per shard). Their gradient on a rank covers its own rows: all-reduce it across
+            the group as for any replicated parameter (DDP does).
+        alibi_slopes: ``[Hq]`` or ``[B, Hq]``, the same on every rank: the bias of each shard comes from the global
+            positions, so every shard's scores are exact.
         return_lse: also return the lse ``[B, Hq, T_r]`` (compute dtype).
         method: ``"ring"`` (K/V shards travel round, compute overlaps the transfer, invisible shards are skipped)
             or ``"allgather"`` (K/V gathered once, one local call: fewer, larger messages).
@@ -79,26 +87,29 @@ def context_parallel_attention(
         raise ValueError("give both query_document_ids and key_document_ids, or neither")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
-    inputs = prepare_inputs(q, k, v, query_positions, key_positions, None, scale, causal=causal, softcap=softcap)
+    inputs = prepare_inputs(q, k, v, query_positions, key_positions, None, scale, causal=causal, softcap=softcap,
+                            sinks=sinks, alibi_slopes=alibi_slopes)  # (the modifiers validated like any call's)
     batch, t, s = q.shape[0], q.shape[2], k.shape[2]
     queries = Queries(q, inputs.query_positions, _ids(query_document_ids, batch, t, q.device, "query_document_ids"),
-                      window, causal, softcap, inputs.scale)
+                      window, causal, softcap, inputs.scale, alibi_slopes=alibi_slopes)
     own = KeyShard(k, v, inputs.key_positions.contiguous(),
                    _ids(key_document_ids, batch, s, q.device, "key_document_ids"))
     world = dist.get_world_size(group)
-    lengths = _check_ranks(queries, own, method, group)  # S_r of every rank
+    lengths = _check_ranks(queries, own, method, sinks, group)  # S_r of every rank
     if world == 1:
         out, lse = causal_attention(q, k, v, queries.positions, own.positions, queries.allowed(own), queries.scale,
-                                    causal=causal, softcap=softcap, return_lse=True)
+                                    causal=causal, softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
     elif method == "ring":
         out, lse = RingAttention.apply(q, k, v, queries, own, lengths, group, timeout)
     else:
         everything = gather_shards(own, k, v, lengths, group)
         out, lse = causal_attention(q, everything.k, everything.v, queries.positions, everything.positions,
                                     queries.allowed(everything), queries.scale, causal=causal, softcap=softcap,
-                                    return_lse=True)
+                                    alibi_slopes=alibi_slopes, return_lse=True)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             out, lse = depends_on_gathered(out, lse, everything)
+    if sinks is not None:  # once per row, after every shard's part is merged
+        out, lse = apply_sinks(out, lse, sinks)
     return (out, lse) if return_lse else out
 
 
@@ -109,14 +120,20 @@ def _ids(ids: torch.Tensor | None, batch: int, length: int, device, name: str) -
     return resolve_positions(ids, batch, length, 0, device, name).contiguous()
 
 
-def _check_ranks(queries: Queries, own: KeyShard, method: str, group) -> list[int]:
+def _values(x: torch.Tensor | None):
+    """A modifier tensor as plain numbers every rank can compare (None stays None)."""
+    return None if x is None else tuple(x.detach().double().flatten().tolist())
+
+
+def _check_ranks(queries: Queries, own: KeyShard, method: str, sinks, group) -> list[int]:
     """Every rank's description, compared: a ValueError on every rank names the rank that differs. Returns each
     rank's number of keys."""
     q = queries.q
     mine = {"B": q.shape[0], "Hq": q.shape[1], "Hkv": own.k.shape[1], "D": q.shape[3], "Dv": own.v.shape[3],
             "dtype": str(q.dtype), "device": q.device.type, "causal": queries.causal, "window": queries.window,
             "scale": queries.scale, "softcap": queries.softcap, "method": method,
-            "documents": queries.documents is not None, "S": own.k.shape[2]}
+            "documents": queries.documents is not None, "S": own.k.shape[2], "sinks": _values(sinks),
+            "alibi_slopes": _values(queries.alibi_slopes)}
     everyone: list[dict] = [{} for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather_object(everyone, mine, group=group)

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from engine import causal_attention, document_mask, window_mask
 from engine.distributed import context_parallel_attention, zigzag_indices
+from engine.relative_bias import RelativePositionBias
 
 GROUP_TIMEOUT = datetime.timedelta(seconds=20)
 
@@ -88,7 +89,7 @@ def _case(name: str, rank: int, world: int) -> dict:
     full_kwargs, cp_kwargs = {}, {}
     keys = torch.tensor_split(pos, world)[rank]  # contiguous shards of uneven length
     queries = keys
-    if name in ("causal_zigzag", "documents", "bf16", "mqa", "sinks", "alibi"):
+    if name in ("causal_zigzag", "documents", "bf16", "mqa", "sinks", "alibi", "relative_bias", "score_mod"):
         keys = queries = zigzag_indices(length, rank, world)
     if name == "chunked_prefill":  # the last 23 tokens are new: only the ranks that hold them have queries
         queries = keys[keys >= length - 23]
@@ -104,6 +105,13 @@ def _case(name: str, rank: int, world: int) -> dict:
         cp_kwargs.update(window=13, sinks=full_kwargs["sinks"])
     if name == "alibi":
         full_kwargs["alibi_slopes"] = cp_kwargs["alibi_slopes"] = torch.linspace(0.05, 0.5, hq, dtype=dtype)
+    if name == "relative_bias":  # T5's bucketed bias, a learned table: its gradient is checked too
+        table = torch.randn(hq, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
+        full_kwargs["bias"] = cp_kwargs["bias"] = RelativePositionBias(table, bidirectional=False, max_distance=40)
+    if name == "score_mod":  # a function of global positions (and heads): exact per shard
+        def mod(score, batch, head, query_pos, key_pos):
+            return score - 0.002 * (query_pos - key_pos).to(score.dtype) ** 2 + 0.1 * head.to(score.dtype)
+        full_kwargs["score_mod"] = cp_kwargs["score_mod"] = mod
     if name == "ragged_rows":  # row 1 is a shorter sequence: 20 pads first (their own document), positions per row
         ids = torch.stack([torch.zeros(length, dtype=torch.long), (pos >= 20).long()])  # [2, L]
         qpos = kpos = torch.stack([pos, (pos - 20).clamp(min=0)])  # [2, L]
@@ -115,7 +123,7 @@ def _case(name: str, rank: int, world: int) -> dict:
 
 
 CASES = ["causal_contiguous", "causal_zigzag", "chunked_prefill", "documents", "window", "ragged_rows", "mqa",
-         "bf16", "sinks", "alibi"]
+         "bf16", "sinks", "alibi", "relative_bias", "score_mod"]
 
 
 def compare_with_single_process(rank: int, world: int, method: str) -> dict:
@@ -124,10 +132,16 @@ def compare_with_single_process(rank: int, world: int, method: str) -> dict:
     for name in CASES:
         c = _case(name, rank, world)
         leaves = [x.clone().requires_grad_(True) for x in (c["q"], c["k"], c["v"])]
-        sinks = {}
-        if "sinks" in c["full_kwargs"]:  # a leaf of its own in each call: its gradient is compared
-            sinks = {call: c[call].pop("sinks").clone().requires_grad_(True) for call in ("full_kwargs", "cp_kwargs")}
-            c["full_kwargs"]["sinks"], c["cp_kwargs"]["sinks"] = sinks["full_kwargs"], sinks["cp_kwargs"]
+        shared = {}  # a replicated parameter (sinks, a bias table): a leaf of its own in each call, gradient compared
+        if "sinks" in c["full_kwargs"]:
+            shared = {call: c[call]["sinks"].clone().requires_grad_(True) for call in ("full_kwargs", "cp_kwargs")}
+            for call, leaf in shared.items():
+                c[call]["sinks"] = leaf
+        if "bias" in c["full_kwargs"]:
+            bias = c["full_kwargs"]["bias"]
+            shared = {call: bias.table.clone().requires_grad_(True) for call in ("full_kwargs", "cp_kwargs")}
+            for call, leaf in shared.items():
+                c[call]["bias"] = RelativePositionBias(leaf, bias.bidirectional, bias.max_distance)
         out, lse = causal_attention(*leaves, c["qpos"], c["kpos"], return_lse=True, **c["full_kwargs"])
         g = torch.Generator().manual_seed(1)
         grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
@@ -153,9 +167,9 @@ def compare_with_single_process(rank: int, world: int, method: str) -> dict:
             "dv": diff(shards[2].grad, leaves[2].grad[:, :, c["keys"]]),
             "dtype": str(c["q"].dtype),
         }
-        if sinks:  # this rank's rows' share, and the whole sequence's (the test sums the ranks' shares)
-            errors[name]["dsinks_share"] = sinks["cp_kwargs"].grad.double()
-            errors[name]["dsinks_full"] = sinks["full_kwargs"].grad.double()
+        if shared:  # this rank's rows' share, and the whole sequence's (the test sums the ranks' shares)
+            errors[name]["dshared_share"] = shared["cp_kwargs"].grad.double()
+            errors[name]["dshared_full"] = shared["full_kwargs"].grad.double()
     return errors
 
 

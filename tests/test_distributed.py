@@ -34,9 +34,11 @@ def test_every_rank_equals_one_process(world, method):
             assert e["lse_inf_pattern"], (rank, case)
             for what in ("out", "lse", "dq", "dk", "dv"):
                 assert e[what] <= tol, (rank, case, what, e[what])
-    # the sinks' gradient: each rank's share covers its rows; summed over the ranks (DDP's all-reduce), one process's
-    total = sum(errors["sinks"]["dsinks_share"] for errors in results)
-    torch.testing.assert_close(total, results[0]["sinks"]["dsinks_full"], rtol=1e-12, atol=1e-12)
+    # sinks' and a bias table's gradient: each rank's share covers its rows; summed over the ranks (DDP's
+    # all-reduce), one process's
+    for case in ("sinks", "relative_bias"):
+        total = sum(errors[case]["dshared_share"] for errors in results)
+        torch.testing.assert_close(total, results[0][case]["dshared_full"], rtol=1e-12, atol=1e-12)
 
 
 def test_a_rank_with_other_shapes_is_named_on_every_rank():

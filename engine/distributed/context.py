@@ -24,11 +24,12 @@ from engine.distributed.ring import RingAttention
 from engine.distributed.shard import KeyShard, Queries
 from engine.inputs import prepare_inputs, resolve_positions
 from engine.kernels.sinks import apply_sinks
+from engine.relative_bias import RelativePositionBias
 
 METHODS = ("ring", "allgather")
 # Options every rank must pass identically, and the shapes every rank's shard must share.
 _SAME_ON_EVERY_RANK = ("B", "Hq", "Hkv", "D", "Dv", "dtype", "device", "causal", "window", "scale", "softcap",
-                       "method", "documents", "sinks", "alibi_slopes")
+                       "method", "documents", "sinks", "alibi_slopes", "bias", "score_mod")
 
 
 def context_parallel_attention(
@@ -47,6 +48,8 @@ def context_parallel_attention(
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    bias: RelativePositionBias | None = None,
+    score_mod=None,
     return_lse: bool = False,
     method: str = "ring",
     timeout: timedelta | None = None,
@@ -67,6 +70,10 @@ def context_parallel_attention(
             the group as for any replicated parameter (DDP does).
         alibi_slopes: ``[Hq]`` or ``[B, Hq]``, the same on every rank: the bias of each shard comes from the global
             positions, so every shard's scores are exact.
+        bias: a ``RelativePositionBias`` (T5's bucketed bias, from positions: exact per shard; a learned table's
+            gradient on a rank covers its rows, all-reduce it as for sinks). A dense bias tensor is not taken.
+        score_mod: ``(score, batch, head, query_pos, key_pos) -> score`` on global positions; every rank must pass
+            the same function (it cannot be compared across processes).
         return_lse: also return the lse ``[B, Hq, T_r]`` (compute dtype).
         method: ``"ring"`` (K/V shards travel round, compute overlaps the transfer, invisible shards are skipped)
             or ``"allgather"`` (K/V gathered once, one local call: fewer, larger messages).
@@ -87,25 +94,32 @@ def context_parallel_attention(
         raise ValueError("give both query_document_ids and key_document_ids, or neither")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+    if bias is not None and not isinstance(bias, RelativePositionBias):
+        raise ValueError(f"context_parallel_attention takes a RelativePositionBias as bias (computed per shard from "
+                         f"positions), not a dense {type(bias).__name__}: a dense [.., T, S] bias would have to "
+                         f"travel with the key shards")
+    modifiers = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("bias", bias), ("score_mod", score_mod))
+                 if x is not None}
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, None, scale, causal=causal, softcap=softcap,
-                            sinks=sinks, alibi_slopes=alibi_slopes)  # (the modifiers validated like any call's)
+                            sinks=sinks, **modifiers)  # (the modifiers validated like any call's)
     batch, t, s = q.shape[0], q.shape[2], k.shape[2]
     queries = Queries(q, inputs.query_positions, _ids(query_document_ids, batch, t, q.device, "query_document_ids"),
-                      window, causal, softcap, inputs.scale, alibi_slopes=alibi_slopes)
+                      window, causal, softcap, inputs.scale, modifiers=modifiers)
     own = KeyShard(k, v, inputs.key_positions.contiguous(),
                    _ids(key_document_ids, batch, s, q.device, "key_document_ids"))
     world = dist.get_world_size(group)
-    lengths = _check_ranks(queries, own, method, sinks, group)  # S_r of every rank
+    lengths = _check_ranks(queries, own, method, sinks, modifiers, group)  # S_r of every rank
     if world == 1:
         out, lse = causal_attention(q, k, v, queries.positions, own.positions, queries.allowed(own), queries.scale,
-                                    causal=causal, softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)
+                                    causal=causal, softcap=softcap, return_lse=True, **modifiers)
     elif method == "ring":
-        out, lse = RingAttention.apply(q, k, v, queries, own, lengths, group, timeout)
+        table = bias.table if bias is not None and bias.table.requires_grad else None
+        out, lse = RingAttention.apply(q, k, v, table, queries, own, lengths, group, timeout)
     else:
         everything = gather_shards(own, k, v, lengths, group)
         out, lse = causal_attention(q, everything.k, everything.v, queries.positions, everything.positions,
                                     queries.allowed(everything), queries.scale, causal=causal, softcap=softcap,
-                                    alibi_slopes=alibi_slopes, return_lse=True)
+                                    return_lse=True, **modifiers)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             out, lse = depends_on_gathered(out, lse, everything)
     if sinks is not None:  # once per row, after every shard's part is merged
@@ -125,7 +139,14 @@ def _values(x: torch.Tensor | None):
     return None if x is None else tuple(x.detach().double().flatten().tolist())
 
 
-def _check_ranks(queries: Queries, own: KeyShard, method: str, sinks, group) -> list[int]:
+def _bias_description(bias: RelativePositionBias | None):
+    """A RelativePositionBias as numbers every rank can compare: its table and its bucketing."""
+    if bias is None:
+        return None
+    return (_values(bias.table), bias.num_buckets, bias.max_distance, bias.bidirectional)
+
+
+def _check_ranks(queries: Queries, own: KeyShard, method: str, sinks, modifiers: dict, group) -> list[int]:
     """Every rank's description, compared: a ValueError on every rank names the rank that differs. Returns each
     rank's number of keys."""
     q = queries.q
@@ -133,7 +154,8 @@ def _check_ranks(queries: Queries, own: KeyShard, method: str, sinks, group) -> 
             "dtype": str(q.dtype), "device": q.device.type, "causal": queries.causal, "window": queries.window,
             "scale": queries.scale, "softcap": queries.softcap, "method": method,
             "documents": queries.documents is not None, "S": own.k.shape[2], "sinks": _values(sinks),
-            "alibi_slopes": _values(queries.alibi_slopes)}
+            "alibi_slopes": _values(modifiers.get("alibi_slopes")), "bias": _bias_description(modifiers.get("bias")),
+            "score_mod": "score_mod" in modifiers}
     everyone: list[dict] = [{} for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather_object(everyone, mine, group=group)

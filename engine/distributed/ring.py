@@ -73,19 +73,23 @@ def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, tim
 
 def ring_backward(queries: Queries, own: KeyShard, out, lse, grad_out, grad_lse, lengths: list[int], group,
                   timeout: timedelta | None):
-    """``(dq, dk, dv)`` of this rank's q and its own K/V shard, summed over every rank's queries."""
+    """``(dq, dk, dv, d_table)`` of this rank's q and its own K/V shard, summed over every rank's queries, and of a
+    learned bias table from this rank's rows (None without one: it stays on its rank, as q's gradient does)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     compute = compute_dtype(queries.q.dtype)
     dq = torch.zeros(queries.q.shape, dtype=compute, device=queries.q.device)  # [B, Hq, T_r, D]
     shard = own
     dk = torch.zeros(own.k.shape, dtype=compute, device=own.k.device)  # [B, Hkv, S, D] of the shard held
     dv = torch.zeros(own.v.shape, dtype=compute, device=own.v.device)  # [B, Hkv, S, Dv]
+    d_table = None
     for step in range(world):
         if queries.sees(shard):
-            g_q, g_k, g_v = queries.at_step(step).gradients(shard, out, lse, grad_out, grad_lse)
+            g_q, g_k, g_v, *g_table = queries.at_step(step).gradients(shard, out, lse, grad_out, grad_lse)
             dq += g_q
             dk += g_k
             dv += g_v
+            if g_table:  # (a learned RelativePositionBias: tiled_backward's fourth gradient)
+                d_table = g_table[0] if d_table is None else d_table + g_table[0]
         if world > 1:  # the shard and its accumulators move on; after `world` moves the accumulators are home
             source = (rank - step - 1) % world
             incoming = own.like(lengths[source])
@@ -96,14 +100,15 @@ def ring_backward(queries: Queries, own: KeyShard, out, lse, grad_out, grad_lse,
                                  ([] if last else incoming.tensors()) + grads_in, group, timeout)()
             shard = shard if last else incoming.from_tensors(received[:-2])
             dk, dv = received[-2:]
-    return dq.to(queries.q.dtype), dk.to(own.k.dtype), dv.to(own.v.dtype)
+    return dq.to(queries.q.dtype), dk.to(own.k.dtype), dv.to(own.v.dtype), d_table
 
 
 class RingAttention(torch.autograd.Function):
     """Autograd through the ring: forward by ``ring_forward``, backward by ``ring_backward``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, queries: Queries, own: KeyShard, lengths, group, timeout):
+    def forward(ctx, q, k, v, table, queries: Queries, own: KeyShard, lengths, group, timeout):
+        # table: a learned RelativePositionBias's table (or None), an input so that its gradient reaches it
         queries = queries.with_q(q.detach())
         own = KeyShard(k.detach(), v.detach(), own.positions, own.documents)
         out, lse = ring_forward(queries, own, lengths, group, timeout)
@@ -115,5 +120,5 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(ctx.queries, ctx.own, out, lse, grad_out, grad_lse, *ctx.rest)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv, d_table = ring_backward(ctx.queries, ctx.own, out, lse, grad_out, grad_lse, *ctx.rest)
+        return dq, dk, dv, d_table, None, None, None, None, None

@@ -57,7 +57,9 @@ class Queries:
     causal: bool
     softcap: float | None
     scale: float
-    alibi_slopes: torch.Tensor | None = None  # [Hq] or [B, Hq]: biases from positions, exact per shard
+    # score modifiers computed from global positions, so exact per shard: alibi_slopes, bias (a
+    # RelativePositionBias), score_mod
+    modifiers: dict = field(default_factory=dict)
     # the plan of each ring step's shard (positions, masks, kernel: decided in the forward, reused by the backward,
     # which meets the same shards at the same steps)
     plans: dict = field(default_factory=dict, compare=False, repr=False)
@@ -98,7 +100,7 @@ class Queries:
         found = None if step is None else self.plans.get(step)
         if found is None or found.signature[1] != shard.k.shape:
             found = plan(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard), self.scale,
-                         causal=self.causal, softcap=self.softcap, alibi_slopes=self.alibi_slopes)
+                         causal=self.causal, softcap=self.softcap, **self.modifiers)
             if step is not None:
                 self.plans[step] = found
         return found

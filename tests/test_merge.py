@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.attention import causal_attention
-from engine.kernels.merge import merge_attention_states
+from engine.kernels.merge import merge_attention_states, merge_into
 
 
 def test_the_docstring_example_weights_three_to_one():
@@ -157,3 +157,23 @@ def test_property_merging_random_key_splits_equals_attention_over_all_keys_in_fl
     expected, expected_lse = _float64_attention_with_lse(q, k, v, query_positions, key_positions, causal)
     torch.testing.assert_close(merged, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(merged_lse, expected_lse, rtol=1e-12, atol=1e-12)  # also fails if not fp64
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 6), st.sampled_from([torch.float64, torch.float32, torch.bfloat16]),
+       st.integers(0, 10_000))
+def test_the_in_place_running_merge_equals_the_merge_of_both_parts(heads, rows, part_dtype, seed):
+    # empty rows on either side, both, or neither: the running merge of a ring step equals the two-part merge
+    g = torch.Generator().manual_seed(seed)
+    compute = torch.float64 if part_dtype == torch.float64 else torch.float32
+    out, part_out = torch.randn(heads, rows, 5, generator=g, dtype=compute), torch.randn(heads, rows, 5, generator=g)
+    lse, part_lse = torch.randn(heads, rows, generator=g, dtype=compute) * 3, torch.randn(heads, rows, generator=g) * 3
+    empty, part_empty = torch.rand(heads, rows, generator=g) < 0.3, torch.rand(heads, rows, generator=g) < 0.3
+    out, lse = out.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, -math.inf)
+    part_out = part_out.masked_fill(part_empty[..., None], 0.0).to(part_dtype)
+    part_lse = part_lse.masked_fill(part_empty, -math.inf).to(compute)
+    want_out, want_lse = merge_attention_states([out, part_out.to(compute)], [lse, part_lse])
+    merge_into(out, lse, part_out, part_lse)
+    torch.testing.assert_close(out, want_out, rtol=1e-6, atol=1e-6)
+    assert torch.equal(lse.isneginf(), want_lse.isneginf()) and not bool(out.isnan().any())
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from engine.distributed.shard import KeyShard, Queries
 from engine.kernels.common import compute_dtype
-from engine.kernels.merge import merge_attention_states
+from engine.kernels.merge import merge_into
 
 
 def _exchange(tensors: list[torch.Tensor], buffers: list[torch.Tensor], group, timeout: timedelta | None):
@@ -65,7 +65,7 @@ def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, tim
             wait = _exchange(shard.tensors(), incoming.tensors(), group, timeout)
         if queries.sees(shard):
             part_out, part_lse = queries.at_step(step).attend(shard)
-            out, lse = merge_attention_states([out, part_out.to(compute)], [lse, part_lse])  # exact, running
+            merge_into(out, lse, part_out, part_lse)  # exact, running, in place
         if wait is not None:
             shard = incoming.from_tensors(wait())
     return out.to(q.dtype), lse

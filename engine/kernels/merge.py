@@ -51,6 +51,21 @@ def merge_attention_states(outputs: Iterable[torch.Tensor], lses: Iterable[torch
     return merged.to(outputs[0].dtype), lse
 
 
+def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """The running form of ``merge_attention_states`` for two parts: ``out [..., Dv]`` and ``lse [...]`` (compute
+    dtype, the merge so far) updated in place with a part over disjoint keys. No temporary of the output's size: the
+    weights are ``[...]``, the part is added with ``addcmul_`` (a ring step's merge keeps one output in memory)."""
+    top = torch.maximum(lse, part_lse.to(lse.dtype))  # [...]
+    top = top.masked_fill_(top == NEG_INF, 0.0)  # both empty: weights exp(-inf) = 0, no NaN
+    old = (lse - top).exp_()  # [...]
+    new = (part_lse.to(lse.dtype) - top).exp_()
+    total = old + new
+    seen = total > 0
+    scale = torch.where(seen, total, 1.0)
+    out.mul_((old / scale)[..., None]).addcmul_(part_out, (new / scale)[..., None])  # a convex combination
+    lse.copy_(torch.where(seen, top + torch.log(total), NEG_INF))
+
+
 def _as_list(parts: Iterable[torch.Tensor], name: str) -> list[torch.Tensor]:
     """The parts as a list (a generator is read once); one tensor is refused, not split along its axis 0."""
     if isinstance(parts, torch.Tensor) or not isinstance(parts, Iterable):

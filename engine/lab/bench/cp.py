@@ -11,8 +11,9 @@ The bench starts ``max(P)`` worker processes (one torch thread each, gloo). For 
   together before every repeat, so a step lasts as long as its slowest rank;
 * ``MiB``: its shards of q, k, v plus the peak that one call allocates (``peak_allocated_bytes``: every tensor,
   the output and the gradients included), as in ``bench scaling``;
-* bytes sent, counted by wrapping ``torch.distributed.isend``, ``all_gather`` and ``all_reduce`` inside the
-  worker, beside the formula below (the table's ``exact`` column: counted == formula, both phases);
+* bytes sent, counted by wrapping ``torch.distributed.isend``, ``all_gather``, ``all_reduce`` and
+  ``reduce_scatter`` inside the worker, beside the formula below (the table's ``exact`` column: counted ==
+  formula, both phases);
 * for the ring, the K/V shards its queries were computed against (``Queries.attend`` calls) beside the shards
   they can see (from positions, exactly).
 
@@ -28,8 +29,8 @@ positions; a collective counts what the bandwidth-optimal algorithm sends)::
                                                             the dK/dV accumulators make P moves (the last
                                                             takes them home), the K/V shards P-1
     allgather fwd   = (P-1) shard(max L)                    every piece padded to the longest, sent to P-1 ranks
-    allgather bwd   = 2 x floor(2 (P-1) N / P), N = B Hkv (sum L) D e
-                                                            all_reduce of the gathered dK and of dV (ring count)
+    allgather bwd   = 2 (P-1) B Hkv (max L) D e               reduce_scatter of the gathered dK and of dV: every
+                                                            other rank's slice, padded to the longest
 
 P = 1 sends nothing (one local call). Not counted: the rank check's ``all_gather_object`` (a pickled dict of a
 few hundred bytes per call) and the barriers the bench adds.

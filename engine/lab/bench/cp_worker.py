@@ -24,12 +24,13 @@ ACCUMULATOR_BYTES = 4  # the ring's dK/dV accumulators are fp32 (compute dtype) 
 
 
 class SentBytes:
-    """Bytes this rank sends, counted by wrapping ``dist.isend``, ``dist.all_gather`` and ``dist.all_reduce``
-    (the attention's only transfers; see the formula in the module docstring)."""
+    """Bytes this rank sends, counted by wrapping ``dist.isend``, ``dist.all_gather``, ``dist.all_reduce`` and
+    ``dist.reduce_scatter`` (the attention's only transfers; see the formula in the module docstring)."""
 
     def __init__(self) -> None:
         self.total = 0
         isend, all_gather, all_reduce = dist.isend, dist.all_gather, dist.all_reduce
+        reduce_scatter = dist.reduce_scatter
 
         def counted_isend(tensor, *rest, **options):
             self.total += _nbytes(tensor)
@@ -44,7 +45,12 @@ class SentBytes:
             self.total += _ring_all_reduce_bytes(_nbytes(tensor), world)
             return all_reduce(tensor, *rest, **options)
 
+        def counted_reduce_scatter(output, pieces, *rest, **options):  # every piece but its own, once
+            self.total += sum(_nbytes(p) for p in pieces) - _nbytes(output)
+            return reduce_scatter(output, pieces, *rest, **options)
+
         dist.isend, dist.all_gather, dist.all_reduce = counted_isend, counted_all_gather, counted_all_reduce
+        dist.reduce_scatter = counted_reduce_scatter
 
 
 class ShardCalls:
@@ -210,8 +216,8 @@ def expected_bytes(method: str, rank: int, lengths: list[int], s: dict[str, Any]
         forward = sum(shard(n) for n in held[:-1])
         backward = sum(shard(n) for n in held[:-1]) + sum(2 * b * h * n * d * ACCUMULATOR_BYTES for n in held)
         return forward, backward
-    gathered = b * h * sum(lengths) * d * e  # one of dK, dV over the whole sequence
-    return (world - 1) * shard(max(lengths)), 2 * _ring_all_reduce_bytes(gathered, world)
+    piece = b * h * max(lengths) * d * e  # one rank's slice of dK (or dV), padded to the longest
+    return (world - 1) * shard(max(lengths)), 2 * (world - 1) * piece
 
 
 # --- results ------------------------------------------------------------------------------------------------------

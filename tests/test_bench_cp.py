@@ -40,7 +40,7 @@ def test_bench_cp_quick_counts_exactly_the_formulas_bytes(tmp_path, capsys):
     # By hand, T=64 on 2 ranks: 32 keys each; one shard = K and V (2 x 32 x 8 fp32) + 32 int64 positions.
     shard, grads = 2 * 32 * 8 * 4 + 32 * 8, 2 * 32 * 8 * 4
     by_hand = {"ring": (shard, shard + 2 * grads),  # 1 move forward; back: K/V move once, dK/dV twice (home)
-               "allgather": (shard, 2 * (2 * 1 * 64 * 8 * 4 // 2))}  # all_reduce of dK and dV: 2 (P-1)/P x N
+               "allgather": (shard, 2 * (32 * 8 * 4))}  # reduce_scatter of dK and dV: the other rank's slice each
     for r in measured:
         assert (r["sent fwd"], r["sent bwd"]) == (by_hand[r["method"]] if r["P"] == 2 else (0, 0)), r
     # The window's ring on contiguous shards computes only the shards its queries see: rank 0 sees only its own.

@@ -41,8 +41,13 @@ def test_bench_cp_quick_counts_exactly_the_formulas_bytes(tmp_path, capsys):
     shard, grads = 2 * 32 * 8 * 4 + 32 * 8, 2 * 32 * 8 * 4
     by_hand = {"ring": (shard, shard + 2 * grads),  # 1 move forward; back: K/V move once, dK/dV twice (home)
                "allgather": (shard, 2 * (32 * 8 * 4))}  # reduce_scatter of dK and dV: the other rank's slice each
+    # direct: a shard goes only to a rank whose queries may see it. Zigzag (causal): both ranks read each other;
+    # contiguous with window 16: rank 1's queries read rank 0's keys, rank 0's never read rank 1's (later keys)
+    by_hand.update({("direct", "causal", 0): (shard, grads), ("direct", "causal", 1): (shard, grads),
+                    ("direct", "window", 0): (shard, 0), ("direct", "window", 1): (0, grads)})
     for r in measured:
-        assert (r["sent fwd"], r["sent bwd"]) == (by_hand[r["method"]] if r["P"] == 2 else (0, 0)), r
+        want = by_hand[r["method"]] if r["method"] != "direct" else by_hand[("direct", r["mask"], r["rank"])]
+        assert (r["sent fwd"], r["sent bwd"]) == (want if r["P"] == 2 else (0, 0)), r
     # The window's ring on contiguous shards computes only the shards its queries see: rank 0 sees only its own.
     window_ring = {r["rank"]: r for r in rows if (r["mask"], r["method"], r["P"]) == ("window", "ring", 2)}
     assert [(window_ring[k]["computed"], window_ring[k]["visible"]) for k in (0, 1)] == [(1, 1), (2, 2)]

@@ -23,7 +23,7 @@ TOLERANCE = {"torch.float64": 1e-12, "torch.bfloat16": 5e-2}
 
 
 @pytest.mark.parametrize("world, method", [(1, "ring"), (2, "ring"), (3, "ring"), (4, "ring"), (2, "allgather"),
-                                           (3, "allgather")])
+                                           (3, "allgather"), (2, "direct"), (3, "direct"), (4, "direct")])
 def test_every_rank_equals_one_process(world, method):
     results = run_ranks(compare_with_single_process, world, method)
     for rank, errors in enumerate(results):

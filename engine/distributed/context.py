@@ -20,13 +20,14 @@ import torch.distributed as dist
 
 from engine.attention import causal_attention
 from engine.distributed.allgather import depends_on_gathered, gather_shards
+from engine.distributed.direct import DirectAttention, ShardBounds, visibility_graph
 from engine.distributed.ring import RingAttention
 from engine.distributed.shard import KeyShard, Queries
 from engine.inputs import prepare_inputs, resolve_positions
 from engine.kernels.sinks import apply_sinks
 from engine.relative_bias import RelativePositionBias
 
-METHODS = ("ring", "allgather")
+METHODS = ("ring", "allgather", "direct")
 # Options every rank must pass identically, and the shapes every rank's shard must share.
 _SAME_ON_EVERY_RANK = ("B", "Hq", "Hkv", "D", "Dv", "dtype", "device", "causal", "window", "scale", "softcap",
                        "method", "documents", "sinks", "alibi_slopes", "bias", "score_mod")
@@ -75,8 +76,10 @@ def context_parallel_attention(
         score_mod: ``(score, batch, head, query_pos, key_pos) -> score`` on global positions; every rank must pass
             the same function (it cannot be compared across processes).
         return_lse: also return the lse ``[B, Hq, T_r]`` (compute dtype).
-        method: ``"ring"`` (K/V shards travel round, compute overlaps the transfer, invisible shards are skipped)
-            or ``"allgather"`` (K/V gathered once, one local call: fewer, larger messages).
+        method: ``"ring"`` (K/V shards travel round, compute overlaps the transfer, invisible shards are skipped),
+            ``"allgather"`` (K/V gathered once, one local call: fewer, larger messages) or ``"direct"`` (each
+            shard sent only to the ranks whose queries may see it, decided from every rank's position and id
+            bounds: a window's neighbours; engine.distributed.direct).
         timeout: bound on each wait of the ring (default: the process group's timeout).
 
     Returns ``out [B, Hq, T_r, Dv]`` (and ``lse``), equal to ``causal_attention`` on the whole sequence for these
@@ -108,13 +111,18 @@ def context_parallel_attention(
     own = KeyShard(k, v, inputs.key_positions.contiguous(),
                    _ids(key_document_ids, batch, s, q.device, "key_document_ids"))
     world = dist.get_world_size(group)
-    lengths = _check_ranks(queries, own, method, sinks, modifiers, group)  # S_r of every rank
+    everyone = _check_ranks(queries, own, method, sinks, modifiers, group)
+    lengths = [theirs["S"] for theirs in everyone]  # S_r of every rank
     if world == 1:
         out, lse = causal_attention(q, k, v, queries.positions, own.positions, queries.allowed(own), queries.scale,
                                     causal=causal, softcap=softcap, return_lse=True, **modifiers)
-    elif method == "ring":
+    elif method in ("ring", "direct"):
         table = bias.table if bias is not None and bias.table.requires_grad else None
-        out, lse = RingAttention.apply(q, k, v, table, queries, own, lengths, group, timeout)
+        if method == "ring":
+            out, lse = RingAttention.apply(q, k, v, table, queries, own, lengths, group, timeout)
+        else:
+            sources = visibility_graph([theirs["bounds"] for theirs in everyone], causal, window)
+            out, lse = DirectAttention.apply(q, k, v, table, queries, own, lengths, sources, group, timeout)
     else:
         everything = gather_shards(own, k, v, lengths, group)
         out, lse = causal_attention(q, everything.k, everything.v, queries.positions, everything.positions,
@@ -146,16 +154,16 @@ def _bias_description(bias: RelativePositionBias | None):
     return (_values(bias.table), bias.num_buckets, bias.max_distance, bias.bidirectional)
 
 
-def _check_ranks(queries: Queries, own: KeyShard, method: str, sinks, modifiers: dict, group) -> list[int]:
-    """Every rank's description, compared: a ValueError on every rank names the rank that differs. Returns each
-    rank's number of keys."""
+def _check_ranks(queries: Queries, own: KeyShard, method: str, sinks, modifiers: dict, group) -> list[dict]:
+    """Every rank's description, compared: a ValueError on every rank names the rank that differs. Returns every
+    rank's description (its number of keys ``S``, the ``bounds`` of its shards)."""
     q = queries.q
     mine = {"B": q.shape[0], "Hq": q.shape[1], "Hkv": own.k.shape[1], "D": q.shape[3], "Dv": own.v.shape[3],
             "dtype": str(q.dtype), "device": q.device.type, "causal": queries.causal, "window": queries.window,
             "scale": queries.scale, "softcap": queries.softcap, "method": method,
             "documents": queries.documents is not None, "S": own.k.shape[2], "sinks": _values(sinks),
             "alibi_slopes": _values(modifiers.get("alibi_slopes")), "bias": _bias_description(modifiers.get("bias")),
-            "score_mod": "score_mod" in modifiers}
+            "score_mod": "score_mod" in modifiers, "bounds": ShardBounds.of(queries, own)}
     everyone: list[dict] = [{} for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather_object(everyone, mine, group=group)
@@ -169,4 +177,4 @@ def _check_ranks(queries: Queries, own: KeyShard, method: str, sinks, modifiers:
             if a != b:
                 raise ValueError(f"context_parallel_attention: rank {rank} has {key}={b!r} but rank 0 has {key}={a!r} "
                                  f"(every rank must pass the same {key})")
-    return [theirs["S"] for theirs in everyone]
+    return everyone

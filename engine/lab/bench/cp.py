@@ -31,6 +31,10 @@ positions; a collective counts what the bandwidth-optimal algorithm sends)::
     allgather fwd   = (P-1) shard(max L)                    every piece padded to the longest, sent to P-1 ranks
     allgather bwd   = 2 (P-1) B Hkv (max L) D e               reduce_scatter of the gathered dK and of dV: every
                                                             other rank's slice, padded to the longest
+    direct fwd      = |readers(r)| shard(L_r)               its shard to each rank whose queries may see it
+    direct bwd      = sum_{s in sources(r)} 2 B Hkv L_s D 4  dK/dV of each shard it read, home (fp32)
+                                                            (readers / sources: engine.distributed.direct's
+                                                            visibility graph from the shards' position bounds)
 
 P = 1 sends nothing (one local call). Not counted: the rank check's ``all_gather_object`` (a pickled dict of a
 few hundred bytes per call) and the barriers the bench adds.

@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from engine import causal_attention, window_mask
 from engine.distributed import context_parallel_attention, zigzag_indices
+from engine.distributed.direct import ShardBounds, visibility_graph
 from engine.lab.measure import peak_allocated_bytes
 
-METHODS = ("ring", "allgather")
+METHODS = ("ring", "allgather", "direct")
 MASKS = ("causal", "window")
 POSITION_BYTES = 8  # int64 positions travel with every K/V shard
 ACCUMULATOR_BYTES = 4  # the ring's dK/dV accumulators are fp32 (compute dtype) for fp32 inputs
@@ -156,10 +157,10 @@ def measure(rank: int, world: int, group, s: dict[str, Any], mask: str, method: 
     train_alloc = peak_allocated_bytes(train)
     backward_bytes = sent.total - phase["forward"]
     own = sum(_nbytes(x) for x in inputs)  # this rank's q, k, v
-    lengths = [len(shard_positions(mask, s, r, world)) for r in range(world)]
-    expected = expected_bytes(method, rank, lengths, s)
-    positions = shard_positions(mask, s, rank, world)
     everyone = [shard_positions(mask, s, r, world) for r in range(world)]
+    lengths = [len(x) for x in everyone]
+    expected = expected_bytes(method, rank, lengths, s, everyone, window)
+    positions = everyone[rank]
     return {"mask": mask, "method": method, "P": world, "rank": rank, "T_r": len(positions),
             "fwd ms": _median_ms(forward, s["repeats"], group), "train ms": _median_ms(train, s["repeats"], group),
             "fwd MiB": (own + forward_alloc) / 2**20, "train MiB": (own + train_alloc) / 2**20,
@@ -205,8 +206,10 @@ def _median_ms(fn, repeats: int, group) -> float:
     return statistics.median(times) * 1e3
 
 
-def expected_bytes(method: str, rank: int, lengths: list[int], s: dict[str, Any]) -> tuple[int, int]:
-    """``(forward, backward)`` bytes rank ``rank`` sends, by the formula of the module docstring (fp32)."""
+def expected_bytes(method: str, rank: int, lengths: list[int], s: dict[str, Any],
+                   positions: list[torch.Tensor] | None = None, window: int | None = None) -> tuple[int, int]:
+    """``(forward, backward)`` bytes rank ``rank`` sends, by the formula of the module docstring (fp32);
+    ``positions``: every rank's (direct: who reads whose shard)."""
     world, b, h, d, e = len(lengths), s["batch"], s["kv_heads"], s["head_dim"], 4
     if world == 1 or method == "single":
         return 0, 0
@@ -216,6 +219,12 @@ def expected_bytes(method: str, rank: int, lengths: list[int], s: dict[str, Any]
         forward = sum(shard(n) for n in held[:-1])
         backward = sum(shard(n) for n in held[:-1]) + sum(2 * b * h * n * d * ACCUMULATOR_BYTES for n in held)
         return forward, backward
+    if method == "direct":
+        spans = [(int(x.min()), int(x.max())) if len(x) else None for x in positions]
+        sources = visibility_graph([ShardBounds(span, span, None, None) for span in spans], True, window)
+        readers = [r for r in range(world) if rank in sources[r]]
+        return (len(readers) * shard(lengths[rank]),
+                sum(2 * b * h * lengths[src] * d * ACCUMULATOR_BYTES for src in sources[rank]))
     piece = b * h * max(lengths) * d * e  # one rank's slice of dK (or dV), padded to the longest
     return (world - 1) * shard(max(lengths)), 2 * (world - 1) * piece
 

@@ -22,13 +22,18 @@ from tests.paged_cases import oracle, paged_batches
 @settings(max_examples=60)
 @given(paged_batches(), st.sampled_from(["auto", "tiled", "reference"]))
 def test_paged_attention_equals_the_oracle_reading_through_the_page_table(problem, kernel):
-    args, options = problem
+    assert_equals_the_oracle(*problem, kernel=kernel)
+
+
+def assert_equals_the_oracle(args, options, **call):
+    """``paged_attention(*args, **call)`` with the drawn options equals the oracle (fp64: to rounding); the NaN in
+    unowned slots never reach an output."""
     ours = dict(options)
     if "alibi" in ours:
         ours["alibi_slopes"] = ours.pop("alibi")
-    out, lse = paged_attention(*args, return_lse=True, kernel=kernel, **ours)
+    out, lse = paged_attention(*args, return_lse=True, **call, **ours)
     want, want_lse = oracle(*args, **options)
-    assert not bool(out.isnan().any())  # the NaN in unowned slots never reach an output
+    assert not bool(out.isnan().any())
     torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
     torch.testing.assert_close(lse, want_lse, rtol=1e-9, atol=1e-9)
@@ -194,17 +199,8 @@ def small_runs(run_keys: int):
 def test_runs_of_pages_and_shared_prefix_passes_equal_the_oracle(problem, cascade, run_keys):
     # keys a run of pages at a time (engine.paged.runs), and each shared prefix once for all its sequences
     # (engine.paged.cascade), against the oracle that reads every key through the page table
-    args, options = problem
-    ours = dict(options)
-    if "alibi" in ours:
-        ours["alibi_slopes"] = ours.pop("alibi")
     with small_runs(run_keys):
-        out, lse = paged_attention(*args, return_lse=True, cascade=cascade, **ours)
-    want, want_lse = oracle(*args, **options)
-    assert not bool(out.isnan().any())
-    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
-    torch.testing.assert_close(lse, want_lse, rtol=1e-9, atol=1e-9)
+        assert_equals_the_oracle(*problem, cascade=cascade)
 
 
 def test_explain_names_the_shared_prefix_pass_and_the_runs_of_pages():
@@ -228,13 +224,5 @@ def test_explain_names_the_shared_prefix_pass_and_the_runs_of_pages():
 def test_every_kernel_of_the_matrix_serves_the_paged_paths(kernel, problem, run_keys):
     # each sequence's call forced to one kernel (one that does not fit passes the call on, as for any call), over
     # gathered sequences and runs of pages alike (run_keys 4: the runs path)
-    args, options = problem
-    ours = dict(options)
-    if "alibi" in ours:
-        ours["alibi_slopes"] = ours.pop("alibi")
     with small_runs(run_keys):
-        out, lse = paged_attention(*args, return_lse=True, kernel=kernel, cascade=False, **ours)
-    want, want_lse = oracle(*args, **options)
-    assert not bool(out.isnan().any())
-    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
-    torch.testing.assert_close(lse, want_lse, rtol=1e-9, atol=1e-9)
+        assert_equals_the_oracle(*problem, kernel=kernel, cascade=False)

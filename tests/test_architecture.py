@@ -107,7 +107,7 @@ def test_lab_commands_import_shared_modules_never_each_other():
                "engine.lab.bench.kernel_cases_decode": {cases},
                "engine.lab.bench.kernel_suite": {cases, "engine.lab.bench.kernel_cases_decode"},
                "engine.lab.bench.modifier_cases": {cases},
-               "engine.lab.bench.cp": {"engine.lab.bench.cp_worker"},
+               "engine.lab.bench.cp": {"engine.lab.bench.cp_worker", "engine.lab.bench.cp_model"},
                "engine.lab.bench.serving": {"engine.lab.bench.serving_ways"}}
     assert sideways == allowed, sideways
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from engine.lab.bench.cp_model import model_main
 from engine.lab.bench.cp_worker import MASKS, METHODS, worker
 from engine.lab.measure import format_table, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads, parse_count, parse_counts, positive_float, positive_int
@@ -68,7 +69,7 @@ SUMMARY = ["mask", "method", "P", "fwd ms", "train ms", "x single fwd", "x singl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common(parser, "bench_cp", impl_help="comma-separated methods: ring, allgather, or 'all' (default)")
+    add_common(parser, "bench_cp", impl_help="comma-separated methods: ring, allgather, direct, or 'all' (default)")
     parser.add_argument("--procs", type=parse_counts, default=[1, 2, 4],
                         help="comma-separated process counts P (default 1,2,4; this machine has few cores, so "
                         "no speed-up is expected: the figures are memory and bytes per rank)")
@@ -84,6 +85,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_float, default=120.0,
                         help="seconds any one wait of a measured group may last (its collectives' timeout and "
                         "the ring's; default 120)")
+    parser.add_argument("--model", action="store_true",
+                        help="no processes: the scale model (engine/lab/bench/cp_model.py) projected to P = 8-1,024 "
+                        "on stated hardware, and checked against --measured")
+    parser.add_argument("--measured", default=None,
+                        help="--model: a measured run's cp_summary.json to check the model against")
+    parser.add_argument("--link-gbs", type=positive_float, default=5.0,
+                        help="--model --measured: this machine's link between processes, GB/s (default 5: gloo on "
+                        "loopback)")
     parser.add_argument("--deadline", type=positive_float, default=1800.0,
                         help="seconds the worker processes may run in all before the bench kills them (default "
                         "1800; 120 with --quick)")
@@ -91,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
+    if args.model:
+        paths = model_main(args, Path(args.out))
+        print("\nsaved " + ", ".join(str(p) for p in paths))
+        return 0
     try:
         s = _settings(args)
     except ValueError as error:

@@ -6,9 +6,10 @@ it holds (skipped when positions prove that no query sees it), merges it into th
 log-sum-exp (so a rank holds one output, not P), then waits. Only the Hkv heads travel (GQA), with their
 positions and document ids.
 
-Backward: the shards travel round again with their dK/dV accumulators. At each step a rank adds its queries'
-share of the gradient of the shard it holds (from the merged output and lse, recomputing the weights); after
-P steps every accumulator is back home with the sum over all ranks.
+Backward: the shards travel round again with their dK/dV accumulators. At each step a rank posts the move of the
+K/V shard it holds, adds its queries' share of that shard's gradient to the accumulator while the shard travels
+(from the merged output and lse, recomputing the weights), then sends the accumulator after it; after P steps
+every accumulator is back home with the sum over all ranks.
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ def ring_backward(queries: Queries, own: KeyShard, out, lse, grad_out, grad_lse,
     dv = torch.zeros(own.v.shape, dtype=compute, device=own.v.device)  # [B, Hkv, S, Dv]
     d_table = None
     for step in range(world):
+        last = step == world - 1  # the last move takes only dK/dV home: the owner has its K/V
+        source = (rank - step - 1) % world
+        shard_wait = None
+        if world > 1 and not last:  # the next K/V shard travels while this one's gradients are computed
+            incoming = own.like(lengths[source])
+            shard_wait = _exchange(shard.tensors(), incoming.tensors(), group, timeout)
         if queries.sees(shard):
             g_q, g_k, g_v, *g_table = queries.at_step(step).gradients(shard, out, lse, grad_out, grad_lse)
             dq += g_q
@@ -90,16 +97,12 @@ def ring_backward(queries: Queries, own: KeyShard, out, lse, grad_out, grad_lse,
             dv += g_v
             if g_table:  # (a learned RelativePositionBias: tiled_backward's fourth gradient)
                 d_table = g_table[0] if d_table is None else d_table + g_table[0]
-        if world > 1:  # the shard and its accumulators move on; after `world` moves the accumulators are home
-            source = (rank - step - 1) % world
-            incoming = own.like(lengths[source])
-            grads_in = [torch.empty(incoming.k.shape, dtype=compute, device=dk.device),
-                        torch.empty(incoming.v.shape, dtype=compute, device=dv.device)]
-            last = step == world - 1  # the last move takes only dK/dV home: the owner has its K/V
-            received = _exchange(([] if last else shard.tensors()) + [dk, dv],
-                                 ([] if last else incoming.tensors()) + grads_in, group, timeout)()
-            shard = shard if last else incoming.from_tensors(received[:-2])
-            dk, dv = received[-2:]
+        if world > 1:  # the accumulators follow their shard; after `world` moves they are home
+            grads_in = [torch.empty((*dk.shape[:2], lengths[source], dk.shape[3]), dtype=compute, device=dk.device),
+                        torch.empty((*dv.shape[:2], lengths[source], dv.shape[3]), dtype=compute, device=dv.device)]
+            dk, dv = _exchange([dk, dv], grads_in, group, timeout)()
+            if shard_wait is not None:
+                shard = incoming.from_tensors(shard_wait())
     return dq.to(queries.q.dtype), dk.to(own.k.dtype), dv.to(own.v.dtype), d_table
 
 

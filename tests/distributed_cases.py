@@ -89,7 +89,8 @@ def _case(name: str, rank: int, world: int) -> dict:
     full_kwargs, cp_kwargs = {}, {}
     keys = torch.tensor_split(pos, world)[rank]  # contiguous shards of uneven length
     queries = keys
-    if name in ("causal_zigzag", "documents", "bf16", "mqa", "sinks", "alibi", "relative_bias", "score_mod"):
+    if name in ("causal_zigzag", "documents", "bf16", "mqa", "sinks", "alibi", "relative_bias", "score_mod",
+                "dense_bias"):
         keys = queries = zigzag_indices(length, rank, world)
     if name == "chunked_prefill":  # the last 23 tokens are new: only the ranks that hold them have queries
         queries = keys[keys >= length - 23]
@@ -108,6 +109,10 @@ def _case(name: str, rank: int, world: int) -> dict:
     if name == "relative_bias":  # T5's bucketed bias, a learned table: its gradient is checked too
         table = torch.randn(hq, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(dtype)
         full_kwargs["bias"] = cp_kwargs["bias"] = RelativePositionBias(table, bidirectional=False, max_distance=40)
+    if name == "dense_bias":  # [1, Hq, T, S]: each rank holds its queries' rows, every key's column
+        full_kwargs["bias"] = torch.randn(1, hq, length, length, generator=torch.Generator().manual_seed(4),
+                                          dtype=torch.float64).to(dtype)
+        cp_kwargs["bias"] = full_kwargs["bias"][:, :, queries]
     if name == "score_mod":  # a function of global positions (and heads): exact per shard
         def mod(score, batch, head, query_pos, key_pos):
             return score - 0.002 * (query_pos - key_pos).to(score.dtype) ** 2 + 0.1 * head.to(score.dtype)
@@ -123,7 +128,7 @@ def _case(name: str, rank: int, world: int) -> dict:
 
 
 CASES = ["causal_contiguous", "causal_zigzag", "chunked_prefill", "documents", "window", "ragged_rows", "mqa",
-         "bf16", "sinks", "alibi", "relative_bias", "score_mod"]
+         "bf16", "sinks", "alibi", "relative_bias", "score_mod", "dense_bias"]
 
 
 def compare_with_single_process(rank: int, world: int, method: str) -> dict:
@@ -137,7 +142,12 @@ def compare_with_single_process(rank: int, world: int, method: str) -> dict:
             shared = {call: c[call]["sinks"].clone().requires_grad_(True) for call in ("full_kwargs", "cp_kwargs")}
             for call, leaf in shared.items():
                 c[call]["sinks"] = leaf
-        if "bias" in c["full_kwargs"]:
+        own_rows = {}  # a dense bias: each rank's rows are its own leaf, their gradient compared row for row
+        if isinstance(c["full_kwargs"].get("bias"), torch.Tensor):
+            own_rows = {call: c[call]["bias"].clone().requires_grad_(True) for call in ("full_kwargs", "cp_kwargs")}
+            for call, leaf in own_rows.items():
+                c[call]["bias"] = leaf
+        elif "bias" in c["full_kwargs"]:
             bias = c["full_kwargs"]["bias"]
             shared = {call: bias.table.clone().requires_grad_(True) for call in ("full_kwargs", "cp_kwargs")}
             for call, leaf in shared.items():
@@ -167,6 +177,8 @@ def compare_with_single_process(rank: int, world: int, method: str) -> dict:
             "dv": diff(shards[2].grad, leaves[2].grad[:, :, c["keys"]]),
             "dtype": str(c["q"].dtype),
         }
+        if own_rows:
+            errors[name]["dbias"] = diff(own_rows["cp_kwargs"].grad, own_rows["full_kwargs"].grad[:, :, rows])
         if shared:  # this rank's rows' share, and the whole sequence's (the test sums the ranks' shares)
             errors[name]["dshared_share"] = shared["cp_kwargs"].grad.double()
             errors[name]["dshared_full"] = shared["full_kwargs"].grad.double()

@@ -49,7 +49,7 @@ def context_parallel_attention(
     scale: float | None = None,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
-    bias: RelativePositionBias | None = None,
+    bias: RelativePositionBias | torch.Tensor | None = None,
     score_mod=None,
     return_lse: bool = False,
     method: str = "ring",
@@ -72,7 +72,10 @@ def context_parallel_attention(
         alibi_slopes: ``[Hq]`` or ``[B, Hq]``, the same on every rank: the bias of each shard comes from the global
             positions, so every shard's scores are exact.
         bias: a ``RelativePositionBias`` (T5's bucketed bias, from positions: exact per shard; a learned table's
-            gradient on a rank covers its rows, all-reduce it as for sinks). A dense bias tensor is not taken.
+            gradient on a rank covers its rows, all-reduce it as for sinks), or this rank's rows of a dense bias,
+            ``[B|1, Hq|1, T_r, S_total]`` whose last axis is the global key position (each shard's columns are
+            cut from it; its gradient is this rank's own). With a dense bias the key positions must be the same
+            in every batch row.
         score_mod: ``(score, batch, head, query_pos, key_pos) -> score`` on global positions; every rank must pass
             the same function (it cannot be compared across processes).
         return_lse: also return the lse ``[B, Hq, T_r]`` (compute dtype).
@@ -97,14 +100,18 @@ def context_parallel_attention(
         raise ValueError("give both query_document_ids and key_document_ids, or neither")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
-    if bias is not None and not isinstance(bias, RelativePositionBias):
-        raise ValueError(f"context_parallel_attention takes a RelativePositionBias as bias (computed per shard from "
-                         f"positions), not a dense {type(bias).__name__}: a dense [.., T, S] bias would have to "
-                         f"travel with the key shards")
+    dense = isinstance(bias, torch.Tensor)
+    if bias is not None and not dense and not isinstance(bias, RelativePositionBias):
+        raise ValueError(f"bias must be a RelativePositionBias or a dense tensor [B|1, Hq|1, T_r, S_total], got "
+                         f"{type(bias).__name__}")
+    if dense and bias.dim() != 4:
+        raise ValueError(f"a dense bias must be 4-D [B|1, Hq|1, T_r, S_total] (this rank's rows, every key's column), "
+                         f"got shape {list(bias.shape)}")
     modifiers = {name: x for name, x in (("alibi_slopes", alibi_slopes), ("bias", bias), ("score_mod", score_mod))
                  if x is not None}
+    checked = {**modifiers, "bias": bias.narrow(-1, 0, min(k.shape[2], bias.shape[-1]))} if dense else modifiers
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, None, scale, causal=causal, softcap=softcap,
-                            sinks=sinks, **modifiers)  # (the modifiers validated like any call's)
+                            sinks=sinks, **checked)  # (the modifiers validated like any call's; a dense bias's shape)
     batch, t, s = q.shape[0], q.shape[2], k.shape[2]
     queries = Queries(q, inputs.query_positions, _ids(query_document_ids, batch, t, q.device, "query_document_ids"),
                       window, causal, softcap, inputs.scale, modifiers=modifiers)
@@ -113,11 +120,14 @@ def context_parallel_attention(
     world = dist.get_world_size(group)
     everyone = _check_ranks(queries, own, method, sinks, modifiers, group)
     lengths = [theirs["S"] for theirs in everyone]  # S_r of every rank
+    if dense:
+        _check_dense_bias(bias, own, sum(lengths))
     if world == 1:
         out, lse = causal_attention(q, k, v, queries.positions, own.positions, queries.allowed(own), queries.scale,
-                                    causal=causal, softcap=softcap, return_lse=True, **modifiers)
+                                    causal=causal, softcap=softcap, return_lse=True, **queries.modifiers_for(own))
     elif method in ("ring", "direct"):
-        table = bias.table if bias is not None and bias.table.requires_grad else None
+        learned = bias if dense else (bias.table if bias is not None else None)
+        table = learned if learned is not None and learned.requires_grad else None
         if method == "ring":
             out, lse = RingAttention.apply(q, k, v, table, queries, own, lengths, group, timeout)
         else:
@@ -127,7 +137,7 @@ def context_parallel_attention(
         everything = gather_shards(own, k, v, lengths, group)
         out, lse = causal_attention(q, everything.k, everything.v, queries.positions, everything.positions,
                                     queries.allowed(everything), queries.scale, causal=causal, softcap=softcap,
-                                    return_lse=True, **modifiers)
+                                    return_lse=True, **queries.modifiers_for(everything))
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             out, lse = depends_on_gathered(out, lse, everything)
     if sinks is not None:  # once per row, after every shard's part is merged
@@ -147,10 +157,26 @@ def _values(x: torch.Tensor | None):
     return None if x is None else tuple(x.detach().double().flatten().tolist())
 
 
-def _bias_description(bias: RelativePositionBias | None):
-    """A RelativePositionBias as numbers every rank can compare: its table and its bucketing."""
+def _check_dense_bias(bias: torch.Tensor, own: KeyShard, total: int) -> None:
+    """A dense bias's columns are the global key positions: as many as every rank's keys, the same positions in
+    every row."""
+    if bias.shape[-1] != total:
+        raise ValueError(f"a dense bias must have one column per key of the whole sequence (its last axis indexed by "
+                         f"global key position): S_total = {total}, got {bias.shape[-1]}")
+    positions = own.positions
+    if positions.numel() and (bool((positions != positions[:1]).any()) or int(positions.min()) < 0
+                              or int(positions.max()) >= total):
+        raise ValueError(f"with a dense bias the key positions must be the same in every batch row and lie in "
+                         f"[0, {total}) (they index its columns)")
+
+
+def _bias_description(bias):
+    """A RelativePositionBias as numbers every rank can compare (its table and its bucketing); a dense bias as its
+    kind (its rows are each rank's own)."""
     if bias is None:
         return None
+    if isinstance(bias, torch.Tensor):
+        return ("dense", bias.requires_grad)
     return (_values(bias.table), bias.num_buckets, bias.max_distance, bias.bidirectional)
 
 

@@ -57,8 +57,8 @@ class Queries:
     causal: bool
     softcap: float | None
     scale: float
-    # score modifiers computed from global positions, so exact per shard: alibi_slopes, bias (a
-    # RelativePositionBias), score_mod
+    # score modifiers, exact per shard: alibi_slopes, bias (a RelativePositionBias from global positions, or a dense
+    # [B|1, Hq|1, T_r, S_total] tensor whose columns are global key positions), score_mod
     modifiers: dict = field(default_factory=dict)
     # the plan of each ring step's shard (positions, masks, kernel: decided in the forward, reused by the backward,
     # which meets the same shards at the same steps)
@@ -100,10 +100,21 @@ class Queries:
         found = None if step is None else self.plans.get(step)
         if found is None or found.signature[1] != shard.k.shape:
             found = plan(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard), self.scale,
-                         causal=self.causal, softcap=self.softcap, **self.modifiers)
+                         causal=self.causal, softcap=self.softcap, **self.modifiers_for(shard))
             if step is not None:
                 self.plans[step] = found
         return found
+
+    def modifiers_for(self, shard: KeyShard) -> dict:
+        """The modifiers of a call on ``shard``: a dense bias ``[.., T_r, S_total]`` (columns = global key positions)
+        cut to the shard's keys."""
+        bias = self.modifiers.get("bias")
+        if isinstance(bias, torch.Tensor):
+            columns = bias.index_select(-1, shard.positions[0])
+            if bias.requires_grad and not columns.requires_grad:  # cut inside the ring's autograd function: the plan
+                columns.requires_grad_(True)  # must still know the bias is learned (its gradient is scattered back)
+            return {**self.modifiers, "bias": columns}
+        return self.modifiers
 
     def attend(self, shard: KeyShard) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out [B, Hq, T_r, Dv], lse [B, Hq, T_r])`` of these queries against one shard (no autograd)."""
@@ -113,7 +124,12 @@ class Queries:
         """This shard's share of ``(dq, dk, dv)``, from the merged output and lse (exact: the softmax weights
         are ``exp(s - lse)`` with the global lse); the forward's plan of this step gives the inputs."""
         inputs = self.plan_for(shard).inputs.with_tensors(self.q, shard.k, shard.v)
-        return tiled_backward(inputs, out, lse, grad_out, grad_lse)
+        grads = tiled_backward(inputs, out, lse, grad_out, grad_lse)
+        bias = self.modifiers.get("bias")
+        if len(grads) == 4 and isinstance(bias, torch.Tensor):  # a learned dense bias: its shard's columns, placed
+            full = torch.zeros(bias.shape, dtype=grads[3].dtype, device=bias.device)
+            grads = (*grads[:3], full.index_add_(-1, shard.positions[0], grads[3]))
+        return grads
 
     def with_q(self, q: torch.Tensor) -> Queries:
         return replace(self, q=q)

@@ -45,6 +45,10 @@ class Modifiers:
     score_mod: ScoreMod | None = None
     dropout_p: float = 0.0
     dropout_seed: int = 0
+    # the indices the dropout pattern hashes (int64 [T], [S]); None: 0 .. T-1 and 0 .. S-1. A context-parallel shard
+    # call sets them to its global positions, so its pattern is the whole sequence's (engine.distributed)
+    dropout_query_index: torch.Tensor | None = None
+    dropout_key_index: torch.Tensor | None = None
 
     def names(self) -> set[str]:
         """The options these modifiers add to a call (sinks add none: every kernel returns the lse they need).

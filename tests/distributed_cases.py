@@ -90,7 +90,7 @@ def _case(name: str, rank: int, world: int) -> dict:
     keys = torch.tensor_split(pos, world)[rank]  # contiguous shards of uneven length
     queries = keys
     if name in ("causal_zigzag", "documents", "bf16", "mqa", "sinks", "alibi", "relative_bias", "score_mod",
-                "dense_bias"):
+                "dense_bias", "dropout"):
         keys = queries = zigzag_indices(length, rank, world)
     if name == "chunked_prefill":  # the last 23 tokens are new: only the ranks that hold them have queries
         queries = keys[keys >= length - 23]
@@ -113,6 +113,9 @@ def _case(name: str, rank: int, world: int) -> dict:
         full_kwargs["bias"] = torch.randn(1, hq, length, length, generator=torch.Generator().manual_seed(4),
                                           dtype=torch.float64).to(dtype)
         cp_kwargs["bias"] = full_kwargs["bias"][:, :, queries]
+    if name == "dropout":  # the same generator state: the one process's pattern, whatever the sharding
+        full_kwargs.update(dropout_p=0.3, generator=torch.Generator().manual_seed(7))
+        cp_kwargs.update(dropout_p=0.3, generator=torch.Generator().manual_seed(7))
     if name == "score_mod":  # a function of global positions (and heads): exact per shard
         def mod(score, batch, head, query_pos, key_pos):
             return score - 0.002 * (query_pos - key_pos).to(score.dtype) ** 2 + 0.1 * head.to(score.dtype)
@@ -128,7 +131,7 @@ def _case(name: str, rank: int, world: int) -> dict:
 
 
 CASES = ["causal_contiguous", "causal_zigzag", "chunked_prefill", "documents", "window", "ragged_rows", "mqa",
-         "bf16", "sinks", "alibi", "relative_bias", "score_mod", "dense_bias"]
+         "bf16", "sinks", "alibi", "relative_bias", "score_mod", "dense_bias", "dropout"]
 
 
 def compare_with_single_process(rank: int, world: int, method: str) -> dict:

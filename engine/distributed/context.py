@@ -18,7 +18,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.attention import causal_attention
 from engine.distributed.allgather import depends_on_gathered, gather_shards
 from engine.distributed.direct import DirectAttention, ShardBounds, visibility_graph
 from engine.distributed.ring import RingAttention
@@ -30,7 +29,7 @@ from engine.relative_bias import RelativePositionBias
 METHODS = ("ring", "allgather", "direct")
 # Options every rank must pass identically, and the shapes every rank's shard must share.
 _SAME_ON_EVERY_RANK = ("B", "Hq", "Hkv", "D", "Dv", "dtype", "device", "causal", "window", "scale", "softcap",
-                       "method", "documents", "sinks", "alibi_slopes", "bias", "score_mod")
+                       "method", "documents", "sinks", "alibi_slopes", "bias", "score_mod", "dropout")
 
 
 def context_parallel_attention(
@@ -51,6 +50,8 @@ def context_parallel_attention(
     alibi_slopes: torch.Tensor | None = None,
     bias: RelativePositionBias | torch.Tensor | None = None,
     score_mod=None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
     return_lse: bool = False,
     method: str = "ring",
     timeout: timedelta | None = None,
@@ -78,6 +79,10 @@ def context_parallel_attention(
             in every batch row.
         score_mod: ``(score, batch, head, query_pos, key_pos) -> score`` on global positions; every rank must pass
             the same function (it cannot be compared across processes).
+        dropout_p, generator: attention dropout. The seed is drawn once per call from ``generator`` (every rank's
+            must be in the same state: the seeds are compared) and the pattern hashes global positions, so it is
+            the pattern one process draws for the whole sequence with the same generator state (where its query
+            and key indices are the positions), whatever the sharding. Positions must be the same in every row.
         return_lse: also return the lse ``[B, Hq, T_r]`` (compute dtype).
         method: ``"ring"`` (K/V shards travel round, compute overlaps the transfer, invisible shards are skipped),
             ``"allgather"`` (K/V gathered once, one local call: fewer, larger messages) or ``"direct"`` (each
@@ -111,10 +116,12 @@ def context_parallel_attention(
                  if x is not None}
     checked = {**modifiers, "bias": bias.narrow(-1, 0, min(k.shape[2], bias.shape[-1]))} if dense else modifiers
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, None, scale, causal=causal, softcap=softcap,
-                            sinks=sinks, **checked)  # (the modifiers validated like any call's; a dense bias's shape)
+                            sinks=sinks, dropout_p=dropout_p, generator=generator,
+                            **checked)  # (the modifiers validated like any call's; a dense bias's shape)
+    dropout = (float(dropout_p), inputs.modifiers.dropout_seed) if dropout_p else None  # one seed for the call
     batch, t, s = q.shape[0], q.shape[2], k.shape[2]
     queries = Queries(q, inputs.query_positions, _ids(query_document_ids, batch, t, q.device, "query_document_ids"),
-                      window, causal, softcap, inputs.scale, modifiers=modifiers)
+                      window, causal, softcap, inputs.scale, modifiers=modifiers, dropout=dropout)
     own = KeyShard(k, v, inputs.key_positions.contiguous(),
                    _ids(key_document_ids, batch, s, q.device, "key_document_ids"))
     world = dist.get_world_size(group)
@@ -122,9 +129,10 @@ def context_parallel_attention(
     lengths = [theirs["S"] for theirs in everyone]  # S_r of every rank
     if dense:
         _check_dense_bias(bias, own, sum(lengths))
+    if dropout is not None:
+        _check_same_rows(queries.positions, own.positions, "attention dropout (its pattern hashes them)")
     if world == 1:
-        out, lse = causal_attention(q, k, v, queries.positions, own.positions, queries.allowed(own), queries.scale,
-                                    causal=causal, softcap=softcap, return_lse=True, **queries.modifiers_for(own))
+        out, lse = queries.plan_for(own).run(q, k, v, return_lse=True)  # (the plan keeps the call's dropout seed)
     elif method in ("ring", "direct"):
         learned = bias if dense else (bias.table if bias is not None else None)
         table = learned if learned is not None and learned.requires_grad else None
@@ -135,9 +143,7 @@ def context_parallel_attention(
             out, lse = DirectAttention.apply(q, k, v, table, queries, own, lengths, sources, group, timeout)
     else:
         everything = gather_shards(own, k, v, lengths, group)
-        out, lse = causal_attention(q, everything.k, everything.v, queries.positions, everything.positions,
-                                    queries.allowed(everything), queries.scale, causal=causal, softcap=softcap,
-                                    return_lse=True, **queries.modifiers_for(everything))
+        out, lse = queries.plan_for(everything).run(q, everything.k, everything.v, return_lse=True)
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
             out, lse = depends_on_gathered(out, lse, everything)
     if sinks is not None:  # once per row, after every shard's part is merged
@@ -155,6 +161,12 @@ def _ids(ids: torch.Tensor | None, batch: int, length: int, device, name: str) -
 def _values(x: torch.Tensor | None):
     """A modifier tensor as plain numbers every rank can compare (None stays None)."""
     return None if x is None else tuple(x.detach().double().flatten().tolist())
+
+
+def _check_same_rows(query_positions: torch.Tensor, key_positions: torch.Tensor, why: str) -> None:
+    for name, positions in (("query", query_positions), ("key", key_positions)):
+        if positions.numel() and bool((positions != positions[:1]).any()):
+            raise ValueError(f"{why}: the {name} positions must be the same in every batch row")
 
 
 def _check_dense_bias(bias: torch.Tensor, own: KeyShard, total: int) -> None:
@@ -189,7 +201,8 @@ def _check_ranks(queries: Queries, own: KeyShard, method: str, sinks, modifiers:
             "scale": queries.scale, "softcap": queries.softcap, "method": method,
             "documents": queries.documents is not None, "S": own.k.shape[2], "sinks": _values(sinks),
             "alibi_slopes": _values(modifiers.get("alibi_slopes")), "bias": _bias_description(modifiers.get("bias")),
-            "score_mod": "score_mod" in modifiers, "bounds": ShardBounds.of(queries, own)}
+            "score_mod": "score_mod" in modifiers, "bounds": ShardBounds.of(queries, own),
+            "dropout": queries.dropout}
     everyone: list[dict] = [{} for _ in range(dist.get_world_size(group))]
     try:
         dist.all_gather_object(everyone, mine, group=group)

@@ -60,6 +60,9 @@ class Queries:
     # score modifiers, exact per shard: alibi_slopes, bias (a RelativePositionBias from global positions, or a dense
     # [B|1, Hq|1, T_r, S_total] tensor whose columns are global key positions), score_mod
     modifiers: dict = field(default_factory=dict)
+    # attention dropout (p, seed): one seed for the whole call, the pattern hashed on global positions, so it is the
+    # pattern one process draws for the whole sequence whatever the sharding
+    dropout: tuple[float, int] | None = None
     # the plan of each ring step's shard (positions, masks, kernel: decided in the forward, reused by the backward,
     # which meets the same shards at the same steps)
     plans: dict = field(default_factory=dict, compare=False, repr=False)
@@ -100,7 +103,11 @@ class Queries:
         found = None if step is None else self.plans.get(step)
         if found is None or found.signature[1] != shard.k.shape:
             found = plan(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard), self.scale,
-                         causal=self.causal, softcap=self.softcap, **self.modifiers_for(shard))
+                         causal=self.causal, softcap=self.softcap, **self.modifiers_for(shard),
+                         **({} if self.dropout is None else {"dropout_p": self.dropout[0],
+                                                             "generator": torch.Generator()}))
+            if self.dropout is not None:  # the call's seed, and its global positions as the pattern's indices
+                found = with_dropout_pattern(found, self.dropout[1], self.positions[0], shard.positions[0])
             if step is not None:
                 self.plans[step] = found
         return found
@@ -133,3 +140,11 @@ class Queries:
 
     def with_q(self, q: torch.Tensor) -> Queries:
         return replace(self, q=q)
+
+
+def with_dropout_pattern(found: AttentionPlan, seed: int, query_index: torch.Tensor,
+                         key_index: torch.Tensor) -> AttentionPlan:
+    """``found`` drawing its dropout pattern from ``seed`` on these indices (int64 ``[T]``, ``[S]``)."""
+    modifiers = replace(found.inputs.modifiers, dropout_seed=seed, dropout_query_index=query_index,
+                        dropout_key_index=key_index)
+    return replace(found, inputs=replace(found.inputs, modifiers=modifiers))

@@ -113,8 +113,10 @@ def dropout_block(inputs: AttentionInputs, rows: slice, i0: int, i1: int, j0: in
     mods = inputs.modifiers
     batch = torch.arange(rows.start, rows.stop, device=device)[:, None, None, None]  # [b, 1, 1, 1]
     head = torch.arange(heads, device=device)[None, :, None, None]  # [1, Hq, 1, 1]
-    query = torch.arange(i0, i1, device=device)[None, None, :, None]  # [1, 1, tq, 1]
-    key = torch.arange(j0, j1, device=device)[None, None, None, :]  # [1, 1, 1, tk]
+    query = (torch.arange(i0, i1, device=device) if mods.dropout_query_index is None
+             else mods.dropout_query_index[i0:i1].to(device))[None, None, :, None]  # [1, 1, tq, 1]
+    key = (torch.arange(j0, j1, device=device) if mods.dropout_key_index is None
+           else mods.dropout_key_index[j0:j1].to(device))[None, None, None, :]  # [1, 1, 1, tk]
     return keep_scale(mods.dropout_seed, mods.dropout_p, batch, head, query, key, dtype)
 
 

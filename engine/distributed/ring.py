@@ -56,8 +56,7 @@ def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, tim
     q = queries.q
     b, h, t, _ = q.shape
     compute = compute_dtype(q.dtype)
-    out = torch.zeros(b, h, t, own.v.shape[3], dtype=compute, device=q.device)  # merged so far (one output's memory)
-    lse = torch.full((b, h, t), float("-inf"), dtype=compute, device=q.device)  # -inf: nothing seen yet
+    out = lse = None  # the merge so far: the first part seen becomes it (no zeros held beside it)
     shard = own
     for step in range(world):
         wait = None
@@ -66,9 +65,16 @@ def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, tim
             wait = _exchange(shard.tensors(), incoming.tensors(), group, timeout)
         if queries.sees(shard):
             part_out, part_lse = queries.at_step(step).attend(shard)
-            merge_into(out, lse, part_out, part_lse)  # exact, running, in place
+            if out is None:
+                out, lse = part_out.to(compute), part_lse.to(compute)
+            else:
+                merge_into(out, lse, part_out, part_lse)  # exact, running, in place
+            del part_out, part_lse
         if wait is not None:
             shard = incoming.from_tensors(wait())
+    if out is None:  # no query here sees any key: 0 and -inf
+        out = torch.zeros(b, h, t, own.v.shape[3], dtype=compute, device=q.device)
+        lse = torch.full((b, h, t), float("-inf"), dtype=compute, device=q.device)
     return out.to(q.dtype), lse
 
 

@@ -79,7 +79,7 @@ def _case(name: str, rank: int, world: int) -> dict:
     length, b, hq, hkv, d, dtype = 101, 1, 4, 2, 8, torch.float64
     if name == "mqa":
         hkv = 1
-    if name == "bf16":
+    if name in ("bf16", "bf16_modifiers"):
         dtype = torch.bfloat16
     if name == "ragged_rows":
         b = 2
@@ -90,7 +90,7 @@ def _case(name: str, rank: int, world: int) -> dict:
     keys = torch.tensor_split(pos, world)[rank]  # contiguous shards of uneven length
     queries = keys
     if name in ("causal_zigzag", "documents", "bf16", "mqa", "sinks", "alibi", "relative_bias", "score_mod",
-                "dense_bias", "dropout"):
+                "dense_bias", "dropout", "bf16_modifiers"):
         keys = queries = zigzag_indices(length, rank, world)
     if name == "chunked_prefill":  # the last 23 tokens are new: only the ranks that hold them have queries
         queries = keys[keys >= length - 23]
@@ -104,6 +104,10 @@ def _case(name: str, rank: int, world: int) -> dict:
     if name == "sinks":  # with a window: gpt-oss's layers; the sinks' gradient is checked too
         full_kwargs.update(allowed=window_mask(pos, pos, 13), sinks=torch.linspace(-2.0, 3.0, hq, dtype=dtype))
         cp_kwargs.update(window=13, sinks=full_kwargs["sinks"])
+    if name == "bf16_modifiers":  # gpt-oss-like: sinks and a window, with ALiBi, in bf16
+        full_kwargs.update(allowed=window_mask(pos, pos, 13), sinks=torch.linspace(-2.0, 3.0, hq).to(dtype),
+                           alibi_slopes=torch.linspace(0.05, 0.5, hq).to(dtype))
+        cp_kwargs.update(window=13, sinks=full_kwargs["sinks"], alibi_slopes=full_kwargs["alibi_slopes"])
     if name == "alibi":
         full_kwargs["alibi_slopes"] = cp_kwargs["alibi_slopes"] = torch.linspace(0.05, 0.5, hq, dtype=dtype)
     if name == "relative_bias":  # T5's bucketed bias, a learned table: its gradient is checked too
@@ -131,7 +135,7 @@ def _case(name: str, rank: int, world: int) -> dict:
 
 
 CASES = ["causal_contiguous", "causal_zigzag", "chunked_prefill", "documents", "window", "ragged_rows", "mqa",
-         "bf16", "sinks", "alibi", "relative_bias", "score_mod", "dense_bias", "dropout"]
+         "bf16", "sinks", "alibi", "relative_bias", "score_mod", "dense_bias", "dropout", "bf16_modifiers"]
 
 
 def compare_with_single_process(rank: int, world: int, method: str) -> dict:

@@ -283,3 +283,21 @@ def tiny_training(rank: int, world: int, steps: int = 5) -> dict:
             losses.append(float(total) / length)
         curves[mode] = losses
     return curves
+
+
+def auto_method_choice(rank: int, world: int) -> dict:
+    """Which method ``method="auto"`` runs: contiguous shards with a window reach only neighbours (direct); zigzag
+    causal shards see every rank (ring)."""
+    from engine.distributed import direct, ring
+
+    chosen = []
+    ring_apply, direct_apply = ring.RingAttention.apply, direct.DirectAttention.apply
+    ring.RingAttention.apply = lambda *a: chosen.append("ring") or ring_apply(*a)
+    direct.DirectAttention.apply = lambda *a: chosen.append("direct") or direct_apply(*a)
+    q, k, v = _inputs(1, 4, 2, 256, 8, torch.float64)
+    contiguous, zigzag = torch.tensor_split(torch.arange(256), world)[rank], zigzag_indices(256, rank, world)
+    picks = {}
+    for name, idx, window in (("window", contiguous, 16), ("causal", zigzag, None)):
+        context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], idx, idx, window=window)
+        picks[name] = chosen.pop()
+    return picks

@@ -9,6 +9,7 @@ import torch
 
 from tests.distributed_cases import (
     CASES,
+    auto_method_choice,
     compare_with_single_process,
     mismatched_heads,
     one_rank_dies,
@@ -23,7 +24,8 @@ TOLERANCE = {"torch.float64": 1e-12, "torch.bfloat16": 5e-2}
 
 
 @pytest.mark.parametrize("world, method", [(1, "ring"), (2, "ring"), (3, "ring"), (4, "ring"), (2, "allgather"),
-                                           (3, "allgather"), (2, "direct"), (3, "direct"), (4, "direct")])
+                                           (3, "allgather"), (2, "direct"), (3, "direct"), (4, "direct"),
+                                           (3, "auto")])
 def test_every_rank_equals_one_process(world, method):
     results = run_ranks(compare_with_single_process, world, method)
     for rank, errors in enumerate(results):
@@ -67,3 +69,10 @@ def test_training_over_ranks_follows_the_loss_curve_of_one_process(world):
         one, parallel = curves["one process"], curves["context parallel"]
         assert one[-1] < one[0]  # it trains
         assert all(abs(a - b) <= 1e-10 * max(1.0, abs(a)) for a, b in zip(one, parallel)), (one, parallel)
+
+
+def test_auto_sends_a_window_to_neighbours_and_a_causal_zigzag_round_the_ring():
+    results = run_ranks(auto_method_choice, 4)
+    for rank, result in enumerate(results):
+        assert "error" not in result, result.get("traceback", result)
+        assert result == {"window": "direct", "causal": "ring"}, (rank, result)

@@ -26,7 +26,7 @@ from engine.inputs import prepare_inputs, resolve_positions
 from engine.kernels.sinks import apply_sinks
 from engine.relative_bias import RelativePositionBias
 
-METHODS = ("ring", "allgather", "direct")
+METHODS = ("auto", "ring", "allgather", "direct")
 # Options every rank must pass identically, and the shapes every rank's shard must share.
 _SAME_ON_EVERY_RANK = ("B", "Hq", "Hkv", "D", "Dv", "dtype", "device", "causal", "window", "scale", "softcap",
                        "method", "documents", "sinks", "alibi_slopes", "bias", "score_mod", "dropout")
@@ -53,7 +53,7 @@ def context_parallel_attention(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     return_lse: bool = False,
-    method: str = "ring",
+    method: str = "auto",
     timeout: timedelta | None = None,
 ):
     """Attention of this rank's queries over every rank's keys.
@@ -84,7 +84,9 @@ def context_parallel_attention(
             the pattern one process draws for the whole sequence with the same generator state (where its query
             and key indices are the positions), whatever the sharding. Positions must be the same in every row.
         return_lse: also return the lse ``[B, Hq, T_r]`` (compute dtype).
-        method: ``"ring"`` (K/V shards travel round, compute overlaps the transfer, invisible shards are skipped),
+        method: ``"auto"`` (default: ``direct`` where the bounds show that some rank's queries cannot see some
+            other rank's keys, as with a window or documents, else ``ring``), ``"ring"`` (K/V shards travel round,
+            compute overlaps the transfer, invisible shards are skipped),
             ``"allgather"`` (K/V gathered once, one local call: fewer, larger messages) or ``"direct"`` (each
             shard sent only to the ranks whose queries may see it, decided from every rank's position and id
             bounds: a window's neighbours; engine.distributed.direct).
@@ -131,6 +133,9 @@ def context_parallel_attention(
         _check_dense_bias(bias, own, sum(lengths))
     if dropout is not None:
         _check_same_rows(queries.positions, own.positions, "attention dropout (its pattern hashes them)")
+    sources = visibility_graph([theirs["bounds"] for theirs in everyone], causal, window)
+    if method == "auto":  # every rank decides alike: the same bounds on every rank
+        method = "direct" if sum(map(len, sources)) < world * (world - 1) else "ring"
     if world == 1:
         out, lse = queries.plan_for(own).run(q, k, v, return_lse=True)  # (the plan keeps the call's dropout seed)
     elif method in ("ring", "direct"):
@@ -139,7 +144,6 @@ def context_parallel_attention(
         if method == "ring":
             out, lse = RingAttention.apply(q, k, v, table, queries, own, lengths, group, timeout)
         else:
-            sources = visibility_graph([theirs["bounds"] for theirs in everyone], causal, window)
             out, lse = DirectAttention.apply(q, k, v, table, queries, own, lengths, sources, group, timeout)
     else:
         everything = gather_shards(own, k, v, lengths, group)

@@ -200,13 +200,15 @@ def mismatched_heads(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def one_rank_dies(rank: int, world: int, mid_ring: bool = False) -> dict:
+def one_rank_dies(rank: int, world: int, mid_ring: bool = False, method: str = "auto") -> dict:
     """Rank 1 dies between two calls, or in the middle of the ring (while computing its first shard, after it
-    posted that step's sends, before the next step's); the others must fail within their timeout, not hang."""
+    posted that step's sends, before the next step's); the others must fail within their timeout, not hang.
+    (``method="direct"``: rank 1 dies after posting its sends to every reader, before it receives.)"""
     q, k, v = _inputs(1, 2, 1, 64, 4, torch.float32)
     pos = torch.arange(64)
     idx = zigzag_indices(64, rank, world)
-    context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], idx, idx)  # all ranks agree on shapes
+    context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], idx, idx,
+                               method=method)  # all ranks agree on shapes
     if rank == 1 and not mid_ring:
         os._exit(1)  # dies between two calls, without a word to the others
     if rank == 1:
@@ -222,7 +224,7 @@ def one_rank_dies(rank: int, world: int, mid_ring: bool = False) -> dict:
         shard.Queries.attend = dies_on_its_first_shard
     start = time.monotonic()
     try:
-        context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], pos[idx], pos[idx],
+        context_parallel_attention(q[:, :, idx], k[:, :, idx], v[:, :, idx], pos[idx], pos[idx], method=method,
                                    timeout=datetime.timedelta(seconds=5))
     except Exception as error:  # the point: an error, within the timeout
         return {"raised": type(error).__name__, "message": str(error), "seconds": time.monotonic() - start}

@@ -51,14 +51,17 @@ def test_a_rank_with_other_shapes_is_named_on_every_rank():
         assert "ValueError: context_parallel_attention: rank 1 has Hkv=4 but rank 0 has Hkv=2" in result["error"]
 
 
+@pytest.mark.parametrize("method", ["auto", "direct"])
 @pytest.mark.parametrize("mid_ring", [False, True], ids=["between_calls", "mid_ring"])
-def test_a_dead_rank_makes_the_others_fail_within_the_timeout(mid_ring):
-    results = run_ranks(one_rank_dies, 3, mid_ring, deadline_s=90)
+def test_a_dead_rank_makes_the_others_fail_within_the_timeout(mid_ring, method):
+    results = run_ranks(one_rank_dies, 3, mid_ring, method, deadline_s=90)
     assert results[1] == {"error": "no result (died)"}
     for rank in (0, 2):
+        assert results[rank]["seconds"] < 30, results[rank]  # the group's timeout is 20 s: never a hang
+        if method == "direct" and mid_ring and results[rank]["raised"] is None:
+            continue  # direct: rank 1 had posted every transfer before it died, so its peers' call completed
         assert results[rank]["raised"] == "RuntimeError", results[rank]
         assert "context_parallel_attention: rank" in results[rank]["message"], results[rank]
-        assert results[rank]["seconds"] < 30, results[rank]  # the group's timeout is 20 s
 
 
 @pytest.mark.parametrize("world", [2, 3])

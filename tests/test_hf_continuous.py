@@ -17,6 +17,7 @@ from transformers import AttentionInterface, ContinuousBatchingConfig, Generatio
 import engine.integrations.transformers.continuous as continuous  # noqa: E402
 from engine.integrations.transformers import continuous_batching  # noqa: E402
 from tests.test_hf_models import FAMILIES, VOCAB, build  # noqa: E402
+from tests.trained import load_trained_model  # noqa: E402
 
 NEW = 10
 GENERATION = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -151,15 +152,7 @@ def test_requests_join_and_are_cancelled_while_the_manager_runs():
 
 @pytest.mark.slow
 def test_the_trained_smollm2_gives_static_generates_tokens_under_continuous_batching():
-    from engine.serving.model import default_model_path
-
-    try:
-        default_model_path()
-    except ImportError as error:
-        pytest.skip(str(error))
-    from engine.serving.model import load_model
-
-    model, tokenizer, _ = load_model()
+    model, tokenizer, _ = load_trained_model()
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
              "The three primary colours are"]
     inputs = [tokenizer(text)["input_ids"] for text in texts]

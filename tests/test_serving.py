@@ -29,6 +29,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from engine.serving import openai_api as api  # noqa: E402
 from engine.serving.model import load_model  # noqa: E402
 from engine.serving.server import batching_config, create_app, running  # noqa: E402
+from tests.trained import load_trained_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)  # no test may hang: every wait below has its own, shorter, timeout
 
@@ -385,13 +386,7 @@ def test_run_py_serve_prints_its_url_answers_and_stops_on_ctrl_c(tiny_dir):
 
 @pytest.mark.slow
 def test_the_default_smollm2_answers_a_chat_like_static_greedy_generate():
-    from engine.serving.model import default_model_path
-
-    try:
-        default_model_path()
-    except ImportError as error:
-        pytest.skip(str(error))
-    model, tokenizer, name = load_model()
+    model, tokenizer, name = load_trained_model()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt = tokenizer(text, add_special_tokens=False).input_ids

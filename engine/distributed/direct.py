@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.shard import KeyShard, Queries
+from engine.distributed.transport import transfer
 from engine.kernels.common import compute_dtype
 from engine.kernels.merge import merge_into
 
@@ -72,24 +73,6 @@ def visibility_graph(bounds: list[ShardBounds], causal: bool, window: int | None
             for r in range(world)]
 
 
-def _wait_all(works, rank: int, what: str, timeout: timedelta | None) -> None:
-    try:
-        for work in works:
-            work.wait(timeout) if timeout is not None else work.wait()
-    except RuntimeError as error:  # a peer died or hung: say where, keep the transport's reason
-        raise RuntimeError(f"context_parallel_attention: rank {rank} lost a peer ({what}): {error}") from error
-
-
-def _post(sends: dict[int, list[torch.Tensor]], receives: dict[int, list[torch.Tensor]], group, rank: int):
-    try:
-        works = [dist.isend(t.contiguous(), group=group, group_dst=dst) for dst, ts in sends.items() for t in ts]
-        works += [dist.irecv(b, group=group, group_src=src) for src, bs in receives.items() for b in bs]
-    except RuntimeError as error:
-        raise RuntimeError(f"context_parallel_attention: rank {rank} could not reach its peers "
-                           f"(sending to {sorted(sends)}, receiving from {sorted(receives)}): {error}") from error
-    return works
-
-
 def direct_forward(queries: Queries, own: KeyShard, lengths: list[int], sources: list[list[int]], group,
                    timeout: timedelta | None):
     """``(out, lse, received shards by source rank)`` over the shards this rank's queries may see."""
@@ -99,13 +82,13 @@ def direct_forward(queries: Queries, own: KeyShard, lengths: list[int], sources:
     compute = compute_dtype(q.dtype)
     readers = [r for r, seen in enumerate(sources) if rank in seen]  # who reads this rank's shard
     incoming = {s: own.like(lengths[s]) for s in sources[rank]}
-    works = _post({r: own.tensors() for r in readers}, {s: shard.tensors() for s, shard in incoming.items()},
-                  group, rank)
+    wait = transfer({r: own.tensors() for r in readers}, {s: shard.tensors() for s, shard in incoming.items()},
+                    group, timeout, f"a peer (sending its shard to ranks {readers}, receiving from {sorted(incoming)})")
     out = torch.zeros(b, h, t, own.v.shape[3], dtype=compute, device=q.device)  # [B, Hq, T_r, Dv]
     lse = torch.full((b, h, t), float("-inf"), dtype=compute, device=q.device)  # [B, Hq, T_r]
     if queries.sees(own):  # the own shard while the others travel
         merge_into(out, lse, *queries.at_step(rank).attend(own))
-    _wait_all(works, rank, f"shards to {readers}, from {sorted(incoming)}", timeout)
+    wait()
     for source, shard in incoming.items():
         if queries.sees(shard):
             merge_into(out, lse, *queries.at_step(source).attend(shard))
@@ -139,7 +122,8 @@ def direct_backward(queries: Queries, own: KeyShard, incoming: dict[int, KeyShar
             back[source] = [g_k.to(compute), g_v.to(compute)]
     returned = {r: [torch.empty(own.k.shape, dtype=compute, device=dk.device),
                     torch.empty(own.v.shape, dtype=compute, device=dv.device)] for r in readers}
-    _wait_all(_post(back, returned, group, rank), rank, f"gradients to {sorted(back)}, from {readers}", timeout)
+    transfer(back, returned, group, timeout,
+             f"a peer (sending gradients to ranks {sorted(back)}, receiving from {readers})")()
     for g_k, g_v in returned.values():
         dk += g_k
         dv += g_v

@@ -20,34 +20,19 @@ import torch
 import torch.distributed as dist
 
 from engine.distributed.shard import KeyShard, Queries
+from engine.distributed.transport import transfer
 from engine.kernels.common import compute_dtype
 from engine.kernels.merge import merge_into
 
 
 def _exchange(tensors: list[torch.Tensor], buffers: list[torch.Tensor], group, timeout: timedelta | None):
     """Post sends of ``tensors`` to the next rank and receives into ``buffers`` from the previous; returns a
-    function that waits for all of them (each wait bounded by ``timeout``, else the group's timeout). A transport
-    error, when posting or waiting, says which rank lost which neighbours."""
+    function that waits for all of them and returns ``buffers`` (engine.distributed.transport)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-
-    def lost(error: RuntimeError) -> RuntimeError:  # a peer died or hung: say where, keep the transport's reason
-        return RuntimeError(f"context_parallel_attention: rank {rank} of {world} lost the ring (sending to rank "
-                            f"{(rank + 1) % world}, receiving from rank {(rank - 1) % world}): {error}")
-
-    try:
-        works = [dist.isend(t.contiguous(), group=group, group_dst=(rank + 1) % world) for t in tensors]
-        works += [dist.irecv(b, group=group, group_src=(rank - 1) % world) for b in buffers]
-    except RuntimeError as error:
-        raise lost(error) from error
-
-    def wait() -> list[torch.Tensor]:
-        try:
-            for work in works:
-                work.wait(timeout) if timeout is not None else work.wait()
-        except RuntimeError as error:
-            raise lost(error) from error
-        return buffers
-    return wait
+    after, before = (rank + 1) % world, (rank - 1) % world
+    wait = transfer({after: tensors}, {before: buffers}, group, timeout,
+                    f"the ring (sending to rank {after}, receiving from rank {before})")
+    return lambda: wait()[before]
 
 
 def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, timeout: timedelta | None):

@@ -45,7 +45,6 @@ from engine.paged.cascade import cascade_parts, merge_prefix, shared_prefixes, s
 from engine.paged.native import native_paged_attention, native_paged_fits
 from engine.paged.tables import PagedBatch, check_released, paged_batch
 from engine.planning import explain
-from engine.quantized import QuantizedKV
 
 __all__ = ["paged_attention", "explain_paged", "gather_keys"]
 
@@ -204,16 +203,8 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
 
 def gather_keys(pages, owned: list[int], length: int, page_size: int):
     """A sequence's ``length`` keys (or values) from its pages, ``[1, Hkv, length, E]`` (a QuantizedKV from
-    quantized pools): only the slots it owns; a released page (-1) reads page 0, which the window masks out."""
-    if isinstance(pages, QuantizedKV):
-        data, scale = gather_keys(pages.data, owned, length, page_size), gather_keys(pages.scale[..., None], owned,
-                                                                                     length, page_size)
-        return QuantizedKV(data, scale[..., 0])  # [1, Hkv, length, E], [1, Hkv, length]
-    if not owned:
-        return pages.new_zeros(1, pages.shape[2], 0, pages.shape[3])  # [1, Hkv, 0, E]
-    index = torch.tensor([max(page, 0) for page in owned], device=pages.device)
-    rows = pages.index_select(0, index).reshape(len(owned) * page_size, pages.shape[2], pages.shape[3])
-    return rows[:length].permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, length, E]
+    quantized pools): only the slots it owns (its pages' run from key 0, engine.paged.runs.run_keys)."""
+    return page_runs.run_keys(pages, owned, 0, length, page_size)
 
 
 def _sequence_call(q, k_pages, v_pages, tables: PagedBatch, pages: list[int], positions: torch.Tensor, b: int,

@@ -24,6 +24,8 @@ from tests.test_hf_models import VOCAB, build  # noqa: E402
 SMALL = ["--quiet", "--threads", "1", "--requests", "3", "--prompts", "5,40", "--new", "4,7", "--batch", "2",
          "--page-size", "16", "--batch-tokens", "32"]
 
+pytestmark = pytest.mark.timeout(300)  # a continuous-batching loop that stalls fails the test, never hangs it
+
 
 def parse(*flags: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()

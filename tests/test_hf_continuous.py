@@ -19,6 +19,8 @@ from engine.integrations.transformers import continuous_batching  # noqa: E402
 from tests.test_hf_models import FAMILIES, VOCAB, build  # noqa: E402
 from tests.trained import load_trained_model  # noqa: E402
 
+pytestmark = pytest.mark.timeout(300)  # a continuous-batching loop that stalls fails the test, never hangs it
+
 NEW = 10
 GENERATION = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
 

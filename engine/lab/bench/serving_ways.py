@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+STALL_S = 300  # seconds without any output before a continuous-batching run is abandoned
+
 __all__ = ["Request", "Served", "ResidentPeak", "batching_config", "serve_continuous", "serve_static"]
 
 
@@ -93,11 +95,17 @@ def serve_continuous(model, requests: Sequence[Request], attn: str, config, on_e
             ids = [manager.add_request(r.prompt, max_new_tokens=r.new_tokens, record_timestamps=True)
                    for r in requests]
             done: dict[str, Any] = {}
+            progress = time.monotonic()  # when the last token or request arrived: a loop that stalls raises
             while len(done) < len(ids):
                 result = manager.get_result(timeout=1.0)
                 if result is None and not manager.is_running():
                     raise RuntimeError(f"the continuous-batching loop ({attn}) stopped with {len(done)} of "
                                        f"{len(ids)} requests done")
+                if result is not None:
+                    progress = time.monotonic()
+                elif time.monotonic() - progress > STALL_S:
+                    raise RuntimeError(f"the continuous-batching loop ({attn}) produced nothing for {STALL_S} s "
+                                       f"with {len(done)} of {len(ids)} requests done")
                 if result is not None and result.is_finished():
                     if result.error is not None:
                         raise RuntimeError(f"request {result.request_id} ({attn}) failed: {result.error}")

@@ -163,7 +163,7 @@ def check_released(tables: PagedBatch, positions: torch.Tensor, window: int | No
     if not tables.released:
         return
     size = tables.page_size
-    for b, column in (tables.page_table[:, :] == RELEASED).nonzero().tolist():
+    for b, column in (tables.page_table == RELEASED).nonzero().tolist():
         j0, j1 = column * size, min((column + 1) * size, tables.kv_lens[b]) - 1
         if j0 > j1:
             continue  # past the sequence's keys: never read

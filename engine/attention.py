@@ -25,7 +25,7 @@ import torch
 
 from engine.masks.window import window_mask
 from engine.modifiers import ScoreMod
-from engine.planning import plan, plan_for_shapes
+from engine.planning import plan_for_call, plan_for_shapes
 from engine.relative_bias import RelativePositionBias
 
 __all__ = ["causal_attention", "split_heads", "merge_heads", "window_mask"]
@@ -97,9 +97,9 @@ def causal_attention(
     if plain:  # only shapes decide: the plan made for the first call of these shapes serves this one
         call_plan = plan_for_shapes(q, k, v, scale, causal, softcap, kernel)
     else:
-        call_plan = plan(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
-                         kernel=kernel, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias, score_mod=score_mod,
-                         dropout_p=dropout_p, generator=generator)
+        call_plan = plan_for_call(q, k, v, query_positions, key_positions, allowed, scale, causal=causal,
+                                  softcap=softcap, kernel=kernel, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,
+                                  score_mod=score_mod, dropout_p=dropout_p, generator=generator)
     return call_plan.run(q, k, v, return_lse=return_lse)
 
 

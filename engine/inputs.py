@@ -10,16 +10,17 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from engine.masks.structured import StructuredMask
+from engine.masks.structured import StructuredMask, compact_clone
 from engine.modifiers import NONE, Modifiers, broadcasts_to, check_score_mod_captures, prepare_modifiers
 from engine.quantized import QuantizedKV, checked_as_tensors
 
-__all__ = ["AttentionInputs", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions"]
+__all__ = ["AttentionInputs", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions",
+           "resolve_scale"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,17 @@ class AttentionInputs:
             if x is not None:
                 object.__setattr__(new, name, x)
         return new
+
+    def owning(self) -> AttentionInputs:
+        """These inputs with their own copies of the positions and the mask (a plan's: what it decides from them is
+        then its own, and changing the caller's tensors in place afterwards changes no result of it, whichever
+        kernel runs). Broadcast rows stay broadcast; q, k, v and the modifiers' tensors (learned sinks, slopes,
+        biases: read at run time) are not copied."""
+        allowed = self.allowed
+        if allowed is not None:
+            allowed = compact_clone(allowed) if isinstance(allowed, torch.Tensor) else allowed.owned()
+        return replace(self, query_positions=compact_clone(self.query_positions),
+                       key_positions=compact_clone(self.key_positions), allowed=allowed)
 
     def decided(self, name: str, decide: Callable[[], Any]) -> Any:
         """``decide()``, computed once for these inputs and every ``with_tensors`` copy (keyed by ``name``)."""
@@ -106,13 +118,7 @@ def prepare_inputs(
         check_allowed(allowed, (batch, q_heads, t, s))
         if isinstance(allowed, torch.Tensor) and allowed.device != q.device:  # a dense mask is read where q is
             raise ValueError(f"allowed must be on q's device {q.device}, got {allowed.device}")
-    if scale is None:
-        if d == 0:
-            raise ValueError("head dim D = 0: the default scale 1 / sqrt(D) is undefined; pass scale explicitly")
-        scale = 1.0 / math.sqrt(d)
-    scale = _real_number(scale, "scale")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    scale = resolve_scale(scale, d)
     if softcap is not None:
         softcap = _real_number(softcap, "softcap")
         if not (softcap > 0 and math.isfinite(softcap)):
@@ -122,6 +128,20 @@ def prepare_inputs(
     check_score_mod_captures(mods.score_mod, query_pos, key_pos, compute)
     return AttentionInputs(q, k, v, query_pos, key_pos, allowed, scale, causal, softcap, mods,
                            default_positions=query_positions is None and key_positions is None)
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+    """The score multiplier as a Python float: ``scale`` (any finite real number: int, float, numpy scalar, 0-d
+    tensor without gradient) or ``1 / sqrt(D)`` for None; a ValueError names what was given otherwise (a bool, a
+    string, a learned tensor whose gradient would be dropped, inf, NaN)."""
+    if scale is None:
+        if head_dim == 0:
+            raise ValueError("head dim D = 0: the default scale 1 / sqrt(D) is undefined; pass scale explicitly")
+        return 1.0 / math.sqrt(head_dim)
+    scale = _real_number(scale, "scale")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number, got {scale!r}")
+    return scale
 
 
 def _real_number(value: object, name: str) -> float:

@@ -31,6 +31,7 @@ from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
 from engine.paged import PagedKVCache, paged_attention
 from engine.planning import plan
+from engine.quantized import QuantizedKV
 from engine.rope import PAIRINGS, apply_rope
 
 __all__ = ["MultiHeadAttention"]
@@ -146,11 +147,7 @@ class MultiHeadAttention(nn.Module):
         """Packed new tokens of several sequences, ``x [N, E]`` (sequence ``seqs[i]`` owns rows ``indptr[i] ..
         indptr[i+1]-1``, continuing at its length in ``cache``): their keys and values go to the sequences' pages
         and they attend to them (engine.paged_attention): a mixed batch of prefills and decodes, ``[N, E]``."""
-        if not self.causal:
-            raise ValueError("forward_paged serves causal decoders (a sequence's keys up to each query)")
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.q_proj.in_features:
-            raise ValueError(f"x must be packed tokens [N, E] with E = {self.q_proj.in_features}, got "
-                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        self._check_paged_call(x, cache, seqs, indptr)  # before the cache grows
         starts = indptr.tolist()
         positions = torch.cat([torch.arange(cache.length(seq), cache.length(seq) + stop - start, device=x.device)
                                for seq, start, stop in zip(seqs, starts, starts[1:])] or
@@ -198,6 +195,36 @@ class MultiHeadAttention(nn.Module):
             kind = f"{valid.dtype} {list(valid.shape)}" if isinstance(valid, torch.Tensor) else type(valid).__name__
             raise ValueError(f"valid must be a bool tensor [{batch}, {t}], got {kind}")
         self._check_cache_and_allowed(cache, allowed, batch, t, x.device)
+
+    def _check_paged_call(self, x, cache, seqs, indptr) -> None:
+        """ValueError for any bad argument of forward_paged, before the cache is touched (a refused call leaves it as
+        it was, and a retry appends once)."""
+        if not self.causal:
+            raise ValueError("forward_paged serves causal decoders (a sequence's keys up to each query)")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.q_proj.in_features:
+            raise ValueError(f"x must be packed tokens [N, E] with E = {self.q_proj.in_features}, got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        weight = self.q_proj.weight
+        if x.device != weight.device or x.dtype != weight.dtype:
+            raise ValueError(f"x must have the layer's dtype and device ({weight.dtype} on {weight.device}), got "
+                             f"{x.dtype} on {x.device}")
+        if not isinstance(cache, PagedKVCache):
+            raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+        pool = cache.keys.data if isinstance(cache.keys, QuantizedKV) else cache.keys  # [num_pages, P, Hkv, D]
+        want = (self.num_kv_heads, self.head_dim, self.head_dim)
+        have = (pool.shape[2], pool.shape[3], cache.values.shape[3])
+        if have != want:
+            raise ValueError(f"cache must hold [Hkv, D, Dv] = {list(want)} for this layer, got {list(have)}")
+        if pool.device != x.device:
+            raise ValueError(f"cache must be on x's device {x.device}, got {pool.device}")
+        if not isinstance(cache.keys, QuantizedKV) and pool.dtype != x.dtype:
+            raise ValueError(f"cache pages must have the layer's dtype {x.dtype} (or be quantized: int8 / fp8), got "
+                             f"{pool.dtype}")
+        if cache.window is not None and (self.window is None or cache.window < self.window):
+            raise ValueError(f"the cache releases keys outside a window of {cache.window}, but this layer's queries "
+                             f"see {'every earlier key' if self.window is None else f'{self.window} keys'}: make the "
+                             f"cache with window=None or at least the layer's window ({self.window})")
+        cache.check_append(seqs, x.shape[0], indptr)
 
     def _check_cache_and_allowed(self, cache, allowed, batch, t, device) -> None:
         if cache is not None:

@@ -20,6 +20,7 @@ default positions and no mask or modifier reuses a cached plan for its shapes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,9 +30,29 @@ from engine.kernels.dispatch import KernelChoice, check_kernel_name, choose, env
 from engine.modifiers import NONE
 from engine.quantized import QuantizedKV
 
-__all__ = ["AttentionPlan", "plan", "explain"]
+__all__ = ["AttentionPlan", "Signature", "TensorSignature", "plan", "plan_for_call", "explain"]
 
 TENSORS = (torch.Tensor, QuantizedKV)  # what q, k, v may be
+
+
+class TensorSignature(NamedTuple):
+    """What a plan knows of one of q, k, v: a QuantizedKV or a tensor, its shape, its element dtype (a QuantizedKV's
+    int8 / fp8 entries; its scales are fp32 by construction) and its device."""
+
+    quantized: bool
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Signature(NamedTuple):
+    """The tensors a plan is made for, whole: the one record the plan cache's key and ``AttentionPlan.run``
+    compare. Strides are not in it: no kernel keeps a layout from planning (decode_native reads each run's strides;
+    the others take any)."""
+
+    q: TensorSignature
+    k: TensorSignature
+    v: TensorSignature
 
 
 @dataclass(frozen=True)
@@ -41,13 +62,14 @@ class AttentionPlan:
 
     inputs: the validated arguments (positions resolved; q, k, v as meta placeholders: a plan holds no tensor
     of the call); choice: the kernel and the reasons (``print(plan)``); grad: planned for a call whose gradient
-    autograd wants (of q, k, v or a learned bias); signature: the shapes, dtypes, device and K/V kind planned for.
+    autograd wants (of q, k, v or a learned bias); signature: each tensor's kind, shape, dtype and device planned
+    for (``Signature``).
     """
 
     inputs: AttentionInputs
     choice: KernelChoice
     grad: bool
-    signature: tuple
+    signature: Signature
 
     @property
     def kernel(self) -> str:
@@ -83,26 +105,25 @@ class AttentionPlan:
     __call__ = run
 
     def matches(self, q, k, v) -> bool:
-        """True when q, k, v are tensors this plan was made for (shapes, dtypes, device, K/V kind, gradient need)."""
-        planned = self.signature  # compared field by field: the hot path of every layer
+        """True when q, k, v are tensors this plan was made for (each one's kind, shape, dtype and device, and the
+        gradient need)."""
         if not (isinstance(q, torch.Tensor) and isinstance(k, TENSORS) and isinstance(v, TENSORS)):
             return False
-        return not (q.shape != planned[0] or k.shape != planned[1] or v.shape != planned[2] or q.dtype != planned[3]
-                    or q.device != planned[5] or _element(k) != planned[4] or isinstance(k, QuantizedKV) != planned[6]
-                    or _wants_grad(self.inputs, q, k, v) != self.grad)
+        return _signature(q, k, v) == self.signature and _wants_grad(self.inputs, q, k, v) == self.grad
 
     def _refuse(self, q, k, v) -> None:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, TENSORS):
+        for name, x, kinds in (("q", q, torch.Tensor), ("k", k, TENSORS), ("v", v, TENSORS)):
+            if not isinstance(x, kinds):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        planned = self.signature
         given = _signature(q, k, v)
-        for i, what in enumerate(("q's shape", "k's shape", "v's shape", "dtype", "k/v's element dtype", "device",
-                                  "k/v's kind")):
-            if planned[i] != given[i]:
-                want, got = (list(x) if isinstance(x, torch.Size) else x for x in (planned[i], given[i]))
-                raise ValueError(f"this plan was made for {what} {want}, got {got}: make a plan for these tensors "
-                                 f"(engine.plan)")
+        for name, planned, got in zip(Signature._fields, self.signature, given):
+            for what, want, have in zip(TensorSignature._fields, planned, got):
+                if want != have:
+                    if what == "quantized":
+                        what, want, have = "kind", _kind(want), _kind(have)
+                    want, have = (list(x) if isinstance(x, torch.Size) else x for x in (want, have))
+                    raise ValueError(f"this plan was made for {name}'s {what} {want}, got {have}: make a plan for "
+                                     f"these tensors (engine.plan)")
         state = "need" if self.grad else "do not need"
         raise ValueError(f"this plan was made for tensors that {state} gradients, got the other kind (its kernel, "
                          f"{self.kernel}, was chosen for that): make a plan under the same grad mode, with tensors "
@@ -111,7 +132,7 @@ class AttentionPlan:
     def __str__(self) -> str:
         x = self.inputs
         planned = (f"  planned for: q {list(x.q.shape)}, k {list(x.k.shape)}, v {list(x.v.shape)} "
-                   f"{str(x.q.dtype)[6:]} on {self.signature[5]}{', with gradients' if self.grad else ''}")
+                   f"{str(x.q.dtype)[6:]} on {self.signature.q.device}{', with gradients' if self.grad else ''}")
         return f"{self.choice}\n{planned}"
 
 
@@ -120,13 +141,34 @@ def plan(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=
     """Validate a call and choose its kernel (``causal_attention``'s arguments; q, k, v are read for their shapes,
     dtypes, device and gradient needs, not their values). ``modifiers``: sinks, alibi_slopes, bias, score_mod,
     dropout_p, generator; a dropout plan draws its pattern's seed here, once (each run then drops the same
-    weights: plan each step)."""
+    weights: plan each step).
+
+    A plan owns what it decides from: it keeps copies of the positions and of ``allowed`` (broadcast rows stay
+    broadcast), so changing those tensors in place after planning changes none of its results, whatever kernel it
+    runs; plan again for new positions. The modifiers' tensors (sinks, slopes, a bias: learned, updated in place by
+    an optimizer) are read at each run."""
     check_kernel_name(kernel)
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
                             **modifiers)
+    return _planned(inputs.owning(), q, k, v, kernel)
+
+
+def plan_for_call(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, *,
+                  causal: bool = True, softcap: float | None = None, kernel: str = "auto",
+                  **modifiers) -> AttentionPlan:
+    """``plan``'s plan for one call that runs it at once (``causal_attention``): nothing can change its positions or
+    mask before it runs, so they are not copied."""
+    check_kernel_name(kernel)
+    inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
+                            **modifiers)
+    return _planned(inputs, q, k, v, kernel)
+
+
+def _planned(inputs: AttentionInputs, q, k, v, kernel: str) -> AttentionPlan:
     choice = choose(inputs, kernel)
     template = inputs.with_tensors(*(_placeholder(x) for x in (q, k, v)))
-    return AttentionPlan(template, choice, _wants_grad(inputs, q, k, v), _signature(q, k, v))
+    signature = Signature(*(TensorSignature(*part) for part in _signature(q, k, v)))
+    return AttentionPlan(template, choice, _wants_grad(inputs, q, k, v), signature)
 
 
 PLAN_CACHE_SIZE = 256
@@ -138,11 +180,12 @@ def plan_for_shapes(q, k, v, scale=None, causal: bool = True, softcap: float | N
     """The plan of a call with default positions and no mask or modifier, where shapes decide everything: made on
     the first call with this signature, kept (at most PLAN_CACHE_SIZE of them) and reused."""
     if not (_plain_number(scale) and _plain_number(softcap) and isinstance(causal, bool) and isinstance(kernel, str)):
-        return plan(q, k, v, None, None, None, scale, causal=causal, softcap=softcap, kernel=kernel)  # validates
+        return plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap,
+                             kernel=kernel)  # validates
     key = (_signature(q, k, v), needs_grad(q, k, v), scale, causal, softcap, kernel, environment())
     found = _plans.get(key)
     if found is None:
-        found = plan(q, k, v, None, None, None, scale, causal=causal, softcap=softcap, kernel=kernel)
+        found = plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap, kernel=kernel)
         if len(_plans) >= PLAN_CACHE_SIZE:
             _plans.clear()
         _plans[key] = found
@@ -181,13 +224,20 @@ def _wants_grad(inputs: AttentionInputs, q, k, v) -> bool:
 
 
 def _signature(q, k, v) -> tuple:
-    """What a plan is made for: shapes, dtypes, device and kind of K/V."""
-    return (q.shape, k.shape, v.shape, q.dtype, _element(k), q.device, isinstance(k, QuantizedKV))
+    """``Signature``'s fields as plain tuples (the hot path builds no record): each tensor's kind, shape, element
+    dtype and device."""
+    return _part(q), _part(k), _part(v)
 
 
-def _element(k) -> torch.dtype | None:
-    """K's element dtype (a quantized cache's int8 / fp8)."""
-    return k.data.dtype if isinstance(k, QuantizedKV) else getattr(k, "dtype", None)
+def _part(x) -> tuple:
+    if type(x) is QuantizedKV:
+        data = x.data
+        return True, data.shape, data.dtype, data.device
+    return False, x.shape, x.dtype, x.device
+
+
+def _kind(quantized: bool) -> str:
+    return "QuantizedKV" if quantized else "tensor"
 
 
 def _placeholder(x):

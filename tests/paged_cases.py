@@ -1,6 +1,7 @@
 """The paged cases the paged tests share: a float64 oracle that reads each key straight through the page table (a
 per-query loop), and a hypothesis strategy of paged batches (shuffled and shared pages, partial last pages, mixed
-batches, NaN in every slot no sequence owns, windows, softcap, sinks, ALiBi, per-token positions)."""
+batches, NaN in every slot no sequence owns, windows, softcap, sinks, ALiBi, per-token positions, queries of a
+sequence with no keys, a fork at exactly the shared prefix's length)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,12 @@ def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float6
     hkv, group, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([4, 8]))
     batch = draw(st.integers(1, 5))
     kv_lens = [draw(st.integers(0, 40)) for _ in range(batch)]
-    q_lens = [draw(st.sampled_from([0, 1, 1, min(3, n), n])) if n else 0 for n in kv_lens]
+    shared_pages = draw(st.integers(0, 3))  # sequence 0's first pages, shared by each sequence long enough
+    if batch > 1 and shared_pages and draw(st.booleans()):  # a fork at exactly the shared prefix: no keys past it
+        kv_lens[0], kv_lens[1] = max(kv_lens[0], shared_pages * page_size), shared_pages * page_size
+    per_token = draw(st.booleans())  # per-token positions (drawn below): a sequence with no keys may have queries
+    q_lens = [draw(st.sampled_from([0, 1, 1, min(3, n), n])) if n else
+              (draw(st.sampled_from([0, 1, 2])) if per_token and not uniform else 0) for n in kv_lens]
     if uniform:
         t = draw(st.integers(1, 4))
         kv_lens, q_lens = [max(n, t) for n in kv_lens], [t] * batch
@@ -66,7 +72,6 @@ def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float6
     for b, n in enumerate(owned):
         page_table[b, :n] = torch.tensor(order[taken:taken + n], dtype=torch.long)
         taken += n
-    shared_pages = draw(st.integers(0, 3))  # sequence 0's first pages, shared by each sequence long enough
     sharing = {b for b in range(1, batch) if min(kv_lens[0], kv_lens[b]) >= shared_pages * page_size}
     for b in sharing:  # a shared prefix (full pages); the pages these sequences drew instead go unowned (NaN)
         page_table[b, :shared_pages] = page_table[0, :shared_pages]
@@ -91,6 +96,6 @@ def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float6
     if not uniform and draw(st.booleans()):
         options["alibi"] = torch.rand(hkv * group, generator=g, dtype=dtype)
     positions = None
-    if draw(st.booleans()) and q.shape[0]:  # per-token positions: anywhere in the sequence (or before it)
+    if per_token and q.shape[0]:  # per-token positions: anywhere in the sequence (or before it)
         positions = torch.cat([torch.randint(-2, max(n, 1) + 2, (ql,), generator=g) for n, ql in zip(kv_lens, q_lens)])
     return (q, k_pages, v_pages, page_table, torch.tensor(kv_lens), indptr, positions), options

@@ -90,6 +90,26 @@ def test_nothing_stays_registered_after_the_block_and_other_calls_pass_through()
     assert {name: AttentionInterface._global_mapping[name] for name in continuous.CONTINUOUS_NAMES} == before
 
 
+def test_overlapping_blocks_route_until_the_last_one_ends_and_leave_nothing_registered():
+    # enter A, enter B, leave A, leave B (not nested): routing and the model's switch last until B ends
+    registered = lambda: {name: AttentionInterface()[name] for name in continuous.CONTINUOUS_NAMES}  # noqa: E731
+    before = registered()
+    model = build("llama-gqa", "engine")
+    a, b = continuous_batching(model), continuous_batching(model)
+    a.__enter__()
+    routed = registered()
+    assert routed["sdpa"] is not before["sdpa"] and routed["sdpa"].engine_routes_from is before["sdpa"]
+    b.__enter__()
+    assert registered() == routed and model.config._attn_implementation != "engine"
+    a.__exit__(None, None, None)
+    assert registered() == routed and model.config._attn_implementation != "engine"  # B still runs
+    b.__exit__(None, None, None)
+    assert registered() == before and model.config._attn_implementation == "engine"
+    with continuous_batching(model):  # and a later block routes again, from the library's own functions
+        assert registered()["sdpa"].engine_routes_from is before["sdpa"]
+    assert registered() == before
+
+
 def test_without_the_block_transformers_refuses_the_engine():
     model = build("llama-gqa", "engine")
     with pytest.raises(ValueError, match="not supported for continuous batching"):

@@ -226,3 +226,54 @@ def test_every_kernel_of_the_matrix_serves_the_paged_paths(kernel, problem, run_
     # gathered sequences and runs of pages alike (run_keys 4: the runs path)
     with small_runs(run_keys):
         assert_equals_the_oracle(*problem, kernel=kernel, cascade=False)
+
+
+@pytest.mark.parametrize("call", [dict(kernel="reference"), dict(kernel="tiled"), dict(softcap=5.0), {}], ids=str)
+def test_queries_of_a_sequence_with_no_keys_give_zero_and_minus_inf(call):
+    # sequence 0 has no keys yet two queries (explicit positions); sequence 1 is ordinary
+    g = torch.Generator().manual_seed(7)
+    k_pages, v_pages = torch.randn(4, 4, 2, 8, generator=g, dtype=torch.float64), \
+        torch.randn(4, 4, 2, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(3, 4, 8, generator=g, dtype=torch.float64)
+    args = (q, k_pages, v_pages, torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 6]), torch.tensor([0, 2, 3]),
+            torch.tensor([0, 3, 5]))
+    out, lse = paged_attention(*args, return_lse=True, **call)
+    assert torch.equal(out[:2], torch.zeros_like(out[:2])) and bool(torch.isneginf(lse[:2]).all())
+    want, want_lse = oracle(*args, softcap=call.get("softcap"))
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse[2], want_lse[2], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("call", [dict(softcap=5.0), dict(kernel="tiled"), {}], ids=str)
+def test_a_fork_at_exactly_the_shared_prefix_length_equals_the_oracle_and_is_explained(call):
+    # two forks of a 256-key prompt: one has 5 more keys, the other none past the prefix; the cascade forced
+    g = torch.Generator().manual_seed(8)
+    k_pages, v_pages = (torch.randn(18, 16, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    table = torch.tensor([list(range(17)), list(range(16)) + [17]])  # pages 0..15 shared
+    args = (torch.randn(2, 4, 8, generator=g, dtype=torch.float64), k_pages, v_pages, table,
+            torch.tensor([261, 256]), torch.tensor([0, 1, 2]))
+    text = engine.explain_paged(*args, cascade=True, **call)
+    assert "share their first 256 keys" in text, text
+    out = paged_attention(*args, cascade=True, **call)
+    torch.testing.assert_close(out, oracle(*args, softcap=call.get("softcap"))[0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out, paged_attention(*args, cascade=False, **call), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("scale, message", [(True, "got True (bool)"), ("2", "got '2' (str)"),
+                                            (torch.tensor(0.5, requires_grad=True), "requires grad"),
+                                            (float("nan"), "finite number")], ids=str)
+@pytest.mark.parametrize("path", ["in place", "gathered"])
+def test_every_paged_path_refuses_a_bad_scale_alike(scale, message, path):
+    g = torch.Generator().manual_seed(9)
+    k_pages, v_pages = torch.randn(4, 4, 2, 8, generator=g), torch.randn(4, 4, 2, 8, generator=g)
+    q = torch.randn(2, 4, 8, generator=g)
+    args = (q, k_pages, v_pages, torch.tensor([[0], [1]]), torch.tensor([3, 4]), torch.tensor([0, 1, 2]))
+    kernel = "auto" if path == "in place" else "reference"
+    if path == "in place" and native_unavailable() is None:
+        assert "decode_native reads K/V in place" in engine.explain_paged(*args)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        paged_attention(*args, scale=scale, kernel=kernel)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        engine.explain_paged(*args, scale=scale, kernel=kernel)
+    torch.testing.assert_close(paged_attention(*args, scale=torch.tensor(0.5), kernel=kernel),
+                               paged_attention(*args, scale=0.5, kernel="reference"))

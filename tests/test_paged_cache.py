@@ -449,3 +449,93 @@ def test_a_layer_with_a_windowed_cache_releasing_pages_equals_each_request_alone
     table, _ = paged.tables(seqs)
     assert bool((table == -1).any())  # pages were released ...
     assert all(paged.pages_held(seq) <= -(-window // page_size) + 1 for seq in seqs)  # ... down to the bound
+
+
+def cache_state(cache, seqs):
+    return (cache.keys.clone(), cache.pages_in_use, [cache.length(s) for s in seqs], cache.tables(seqs)[0].tolist())
+
+
+@pytest.mark.parametrize("order", ["releasing first", "releasing last"])
+def test_a_windowed_append_on_a_nearly_full_pool_takes_the_pages_a_later_sequence_releases(order):
+    # x's window releases its page 0 in this append; y needs that page and the last free one. The capacity check
+    # counts the release, so the append must succeed whichever sequence comes first in the list
+    cache = PagedKVCache(4, 2, HKV, D, dtype=torch.float64, window=2)
+    x, y = cache.add(), cache.add()
+    keys, values = tokens(6, 0)
+    cache.append([x, y], keys, values, offsets([4, 2]))  # x: pages 0, 1; y: page 2; one page free
+    seqs, counts = ([x, y], [0, 3]) if order == "releasing first" else ([y, x], [3, 0])
+    more, more_values = tokens(3, 1)
+    cache.append(seqs, more, more_values, offsets(counts))
+    assert cache.tables([x])[0].tolist()[0][:2] == [-1, 1]
+    assert cache.length(x) == 4 and cache.length(y) == 5 and cache.pages_in_use == 4
+    got = cache.keys[cache.tables([y])[0][0, 1]][:2]  # y's keys 2, 3 (its second page)
+    assert torch.equal(got, more[:2])
+
+
+def test_a_windowed_append_of_three_sequences_where_the_last_releases_what_the_first_two_take():
+    # free 1 page; x and y need one each, z's window releases one: it fits, and each reads back its own keys
+    cache = PagedKVCache(5, 2, HKV, D, dtype=torch.float64, window=2)
+    x, y, z = cache.add(), cache.add(), cache.add()
+    keys, values = tokens(8, 0)
+    cache.append([x, y, z], keys, values, offsets([2, 2, 4]))  # x, y: 1 page each, z: 2; one page free
+    more, more_values = tokens(2, 1)
+    cache.append([x, y, z], more, more_values, offsets([1, 1, 0]))  # z's query at 4 sees keys 3, 4: page 0 released
+    table = cache.tables([x, y, z])[0]
+    assert cache.pages_in_use == 5 and table[2, 0] == -1
+    for row, seq in enumerate((x, y)):
+        assert cache.length(seq) == 3 and torch.equal(cache.keys[table[row, 1], 0], more[row])
+
+
+def test_a_window_release_of_a_page_a_fork_still_holds_frees_nothing():
+    # the parent's window releases page 0, which the fork still holds: no page returns to the pool, so an append
+    # that needs one page more than is free is refused (and changes nothing) instead of taking a page twice
+    cache = PagedKVCache(3, 4, HKV, D, dtype=torch.float64, window=4)
+    parent = cache.add()
+    keys, values = tokens(9, 0)
+    cache.append([parent], keys[:8], values[:8], offsets([8]))  # pages 0, 1 full
+    child = cache.fork(parent)  # holds pages 0 and 1 too; one page free
+    before = cache_state(cache, [parent, child])
+    more, more_values = tokens(5, 1)
+    with pytest.raises(ValueError, match=r"the pool has 1 free pages of 4 tokens and this append needs 2"):
+        cache.append([parent], more, more_values, offsets([5]))  # 13 keys: 2 new pages; page 0 stays the child's
+    after = cache_state(cache, [parent, child])
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+    cache.append([parent], keys[8:], values[8:], offsets([1]))  # one page: fits; page 0 released by the parent only
+    assert cache.tables([parent, child])[0].tolist() == [[-1, 1, 2], [0, 1, 0]] and cache.pages_in_use == 3
+
+
+@pytest.mark.parametrize("indptr", [torch.tensor([0.0, 2.0]), torch.tensor([False, True]), [0, 2]], ids=str)
+def test_an_indptr_that_is_not_an_int_tensor_is_refused_naming_it(indptr):
+    cache = PagedKVCache(4, 4, HKV, D, dtype=torch.float64)
+    seq = cache.add()
+    keys, values = tokens(2, 0)
+    with pytest.raises(ValueError, match=r"indptr must be an int tensor \[len\(seqs\) \+ 1\] = \[2\], got"):
+        cache.append([seq], keys[:2] if not isinstance(indptr, torch.Tensor) or indptr.dtype != torch.bool
+                     else keys[:1], values[:2] if not isinstance(indptr, torch.Tensor) or indptr.dtype != torch.bool
+                     else values[:1], indptr)
+    assert cache.length(seq) == 0 and cache.pages_in_use == 0
+
+
+@pytest.mark.parametrize("bad", ["bf16 cache", "cache window below the layer's", "windowed cache, no layer window",
+                                 "unknown sequence", "float indptr"])
+def test_forward_paged_refuses_before_the_cache_grows(bad):
+    from engine import MultiHeadAttention
+
+    layer = MultiHeadAttention(32, 4, 2, window=8 if "below" in bad else None).double()
+    dtype = torch.bfloat16 if bad == "bf16 cache" else torch.float64
+    window = 4 if "window" in bad else None
+    cache = PagedKVCache(8, 4, 2, 8, dtype=dtype, window=window)
+    seq = cache.add()
+    seqs, indptr = ([seq + 5] if bad == "unknown sequence" else [seq]), torch.tensor([0, 3])
+    if bad == "float indptr":
+        indptr = indptr.double()
+    x = torch.randn(3, 32, dtype=torch.float64)
+    message = {"bf16 cache": "cache pages must have the layer's dtype torch.float64",
+               "cache window below the layer's": "releases keys outside a window of 4, but this layer's queries see 8",
+               "windowed cache, no layer window": "releases keys outside a window of 4, but this layer's queries see "
+                                                  "every earlier key",
+               "unknown sequence": "no sequence 5", "float indptr": "indptr must be an int tensor"}[bad]
+    for _ in range(2):  # a retry is refused alike: the cache never grew
+        with pytest.raises(ValueError, match=message):
+            layer.forward_paged(x, cache, seqs, indptr)
+        assert cache.length(seq) == 0 and cache.pages_in_use == 0

@@ -82,7 +82,7 @@ def test_a_plan_refuses_tensors_it_was_not_made_for_naming_the_difference():
     step = engine.plan(q, k, v)
     with pytest.raises(ValueError, match=r"made for k's shape \[1, 2, 64, 16\], got \[1, 2, 65, 16\]"):
         step.run(q, torch.randn(1, 2, 65, 16), torch.randn(1, 2, 65, 16))
-    with pytest.raises(ValueError, match="made for dtype torch.float32, got torch.float64"):
+    with pytest.raises(ValueError, match="made for q's dtype torch.float32, got torch.float64"):
         step.run(q.double(), k.double(), v.double())
     with pytest.raises(ValueError, match="made for q's shape"):
         step.run(q[:, :, :0], k, v)
@@ -91,7 +91,7 @@ def test_a_plan_refuses_tensors_it_was_not_made_for_naming_the_difference():
     with pytest.raises(ValueError, match="k must be a torch.Tensor, got list"):
         step.run(q.detach(), [1.0], v)
     meta = torch.empty(1, 4, 1, 16, device="meta")
-    with pytest.raises(ValueError, match="made for device cpu, got meta"):
+    with pytest.raises(ValueError, match="made for q's device cpu, got meta"):
         step.run(meta, k.to("meta"), v.to("meta"))
 
 

@@ -237,6 +237,8 @@ BAD_REQUESTS = [  # (body, status, what the message or param names)
     (b'{"prompt": "w9", "stream": 1}', 400, "stream"),
     (b'{"prompt": "w9", "max_tokens": 0}', 400, "max_tokens"),
     (b'{"prompt": "w9", "temperature": 2.5}', 400, "temperature"),
+    (b'{"prompt": "w9", "temperature": NaN}', 400, "finite number"),  # not "should be <= 2"
+    (b'{"prompt": "w9", "top_p": NaN}', 400, "finite number"),
     (b'{"prompt": "w9", "model": "gpt-4"}', 404, "model"),
     (b'{"prompt": "w9", "temperature": 0.7, "seed": 1}', 400, "seed"),  # sampled + seed: refused, not ignored
     (b'{"prompt": "w9", "n": 2}', 400, "n=2"),

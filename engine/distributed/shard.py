@@ -101,7 +101,7 @@ class Queries:
         """The plan of these queries against ``shard``, made once per ring step (not kept outside a ring)."""
         step = self.step
         found = None if step is None else self.plans.get(step)
-        if found is None or found.signature[1] != shard.k.shape:
+        if found is None or found.signature.k.shape != shard.k.shape:
             found = plan(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard), self.scale,
                          causal=self.causal, softcap=self.softcap, **self.modifiers_for(shard),
                          **({} if self.dropout is None else {"dropout_p": self.dropout[0],

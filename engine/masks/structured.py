@@ -60,6 +60,13 @@ class StructuredMask:
         """True when the mask differs between batch rows (kernels then plan each row apart)."""
         raise NotImplementedError
 
+    def owned(self) -> StructuredMask:
+        """This mask with copies of the tensors it reads (and of its parts): what a plan keeps, so that a change to
+        the caller's tensors in place after planning changes nothing the plan decided."""
+        copy = object.__new__(type(self))
+        copy.__dict__.update({name: _owned(value) for name, value in self.__dict__.items()})
+        return copy
+
     # --- tensor-like surface ----------------------------------------------------------------------
     @property
     def shape(self) -> torch.Size:
@@ -155,6 +162,24 @@ _NOT = {torch.Tensor.__invert__, torch.logical_not, torch.bitwise_not, torch.Ten
         torch.Tensor.bitwise_not}
 
 
+def compact_clone(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` whose broadcast dimensions (stride 0, an ``expand``) stay broadcast: an expanded
+    ``[B, T, S]`` mask copies one ``[T, S]`` row, and the copy has the same shape and the same zero strides."""
+    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
+                  for size, stride in zip(x.shape, x.stride()))
+    return x[index].clone().expand(x.shape)
+
+
+def _owned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return compact_clone(value)
+    if isinstance(value, StructuredMask):
+        return value.owned()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_owned(item) for item in value)
+    return value
+
+
 def _dense(x: Any) -> Any:
     return x.to_dense() if isinstance(x, StructuredMask) else x
 
@@ -190,6 +215,9 @@ class DenseMask(StructuredMask):
 
     def to_dense(self) -> torch.Tensor:
         return self.mask
+
+    def owned(self) -> DenseMask:
+        return DenseMask(compact_clone(self.mask))  # (its 4-D view follows the copy)
 
     def batched(self) -> bool:
         return self._mask4.shape[0] > 1

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import causal_attention
-from engine.inputs import resolve_positions
+from engine.inputs import resolve_positions, resolve_scale
 from engine.kernels.common import needs_grad
 from engine.kernels.flex.paged import flex_paged_attention, flex_paged_fits
 from engine.kernels.sinks import apply_sinks
@@ -76,6 +76,7 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
     _check_options(window, alibi_slopes, q.shape[1], cascade)
+    scale = resolve_scale(scale, q.shape[2])  # one float for every path (a bad scale refused on each alike)
     check_released(tables, positions, window)
     sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks if sinks is not None \
         else None
@@ -160,6 +161,7 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
     check_released(tables, positions, window)
+    scale = resolve_scale(scale, q.shape[2])
     alibi = modifiers.get("alibi_slopes")
     groups = _groups(tables, cascade)
     why_not_flex = _flex_fits(q, k_pages, v_pages, tables, softcap, alibi, modifiers.get("sinks"), kernel,

@@ -201,11 +201,26 @@ class PagedKVCache:
             return [range(0) for _ in seqs]
         return [self._releasable(s, max(s.length - self.window + 1, 0)) for s in map(self._sequences.get, seqs)]
 
-    def _check_append(self, seqs, keys, values, indptr) -> list[int]:
+    def check_append(self, seqs: list[int], count: int, indptr: torch.Tensor) -> list[int]:
+        """The new tokens per sequence of an ``append`` of ``count`` rows; a ValueError for an unknown or repeated
+        sequence or a bad ``indptr`` (an integer tensor ``[len(seqs) + 1]`` from 0 to ``count``, never decreasing).
+        Changes nothing (a caller checks before it computes what it appends)."""
         for seq in seqs:
             self._get(seq)
         if len(set(seqs)) != len(seqs):
             raise ValueError(f"each sequence may appear once per append, got {seqs}")
+        if (not isinstance(indptr, torch.Tensor) or indptr.dim() != 1 or indptr.shape[0] != len(seqs) + 1
+                or indptr.is_floating_point() or indptr.is_complex() or indptr.dtype == torch.bool):
+            got = (f"{indptr.dtype} {list(indptr.shape)}" if isinstance(indptr, torch.Tensor)
+                   else type(indptr).__name__)
+            raise ValueError(f"indptr must be an int tensor [len(seqs) + 1] = [{len(seqs) + 1}], got {got}")
+        starts = indptr.tolist()
+        counts = [b - a for a, b in zip(starts, starts[1:])]
+        if starts[0] != 0 or starts[-1] != count or any(c < 0 for c in counts):
+            raise ValueError(f"indptr must run from 0 to N = {count} without decreasing, got {starts}")
+        return counts
+
+    def _check_append(self, seqs, keys, values, indptr) -> list[int]:
         heads, d, dv = self.keys.shape[2], self.keys.shape[3], self.values.shape[3]
         for name, x, width in (("keys", keys, d), ("values", values, dv)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (heads, width):
@@ -215,13 +230,7 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if keys.shape[0] != values.shape[0]:
             raise ValueError(f"keys and values must have the same N, got {keys.shape[0]} and {values.shape[0]}")
-        if not isinstance(indptr, torch.Tensor) or indptr.dim() != 1 or indptr.shape[0] != len(seqs) + 1:
-            raise ValueError(f"indptr must be an int tensor [len(seqs) + 1] = [{len(seqs) + 1}]")
-        starts = indptr.tolist()
-        counts = [b - a for a, b in zip(starts, starts[1:])]
-        if starts[0] != 0 or starts[-1] != keys.shape[0] or any(c < 0 for c in counts):
-            raise ValueError(f"indptr must run from 0 to N = {keys.shape[0]} without decreasing, got {starts}")
-        return counts
+        return self.check_append(seqs, keys.shape[0], indptr)
 
     def _reserve(self, seqs: list[int], counts: list[int], released: list[range]) -> None:
         """Release the window's pages, then give each sequence the pages its new tokens need, copying a shared
@@ -240,8 +249,9 @@ class PagedKVCache:
             raise ValueError(f"the pool has {self._pool.free_pages + freed} free pages of {self.page_size} tokens"
                              f"{released_text} and this append needs {needed}: free finished sequences or make the "
                              f"pool larger (num_pages)")
-        for (sequence, shared_tail, new), pages in zip(plans, released):
+        for (sequence, _, _), pages in zip(plans, released):  # every release first: the check counted their pages
             self._release(sequence, pages)
+        for sequence, shared_tail, new in plans:
             if shared_tail:  # copy on write: this sequence gets its own copy of the shared, partly filled page
                 old, copy = sequence.pages[-1], self._pool.take()
                 self._pool.copy(old, copy)

@@ -94,8 +94,8 @@ class SamplingRequest(_Strict):
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)  # NaN: "should be a finite number"
+    top_p: float = Field(1.0, ge=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1)  # not OpenAI's (vLLM's): None, -1 or 0 = off
     seed: int | None = None
     stop: str | list[str] | None = None

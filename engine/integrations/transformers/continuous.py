@@ -31,6 +31,7 @@ sinks (gpt-oss) apply as for any call; the additive mask transformers builds for
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -117,22 +118,60 @@ def _routed(original):
     return attention
 
 
+class _Blocks:
+    """The ``continuous_batching`` blocks open now (any order of entering and leaving, any thread): the names are
+    routed while at least one is open and given back their functions when the last one closes; a model switched to
+    a name the manager accepts goes back to ``engine`` when the last block that holds it closes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = 0
+        self.originals: dict[str, object] = {}
+        self.models: dict[int, list] = {}  # id(model) -> [model, blocks holding it]
+
+    def enter(self, model) -> None:
+        with self.lock:
+            if self.open == 0:
+                current = {name: AttentionInterface()[name] for name in CONTINUOUS_NAMES}  # (the global functions)
+                self.originals = {name: getattr(f, "engine_routes_from", f) for name, f in current.items()}
+                for name, original in self.originals.items():
+                    AttentionInterface.register(name, _routed(original))
+            self.open += 1
+            if model is None:
+                return
+            held = self.models.get(id(model))
+            if held is not None:
+                held[1] += 1
+            elif model.config._attn_implementation == "engine":
+                model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
+                self.models[id(model)] = [model, 1]
+
+    def leave(self, model) -> None:
+        with self.lock:
+            held = None if model is None else self.models.get(id(model))
+            if held is not None:
+                held[1] -= 1
+                if held[1] == 0:
+                    del self.models[id(model)]
+                    model.set_attn_implementation("engine")
+            self.open -= 1
+            if self.open == 0:
+                for name, original in self.originals.items():
+                    AttentionInterface.register(name, original)
+
+
+_blocks = _Blocks()
+
+
 @contextlib.contextmanager
 def continuous_batching(model: torch.nn.Module | None = None) -> Iterator[None]:
     """While the block runs, transformers' continuous batching computes attention on the engine (module docstring);
     ``model`` set to ``attn_implementation="engine"`` runs under ``sdpa`` (or ``eager`` where the model has no sdpa
-    support: the manager makes it ``paged|eager``) for the block, then ``engine`` again."""
-    originals = {name: AttentionInterface._global_mapping[name] for name in CONTINUOUS_NAMES}
-    switched = model is not None and model.config._attn_implementation == "engine"
-    for name, original in originals.items():
-        if getattr(original, "engine_routes_from", None) is None:  # (nested blocks route once)
-            AttentionInterface.register(name, _routed(original))
-    if switched:
-        model.set_attn_implementation("sdpa" if getattr(model, "_supports_sdpa", False) else "eager")
+    support: the manager makes it ``paged|eager``) for the block, then ``engine`` again. Blocks may nest or overlap
+    (enter A, enter B, leave A, leave B): the routing and the switch last until the last block that needs them
+    ends."""
+    _blocks.enter(model)
     try:
         yield
     finally:
-        for name, original in originals.items():
-            AttentionInterface.register(name, original)
-        if switched:
-            model.set_attn_implementation("engine")
+        _blocks.leave(model)

@@ -25,7 +25,7 @@ from engine.masks import (
     padding_positions,
 )
 from engine.masks.structured import StructuredMask, as_structured
-from engine.paged import PagedKVCache, explain_paged, paged_attention
+from engine.paged import PagedKVCache, PagedPlan, explain_paged, paged_attention, plan_paged
 from engine.planning import AttentionPlan, explain, plan
 from engine.relative_bias import RelativePositionBias
 from engine.rope import apply_rope, rope_frequencies
@@ -37,6 +37,8 @@ __all__ = [
     "AttentionPlan",
     "explain",
     "paged_attention",
+    "plan_paged",
+    "PagedPlan",
     "explain_paged",
     "PagedKVCache",
     "merge_attention_states",

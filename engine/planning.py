@@ -30,7 +30,7 @@ from engine.kernels.dispatch import KernelChoice, check_kernel_name, choose, env
 from engine.modifiers import NONE
 from engine.quantized import QuantizedKV
 
-__all__ = ["AttentionPlan", "Signature", "TensorSignature", "plan", "plan_for_call", "explain"]
+__all__ = ["AttentionPlan", "Signature", "TensorSignature", "plan", "plan_for_call", "explain", "signature_of"]
 
 TENSORS = (torch.Tensor, QuantizedKV)  # what q, k, v may be
 
@@ -109,13 +109,13 @@ class AttentionPlan:
         gradient need)."""
         if not (isinstance(q, torch.Tensor) and isinstance(k, TENSORS) and isinstance(v, TENSORS)):
             return False
-        return _signature(q, k, v) == self.signature and _wants_grad(self.inputs, q, k, v) == self.grad
+        return signature_of(q, k, v) == self.signature and _wants_grad(self.inputs, q, k, v) == self.grad
 
     def _refuse(self, q, k, v) -> None:
         for name, x, kinds in (("q", q, torch.Tensor), ("k", k, TENSORS), ("v", v, TENSORS)):
             if not isinstance(x, kinds):
                 raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-        given = _signature(q, k, v)
+        given = signature_of(q, k, v)
         for name, planned, got in zip(Signature._fields, self.signature, given):
             for what, want, have in zip(TensorSignature._fields, planned, got):
                 if want != have:
@@ -167,7 +167,7 @@ def plan_for_call(q, k, v, query_positions=None, key_positions=None, allowed=Non
 def _planned(inputs: AttentionInputs, q, k, v, kernel: str) -> AttentionPlan:
     choice = choose(inputs, kernel)
     template = inputs.with_tensors(*(_placeholder(x) for x in (q, k, v)))
-    signature = Signature(*(TensorSignature(*part) for part in _signature(q, k, v)))
+    signature = Signature(*(TensorSignature(*part) for part in signature_of(q, k, v)))
     return AttentionPlan(template, choice, _wants_grad(inputs, q, k, v), signature)
 
 
@@ -182,7 +182,7 @@ def plan_for_shapes(q, k, v, scale=None, causal: bool = True, softcap: float | N
     if not (_plain_number(scale) and _plain_number(softcap) and isinstance(causal, bool) and isinstance(kernel, str)):
         return plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap,
                              kernel=kernel)  # validates
-    key = (_signature(q, k, v), needs_grad(q, k, v), scale, causal, softcap, kernel, environment())
+    key = (signature_of(q, k, v), needs_grad(q, k, v), scale, causal, softcap, kernel, environment())
     found = _plans.get(key)
     if found is None:
         found = plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap, kernel=kernel)
@@ -223,7 +223,7 @@ def _wants_grad(inputs: AttentionInputs, q, k, v) -> bool:
     return needs_grad(q, k, v) or (inputs.modifiers is not NONE and inputs.modifiers.learned_bias() is not None)
 
 
-def _signature(q, k, v) -> tuple:
+def signature_of(q, k, v) -> tuple:
     """``Signature``'s fields as plain tuples (the hot path builds no record): each tensor's kind, shape, element
     dtype and device."""
     return _part(q), _part(k), _part(v)

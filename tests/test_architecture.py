@@ -108,7 +108,9 @@ def test_lab_commands_import_shared_modules_never_each_other():
                "engine.lab.bench.kernel_suite": {cases, "engine.lab.bench.kernel_cases_decode"},
                "engine.lab.bench.modifier_cases": {cases},
                "engine.lab.bench.cp": {"engine.lab.bench.cp_worker", "engine.lab.bench.cp_model"},
-               "engine.lab.bench.serving": {"engine.lab.bench.serving_ways"}}
+               "engine.lab.bench.serving": {"engine.lab.bench.serving_ways"},
+               "engine.lab.bench.paged": {"engine.lab.bench.paged_pools", "engine.lab.bench.paged_step"},
+               "engine.lab.bench.paged_step": {"engine.lab.bench.paged_pools"}}
     assert sideways == allowed, sideways
 
 

@@ -44,18 +44,18 @@ def batching_config(**overrides):
 def engine_calls(monkeypatch):
     """Counts of the engine's continuous-batching paths taken (decode steps in place, per-request calls)."""
     counts = {"batch": 0, "decode step": 0}
-    batch, step = continuous.continuous_batch_attention, continuous._decode_step
+    batch, run = continuous.continuous_batch_attention, continuous.BatchPlan.run
 
     def counted_batch(*args, **kwargs):
         counts["batch"] += 1
         return batch(*args, **kwargs)
 
-    def counted_step(*args, **kwargs):
-        counts["decode step"] += 1
-        return step(*args, **kwargs)
+    def counted_run(self, *args, **kwargs):
+        counts["decode step"] += self.decode is not None and self.decode.path == "native in place"
+        return run(self, *args, **kwargs)
 
     monkeypatch.setattr(continuous, "continuous_batch_attention", counted_batch)
-    monkeypatch.setattr(continuous, "_decode_step", counted_step)
+    monkeypatch.setattr(continuous.BatchPlan, "run", counted_run)
     return counts
 
 
@@ -108,6 +108,40 @@ def test_overlapping_blocks_route_until_the_last_one_ends_and_leave_nothing_regi
     with continuous_batching(model):  # and a later block routes again, from the library's own functions
         assert registered()["sdpa"].engine_routes_from is before["sdpa"]
     assert registered() == before
+
+
+def test_each_forward_is_planned_once_and_its_layers_read_nothing_back_to_the_host(monkeypatch):
+    # the first layer of a forward plans it (host reads of the offsets, the decode step's table); the other layers
+    # run the plan: decode steps in place make no host read at all
+    from tests.host_syncs import counted_host_syncs
+
+    model = build("llama-gqa", "engine")
+    plans, runs, syncs = [], [], []
+    make, run = continuous.plan_batch, continuous.BatchPlan.run
+
+    def counted_plan(*args, **kwargs):
+        plans.append(make(*args, **kwargs))
+        return plans[-1]
+
+    def counted_run(self, *args, **kwargs):
+        with counted_host_syncs() as counts:
+            out = run(self, *args, **kwargs)
+        runs.append(self)
+        syncs.append((self.decode is not None and not self.requests, sum(counts.values())))
+        return out
+
+    monkeypatch.setattr(continuous, "plan_batch", counted_plan)
+    monkeypatch.setattr(continuous.BatchPlan, "run", counted_run)
+    inputs = prompts()
+    want = static_greedy(model, inputs)
+    with continuous_batching(model):
+        out = model.generate_batch(inputs=inputs, generation_config=GENERATION,
+                                   continuous_batching_config=batching_config())
+    assert [out[f"req_{i}"].generated_tokens for i in range(len(inputs))] == want
+    layers = model.config.num_hidden_layers
+    assert len(runs) == layers * len(plans)  # one plan per forward, run by each of its layers
+    decode_only = [count for only_decodes, count in syncs if only_decodes]
+    assert decode_only and all(count == 0 for count in decode_only), syncs
 
 
 def test_without_the_block_transformers_refuses_the_engine():

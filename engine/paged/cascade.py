@@ -58,9 +58,8 @@ def shared_prefixes(tables: PagedBatch, min_keys: int | None = None) -> list[tup
 
 def cascade_parts(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor,
                   groups: list[tuple[list[int], int]], window: int | None, scale, kernel: str, modifiers: dict):
-    """The prefix pass of each group: ``[(rows [n] int64, out [n, Hq, Dv], lse [n, Hq])]`` (fp32 / fp64), and the
-    shifted suffix tables ``(page_table, kv_lens, positions)`` of the whole batch (a sequence in no group unshifted).
-    """
+    """The prefix pass of each group: ``[(rows [n] int64, out [n, Hq, Dv], lse [n, Hq])]`` (fp32 / fp64); the
+    suffixes' call is planned apart (``suffix_tables``)."""
     size = tables.page_size
     parts = []
     for members, pages in groups:
@@ -77,7 +76,7 @@ def cascade_parts(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tens
                                      window, scale, kernel, **modifiers)  # [1, Hq, n, Dv], [1, Hq, n]
             result = out[0].transpose(0, 1), lse[0].transpose(0, 1)
         parts.append((rows, *result))
-    return parts, suffix_tables(tables, groups, positions)
+    return parts
 
 
 def suffix_tables(tables: PagedBatch, groups: list[tuple[list[int], int]], positions: torch.Tensor):

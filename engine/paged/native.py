@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels.common import needs_grad
-from engine.kernels.decode.decode_native import NON_FINITE_Q, paged_decode
+from engine.kernels.common import DoesNotFit, needs_grad
+from engine.kernels.decode.decode_native import MAX_QUERIES, NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native, native_unavailable
 from engine.paged.tables import PagedBatch
 from engine.quantized import QuantizedKV
 
-MAX_QUERIES = 16  # per sequence, as the decode kernels
-
-__all__ = ["native_paged_fits", "native_paged_attention"]
+__all__ = ["NativeStep", "native_paged_fits", "native_paged_attention"]
 
 
 def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_slopes, kernel: str,
@@ -51,34 +49,62 @@ def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_sl
     return None
 
 
+class NativeStep:
+    """A decode step on the native kernel, planned once (engine.paged.plan): the page table and key lengths as the
+    kernel reads them, each row's visibility (or none), and the kernel's call with everything but the tensors'
+    addresses; ``run(q, k_pages, v_pages)`` per layer reads nothing back to the host. Raises DoesNotFit where the
+    library cannot be built or does not read the pools' dtype."""
+
+    def __init__(self, q_shape: tuple, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor,
+                 window: int | None, scale: float) -> None:
+        library = load_native()
+        if isinstance(library, str):
+            raise DoesNotFit(library)
+        nq, q_heads, d = q_shape
+        batch, t = tables.batch, tables.starts[1] - tables.starts[0]
+        kv_heads, dv = k_pages.shape[2], v_pages.shape[3]
+        self.library, self.shape, self.dv = library, (batch, t, kv_heads, q_heads // kv_heads, d), dv
+        self.pages = tables.readable_table.contiguous()  # [B, max_pages] int64: each sequence's own entries read
+        self.lengths = torch.tensor(tables.kv_lens, dtype=torch.long)  # [B]
+        per_row = positions.view(batch, t).cpu()  # [B, T]
+        self.visible = None  # every query at or after its sequence's last key, the window covering all: no mask
+        if not (bool((per_row >= self.lengths[:, None] - 1).all())
+                and (window is None or bool((per_row < window).all()))):
+            self.visible = _row_visibility(per_row, self.lengths, window, q_heads // kv_heads)  # [B, 1, G*T, S]
+        kind = _data(k_pages).dtype
+        if _data(v_pages).dtype != kind:
+            raise DoesNotFit(f"page dtypes {kind}, {_data(v_pages).dtype}: not read in place by the native kernel")
+        rows = (batch, kv_heads, (q_heads // kv_heads) * t, d)
+        self.template = paged_template(kind, rows, dv, scale, self.pages, self.lengths, tables.page_size,
+                                       self.visible)
+
+    def run(self, q: torch.Tensor, k_pages, v_pages):
+        """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None when q holds NaN/inf (the kernel found it
+        as it scaled q; the gathered path keeps it to its rows)."""
+        batch, t, kv_heads, group, d = self.shape
+        q_rows = (q if q.dtype == torch.float32 else q.float()).view(batch, t, kv_heads, group, d).permute(
+            0, 2, 3, 1, 4).reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D] (a view for T = 1)
+        if q_rows.stride(-1) != 1 and d > 1:
+            q_rows = q_rows.contiguous()
+        out = torch.empty(batch, kv_heads, group * t, self.dv)  # [B, Hkv, G*T, Dv], written whole
+        lse = torch.empty(batch, kv_heads, group * t)  # [B, Hkv, G*T]
+        if paged_run(self.library, self.template, q_rows, k_pages, v_pages, out, lse) == NON_FINITE_Q:
+            return None
+        out = out.view(batch, kv_heads, group, t, self.dv).permute(0, 3, 1, 2, 4).reshape(batch * t, q.shape[1],
+                                                                                         self.dv)
+        lse = lse.view(batch, kv_heads, group, t).permute(0, 3, 1, 2).reshape(batch * t, q.shape[1])
+        return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+
+
 def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor, window: int | None,
-                           scale: float | None):
-    """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None when q holds NaN/inf (the kernel found it as
-    it scaled q; the gathered path keeps it to its rows)."""
-    library = load_native()
-    if isinstance(library, str):
+                           scale: float):
+    """One native pass planned and run at once (a shared prefix's pass, engine.paged.cascade): ``(out, lse)`` as
+    ``NativeStep.run``, or None (NaN/inf in q, or the library cannot run it)."""
+    try:
+        step = NativeStep(tuple(q.shape), k_pages, v_pages, tables, positions, window, scale)
+    except DoesNotFit:
         return None
-    batch, t = tables.batch, tables.starts[1] - tables.starts[0]
-    q_heads, d = q.shape[1], q.shape[2]
-    kv_heads, dv = k_pages.shape[2], v_pages.shape[3]
-    group = q_heads // kv_heads
-    scale = d ** -0.5 if scale is None else float(scale)
-    q_rows = q.float().view(batch, t, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * t,
-                                                                                        d)  # [B, Hkv, G*T, D]
-    pages = tables.readable_table  # [B, max_pages] int64: the kernel reads each sequence's own entries only
-    lengths = torch.tensor(tables.kv_lens, dtype=torch.long)  # [B]
-    per_row = positions.view(batch, t).cpu()  # [B, T]
-    visible = None  # every query at or after its sequence's last key, the window covering all: no mask to read
-    if not (bool((per_row >= lengths[:, None] - 1).all())
-            and (window is None or bool((per_row < window).all()))):
-        visible = _row_visibility(per_row, lengths, window, group)  # [B, 1, G*T, S]
-    out = torch.empty(batch, kv_heads, group * t, dv)  # [B, Hkv, G*T, Dv], written whole
-    lse = torch.empty(batch, kv_heads, group * t)  # [B, Hkv, G*T]
-    if paged_decode(library, q_rows, scale, k_pages, v_pages, pages, lengths, visible, out, lse) == NON_FINITE_Q:
-        return None
-    out = out.view(batch, kv_heads, group, t, dv).permute(0, 3, 1, 2, 4).reshape(batch * t, q_heads, dv)
-    lse = lse.view(batch, kv_heads, group, t).permute(0, 3, 1, 2).reshape(batch * t, q_heads)
-    return out.to(q.dtype), lse
+    return step.run(q, k_pages, v_pages)
 
 
 def _data(pool):

@@ -146,7 +146,7 @@ def paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, default_
         if owned > page_table.shape[1]:
             raise ValueError(f"kv_lens[{b}] = {keys} needs {owned} pages of {page_size}, but page_table has "
                              f"{page_table.shape[1]} columns")
-    table = page_table.to(device="cpu", dtype=torch.long).contiguous()  # [B, max_pages]
+    table = page_table.to(device="cpu", dtype=torch.long, copy=True).contiguous()  # [B, max_pages], its own copy
     owned = (kv_lens.to("cpu", torch.long) + page_size - 1) // page_size  # [B]
     used = torch.arange(table.shape[1]) < owned[:, None]  # [B, max_pages]: the entries a sequence reads
     bad = used & (((table < 0) & (table != RELEASED)) | (table >= num_pages))

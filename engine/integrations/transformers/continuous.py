@@ -22,10 +22,13 @@ then reads back each request's keys, packed):
 
 Each request is its own sequence, its queries its last keys: the engine's rule with per-request positions. The
 largest group of requests with the same 1..16 new tokens (the decodes of a step, a mixed step's included) is one
-``paged_attention`` call on the packed keys seen as pages of one token (``[Nk, 1, Hkv, D]``, a view): the native
-decode kernel reads them in place; every other request (a prefill, a chunk) runs its own ``causal_attention`` on
-views of its keys. Windows, softcap and
-sinks (gpt-oss) apply as for any call; the additive mask transformers builds for sdpa is not read.
+paged call on the packed keys seen as pages of one token (``[Nk, 1, Hkv, D]``, a view): the native decode kernel
+reads them in place; every other request (a prefill, a chunk) runs its own attention on views of its keys. Windows,
+softcap and sinks (gpt-oss) apply as for any call; the additive mask transformers builds for sdpa is not read.
+
+Planned once per forward (``BatchPlan``): the first layer reads the offsets to the host, groups the requests and
+plans the decode step (``engine.plan_paged``: its table, lengths and the native call) and each other request's call
+(``engine.plan``); every other layer with the same keys' layout runs those plans and reads nothing back to the host.
 """
 
 from __future__ import annotations
@@ -33,18 +36,19 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 
-from engine.attention import causal_attention
+from engine.kernels.decode.decode_native import MAX_QUERIES
 from engine.masks.window import window_mask
-from engine.paged import paged_attention
+from engine.paged.plan import PagedPlan, plan_paged
+from engine.planning import plan
 
 __all__ = ["CONTINUOUS_NAMES", "continuous_batching", "continuous_batch_attention", "is_continuous_batch_call"]
 
 CONTINUOUS_NAMES = ("sdpa", "paged|eager")  # the implementations transformers' continuous batching accepts
-MAX_DECODE_QUERIES = 16
 
 
 def is_continuous_batch_call(kwargs: dict) -> bool:
@@ -59,51 +63,111 @@ def continuous_batch_attention(module: torch.nn.Module, query: torch.Tensor, key
     """One layer of a continuous batch on the engine: ``(out [1, Nq, Hq, Dv], None)`` (transformers' layout).
 
     ``attention_mask`` (transformers' additive mask for sdpa) is not read: the sequences come from
-    ``cu_seq_lens_q`` / ``cu_seq_lens_k``, the window from ``sliding_window``."""
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k``, the window from ``sliding_window``. The first layer of a forward plans
+    it (``BatchPlan``); every other layer with the same keys' layout and options runs that plan."""
     if dropout:
         raise ValueError(f"continuous batching serves inference; got attention dropout {dropout}")
-    cu_q = kwargs["cu_seq_lens_q"].tolist()
-    cu_k = kwargs["cu_seq_lens_k"].tolist()
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
-    # (rows past cu_q[-1] are padding, a compiled batch's fixed size: they get 0)
-    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
-    out = query.new_zeros(query.shape[2], query.shape[1], value.shape[3])  # [Nq_padded, Hq, Dv]
-    packed_q = query[0].transpose(0, 1)  # [Nq_padded, Hq, D]
     window = int(sliding_window) if sliding_window is not None else None
+    cu_k = kwargs["cu_seq_lens_k"]
+    plans = _steps.plans_of(kwargs["cu_seq_lens_q"])
+    plan_key = (id(cu_k), cu_k._version, window, softcap, scaling, id(sinks), query.shape, query.dtype, key.shape,
+                value.shape)
+    found = plans.get(plan_key)
+    if found is None:
+        found = plans[plan_key] = plan_batch(query, key, value, kwargs["cu_seq_lens_q"], cu_k, window, scaling,
+                                             softcap, sinks)
+    return found.run(query, key, value), None
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A continuous-batching forward's attention as its first layer planned it: the rows of the requests that step
+    together (the largest group with the same 1..16 new tokens) and the paged plan of their decode step, and each
+    other request's rows, key span and plan (a prefill, a chunk). ``keep``: the tensors whose identity keys it."""
+
+    rows: int  # query rows, padding included
+    stepped: torch.Tensor | None  # int64 [n]: the decode step's rows of the packed queries
+    decode: PagedPlan | None
+    requests: tuple  # ((q0, q1, k0, k1, AttentionPlan), ...)
+    keep: tuple
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``[1, Nq_padded, Hq, Dv]``: rows past the batch's queries (a compiled batch's padding) get 0."""
+        out = query.new_zeros(self.rows, query.shape[1], value.shape[3])  # [Nq_padded, Hq, Dv]
+        if self.decode is not None:
+            packed_q = query[0].transpose(0, 1)  # [Nq_padded, Hq, D]
+            out[self.stepped] = self.decode.run(packed_q[self.stepped], _as_pages(key), _as_pages(value))
+        for q0, q1, k0, k1, request in self.requests:  # prefills, chunks: each request's plan on views of its keys
+            o = request.run(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1])  # [1, Hq, T_r, Dv]
+            out[q0:q1] = o[0].transpose(0, 1)
+        return out.unsqueeze(0)  # [1, Nq_padded, Hq, Dv]
+
+
+def plan_batch(query, key, value, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor, window, scaling,
+               softcap, sinks) -> BatchPlan:
+    """Plan a continuous-batching forward's attention from its first layer's tensors (the one host read of the
+    batch's offsets)."""
+    cu_q, cu_k = cu_seq_lens_q.tolist(), cu_seq_lens_k.tolist()
+    q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
     live = [r for r, n in enumerate(q_lens) if n > 0]
     few = {} if softcap is not None else {n: [r for r in live if q_lens[r] == n] for n in {q_lens[r] for r in live}
-                                          if n <= MAX_DECODE_QUERIES}
+                                          if n <= MAX_QUERIES}
     stepped = max(few.values(), key=len, default=[])  # the largest group of requests with the same few new tokens
     if not (len(stepped) >= 2 or len(stepped) == len(live)):
         stepped = []  # one request among others: its own call below
+    rows, decode = None, None
     if stepped:
         rows = torch.cat([torch.arange(cu_q[r], cu_q[r + 1]) for r in stepped]).to(query.device)
-        out[rows] = _decode_step(packed_q[rows], key, value, [cu_k[r] for r in stepped],
-                                 [cu_k[r + 1] - cu_k[r] for r in stepped], q_lens[stepped[0]], window, scaling, sinks)
-    for r in sorted(set(live) - set(stepped)):  # prefills, chunks: each request's own call on views of its keys
+        decode = _decode_step([cu_k[r] for r in stepped], [cu_k[r + 1] - cu_k[r] for r in stepped],
+                              q_lens[stepped[0]], query[0].transpose(0, 1)[rows], key, value, window, scaling, sinks)
+    requests = []
+    for r in sorted(set(live) - set(stepped)):
         q_r = query[:, :, cu_q[r]:cu_q[r + 1]]  # [1, Hq, T_r, D]
         k_r, v_r = key[:, :, cu_k[r]:cu_k[r + 1]], value[:, :, cu_k[r]:cu_k[r + 1]]  # [1, Hkv, S_r, D]
         s, t = k_r.shape[2], q_r.shape[2]
-        allowed = None if window is None else window_mask(torch.arange(s - t, s, device=query.device),
-                                                          torch.arange(s, device=query.device), window)
-        o = causal_attention(q_r, k_r, v_r, None, None, allowed, scaling, softcap=softcap,
-                             sinks=sinks)  # [1, Hq, T_r, Dv]
-        out[cu_q[r]:cu_q[r + 1]] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None  # [1, Nq_padded, Hq, Dv]
+        query_pos, key_pos = torch.arange(s - t, s, device=query.device), torch.arange(s, device=query.device)
+        allowed = None if window is None else window_mask(query_pos, key_pos, window)
+        requests.append((cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1],
+                         plan(q_r, k_r, v_r, query_pos, key_pos, allowed, scaling, softcap=softcap, sinks=sinks)))
+    return BatchPlan(query.shape[2], rows, decode, tuple(requests), (cu_seq_lens_q, cu_seq_lens_k, sinks))
 
 
-def _decode_step(q_rows, key, value, starts: list[int], lengths: list[int], t: int, window, scaling,
-                 sinks) -> torch.Tensor:
-    """Requests with the same ``t`` new tokens each (their rows ``q_rows [B*t, Hq, D]``, keys at ``starts`` for
-    ``lengths``): one paged call, the packed keys as pages of one token (a view), read in place."""
-    k_pool = key[0].transpose(0, 1).unsqueeze(1)  # [Nk, 1, Hkv, D]: key j of the batch is page j
-    v_pool = value[0].transpose(0, 1).unsqueeze(1)
+def _as_pages(x: torch.Tensor) -> torch.Tensor:
+    """Packed keys ``[1, Hkv, Nk, D]`` as a pool of pages of one token, ``[Nk, 1, Hkv, D]`` (a view)."""
+    return x[0].transpose(0, 1).unsqueeze(1)
+
+
+def _decode_step(starts: list[int], lengths: list[int], t: int, q_rows, key, value, window, scaling,
+                 sinks) -> PagedPlan:
+    """The plan of the requests with the same ``t`` new tokens each (their rows ``q_rows [B*t, Hq, D]``, keys at
+    ``starts`` for ``lengths``): one paged call, the packed keys as pages of one token (a view), read in place."""
     first, count = torch.tensor(starts), torch.tensor(lengths)  # [B], [B]
     last = max(starts[i] + lengths[i] for i in range(len(starts))) - 1
     table = (first[:, None] + torch.arange(max(max(lengths), 1))[None]).clamp(max=max(last, 0))  # [B, longest]
     indptr = torch.arange(len(starts) + 1) * t  # [B + 1]
-    return paged_attention(q_rows, k_pool, v_pool, table, count, indptr, window=window, scale=scaling, sinks=sinks,
-                           cascade=False)  # [B*t, Hq, Dv]
+    return plan_paged(q_rows, _as_pages(key), _as_pages(value), table, count, indptr, window=window, scale=scaling,
+                      sinks=sinks, cascade=False)
+
+
+class _Steps(threading.local):
+    """The plans of the forward pass under way, in each thread (a manager steps its model in one): made by its first
+    layer, reused by every other. A forward is known by its query offsets tensor (the same object, unchanged, in
+    every layer of one forward; held here so that its id is not reused): another one, or the same one written
+    since, starts a new step."""
+
+    def __init__(self) -> None:
+        self.offsets: torch.Tensor | None = None
+        self.version = -1
+        self.plans: dict = {}
+
+    def plans_of(self, cu_seq_lens_q: torch.Tensor) -> dict:
+        if cu_seq_lens_q is not self.offsets or cu_seq_lens_q._version != self.version:
+            self.offsets, self.version, self.plans = cu_seq_lens_q, cu_seq_lens_q._version, {}
+        return self.plans
+
+
+_steps = _Steps()
 
 
 def _routed(original):

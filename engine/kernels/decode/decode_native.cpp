@@ -346,8 +346,23 @@ struct Item {
                 vscale[jj] = o.v_unit * (vsc ? vsc[page * o.vss[0] + slot * o.vss[1] + head * o.vss[2]] : 1.0f);
             if (++slot == o.page_size) slot = 0, ++index;
         }
-        for (int jj = 0; jj < n; ++jj) prefetch_row(krows[jj], o.D);
-        for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
+        if (j0 == part.j0) {  // the first block: nothing asked for it ahead
+            for (int jj = 0; jj < n; ++jj) prefetch_row(krows[jj], o.D);
+            for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
+        }
+        // the next block's rows, one page at a time (one address per page run), while this block computes
+        const int64_t next = j0 + n, stop = std::min<int64_t>(end, next + BLOCK);
+        for (int64_t j = next; j < stop;) {
+            const int64_t page = table[j / o.page_size], first = j % o.page_size;
+            const int64_t run = std::min<int64_t>(o.page_size - first, stop - j);
+            const char* kp = (const char*)o.k + elem_size() * (page * o.ks[0] + first * o.ks[1] + head * o.ks[2]);
+            const char* vp = (const char*)o.v + elem_size() * (page * o.vs[0] + first * o.vs[1] + head * o.vs[2]);
+            for (int64_t r = 0; r < run; ++r) {
+                prefetch_row(kp + elem_size() * r * o.ks[1], o.D);
+                prefetch_row(vp + elem_size() * r * o.vs[1], o.Dv);
+            }
+            j += run;
+        }
     }
 
     // Ask for keys j, j+1 of the next block and values j, j+1 of this one while this block's scores run

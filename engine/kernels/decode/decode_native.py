@@ -189,28 +189,39 @@ def _call(library, q_rows, scale, keys, values, visible, out, lse) -> int:
     return _run(library, _template(scale, q_rows, keys, values, visible), q_rows, keys, values, out, lse)
 
 
-def paged_decode(library, q_rows: torch.Tensor, scale: float, k_pages, v_pages, pages: torch.Tensor,
-                 lengths: torch.Tensor, visible: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor) -> int:
-    """The kernel reading K/V in place from a paged cache (engine.paged): q_rows fp32 ``[B, Hkv, R, D]``, pools
-    ``[num_pages, page_size, Hkv, D | Dv]`` (fp32 / bf16 / fp16, or QuantizedKV pools: int8 / fp8 data with scales
-    ``[num_pages, page_size, Hkv]``; unit stride on the last axis), pages int64 ``[B, max_pages]`` and lengths int64
-    ``[B]`` (contiguous), visible bool ``[B, Hkv|1, R, S]`` or None (every key up to each sequence's length), out
-    fp32 ``[B, Hkv, R, Dv]`` and lse ``[B, Hkv, R]``: written whole. Returns the kernel's status (OK, or
-    NON_FINITE_Q: nothing written)."""
-    (k_data, k_scale), (v_data, v_scale) = _keys(k_pages, 0, k_pages.shape[2]), _keys(v_pages, 0, v_pages.shape[2])
-    if k_data.dtype not in KINDS or v_data.dtype != k_data.dtype:
-        raise DoesNotFit(f"page dtypes {k_data.dtype}, {v_data.dtype}: not read in place by the native kernel")
-    batch, kv_heads, rows, d = q_rows.shape
+def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pages: torch.Tensor,
+                   lengths: torch.Tensor, page_size: int, visible: torch.Tensor | None) -> DecodeCall:
+    """The ``DecodeCall`` of a paged decode step with everything but the tensors' addresses filled (made once per
+    step: engine.paged.native): q rows ``[B, Hkv, R, D]`` of shape ``q_shape``, pools of element dtype ``kind``,
+    pages int64 ``[B, max_pages]`` and lengths int64 ``[B]`` (contiguous, on the CPU; they must outlive every run),
+    visible bool ``[B, Hkv|1, R, S]`` or None (every key up to each sequence's length). DoesNotFit for a dtype the
+    kernel does not read."""
+    if kind not in KINDS:
+        raise DoesNotFit(f"page dtype {kind}: not read in place by the native kernel")
+    batch, kv_heads, rows, d = q_shape
     longest = int(lengths.max()) if lengths.numel() else 0
-    call = DecodeCall(kind=KINDS[k_data.dtype], threads=torch.get_num_threads(), B=batch, H=kv_heads, R=rows,
-                      S=longest, D=d, Dv=v_data.shape[3], scale=scale, out=out.data_ptr(), lse=lse.data_ptr(),
-                      pages=pages.data_ptr(), pages_stride=pages.stride(0), page_size=k_data.shape[1],
+    call = DecodeCall(kind=KINDS[kind], B=batch, H=kv_heads, R=rows, S=longest, D=d, Dv=dv, scale=scale,
+                      pages=pages.data_ptr(), pages_stride=pages.stride(0), page_size=page_size,
                       lengths=lengths.data_ptr())
-    call.k, call.k_strides[:] = k_data.data_ptr(), k_data.stride()[:3]
-    call.v, call.v_strides[:] = v_data.data_ptr(), v_data.stride()[:3]
-    if k_scale is not None:  # the pools' scales [num_pages, page_size, Hkv]: strides of (page, slot, head)
-        call.k_scale, call.k_scale_strides[:] = k_scale.data_ptr(), k_scale.stride()
-        call.v_scale, call.v_scale_strides[:] = v_scale.data_ptr(), v_scale.stride()
-    call.q, call.q_strides[:] = q_rows.data_ptr(), q_rows.stride()[:3]
     _set_visible(call, visible)
+    return call
+
+
+def paged_run(library, template: DecodeCall, q_rows: torch.Tensor, k_pages, v_pages, out: torch.Tensor,
+              lse: torch.Tensor) -> int:
+    """One layer of a planned paged step: ``template`` (``paged_template``) with this layer's addresses and strides:
+    q_rows fp32 ``[B, Hkv, R, D]`` (unit stride on the last axis), pools ``[num_pages, page_size, Hkv, D | Dv]``
+    (fp32 / bf16 / fp16, or QuantizedKV pools: int8 / fp8 data with scales ``[num_pages, page_size, Hkv]``; unit
+    stride on the last axis), out fp32 ``[B, Hkv, R, Dv]`` and lse ``[B, Hkv, R]``: written whole. Returns the
+    kernel's status (OK, or NON_FINITE_Q: nothing written)."""
+    call = DecodeCall.from_buffer_copy(template)
+    call.threads = torch.get_num_threads()
+    if type(k_pages) is QuantizedKV:  # the pools' scales [num_pages, page_size, Hkv]: (page, slot, head)
+        call.k_scale, call.k_scale_strides[:] = k_pages.scale.data_ptr(), k_pages.scale.stride()
+        call.v_scale, call.v_scale_strides[:] = v_pages.scale.data_ptr(), v_pages.scale.stride()
+        k_pages, v_pages = k_pages.data, v_pages.data
+    call.k, call.k_strides[:] = k_pages.data_ptr(), k_pages.stride()[:3]
+    call.v, call.v_strides[:] = v_pages.data_ptr(), v_pages.stride()[:3]
+    call.q, call.q_strides[:] = q_rows.data_ptr(), q_rows.stride()[:3]
+    call.out, call.lse = out.data_ptr(), lse.data_ptr()
     return _decode(library, call)

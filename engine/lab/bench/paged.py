@@ -2,10 +2,14 @@
 
 - ``decode``: B sequences of S keys each, one new query per sequence (Hq 32 / Hkv 8 / D 128, fp32 and bf16), their
   pages shuffled in the pool. Rows: ``contiguous`` (``engine.plan(...).run`` on ``[B, Hkv, S, D]``: the native
-  decode kernel), ``paged`` (``paged_attention`` on pools laid out as ``PagedKVCache`` keeps them, head-major),
+  decode kernel), ``paged`` (the step planned once, ``engine.plan_paged(...).run``, as serving runs it, on pools
+  laid out as ``PagedKVCache`` keeps them, head-major),
   ``paged NHD`` (the same pages in FlashInfer's ``[num_pages, page_size, Hkv, D]`` storage order) and ``copy`` (the
   machine's copy bandwidth on as many bytes). Timed interleaved; K/V GB/s and the ratio to contiguous.
   int8 rows: the same keys quantized per token and head (``QuantizedKV``), contiguous and in int8 pages.
+- ``step``: SmolLM2-135M's attention shape (Hq 9 / Hkv 3 / D 64), B = 8 and 32 ragged sequences of 256-768 keys,
+  pages of 16 and 256, fp32 / bf16 / int8, 1 and 2 threads: the planned paged step, the unplanned
+  ``paged_attention`` call and the same keys contiguous (engine.lab.bench.paged_step).
 - ``cascade``: 32 sequences sharing an 8k-token prefix (forked from one prompt: the same pages) plus 64 tokens of
   their own, one decode step. Rows: ``cascade`` (the prefix read once for all 32 queries, engine.paged.cascade),
   ``per sequence`` (``cascade=False``: the shared pages read once per sequence), for Hkv 8 (GQA, G = 4) and
@@ -27,44 +31,23 @@ from typing import Any
 import torch
 
 import engine
-from engine import PagedKVCache, paged_attention
+from engine import PagedKVCache, paged_attention, plan_paged
 from engine.lab import plots
+from engine.lab.bench.paged_pools import pools, quantized_pool
+from engine.lab.bench.paged_step import step_rows
 from engine.lab.measure import format_table, interleaved_us, machine_info, progress, save_results
 from engine.lab.options import add_common, apply_threads
-from engine.quantized import QuantizedKV, quantize
+from engine.quantized import quantize
 
 B, HQ, HKV, D = 8, 32, 8, 128
 TARGET = 1.1
 CASCADE_TARGET = 4.0
-GROUPS = ("decode", "cascade", "memory")
+GROUPS = ("decode", "step", "cascade", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, "bench_paged", impl_help="ignored (every row runs)", threads=2)
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated groups: {', '.join(GROUPS)}")
-
-
-def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator, head_major: bool):
-    """``(k_pages, v_pages, page_table)`` holding ``k, v [B, Hkv, S, D]`` in shuffled pages ``[num_pages,
-    page_size, Hkv, D]``: head-major storage (as PagedKVCache keeps it) or FlashInfer's NHD order."""
-    batch, kv_heads, s, d = k.shape
-    n = s // page_size
-    table = torch.randperm(batch * n, generator=generator).view(batch, n)  # [B, pages per sequence]
-    out = []
-    for x in (k, v):
-        pages = x.reshape(batch, kv_heads, n, page_size, d).permute(0, 2, 1, 3, 4).reshape(batch * n, kv_heads,
-                                                                                           page_size, d)
-        stored = torch.empty_like(pages)  # [num_pages, Hkv, P, D]
-        stored[table.reshape(-1)] = pages
-        out.append(stored.permute(0, 2, 1, 3) if head_major else stored.permute(0, 2, 1, 3).contiguous())
-    return out[0], out[1], table
-
-
-def quantized_pool(pool: torch.Tensor) -> QuantizedKV:
-    """An fp32 pool ``[num_pages, page_size, Hkv, D]`` in int8 with a scale per token and head (the same storage order:
-    head-major stays head-major)."""
-    stored = quantize(pool.permute(0, 2, 1, 3))  # [num_pages, Hkv, page_size, D] as stored
-    return QuantizedKV(stored.data.permute(0, 2, 1, 3), stored.scale.permute(0, 2, 1))
 
 
 def decode_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -91,11 +74,13 @@ def _decode_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator,
         head_major, nhd = [(quantized_pool(kp), quantized_pool(vp), table) for kp, vp, table in (head_major, nhd)]
     step = engine.plan(q, k, v)
     lens, indptr, packed = torch.full((B,), s), torch.arange(B + 1), q[:, :, 0]  # [B], [B+1], [Nq = B, Hq, D]
+    paged = {name: plan_paged(packed, pool[0], pool[1], pool[2], lens, indptr)  # the step planned once
+             for name, pool in (("paged", head_major), ("paged NHD", nhd))}
     src = (k.data if quantized else k).reshape(-1)
     dst = torch.zeros_like(src)
     impls = {"contiguous": lambda: step.run(q, k, v),
-             "paged": lambda: paged_attention(packed, head_major[0], head_major[1], head_major[2], lens, indptr),
-             "paged NHD": lambda: paged_attention(packed, nhd[0], nhd[1], nhd[2], lens, indptr),
+             "paged": lambda: paged["paged"].run(packed, head_major[0], head_major[1]),
+             "paged NHD": lambda: paged["paged NHD"].run(packed, nhd[0], nhd[1]),
              "copy": lambda: dst.copy_(src)}
     want = step.run(q, k, v)[:, :, 0]
     diff = max((impls[name]() - want).abs().max().item() for name in ("paged", "paged NHD"))
@@ -183,12 +168,16 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown --groups {unknown}: choose from {', '.join(GROUPS)}")
         return 2
-    rows = ((decode_rows(args) if "decode" in groups else []) + (cascade_rows(args) if "cascade" in groups else [])
-            + (memory_rows(args) if "memory" in groups else []))
+    rows = ((decode_rows(args) if "decode" in groups else []) + (step_rows(args) if "step" in groups else [])
+            + (cascade_rows(args) if "cascade" in groups else []) + (memory_rows(args) if "memory" in groups else []))
     decode = [r for r in rows if r["group"] == "decode"]
     if decode:
         print(format_table(decode, ["case", "impl", "ms", "time/contiguous", "K/V GB/s", "of copy", "target", "met",
                                     "max |diff|"]))
+    step = [r for r in rows if r["group"] == "step"]
+    if step:
+        print("\n" + format_table(step, ["case", "impl", "kernel", "us", "time/contiguous", "target", "met",
+                                         "max |diff|"]))
     cascade = [r for r in rows if r["group"] == "cascade"]
     if cascade:
         print("\n" + format_table(cascade, ["case", "impl", "ms", "speedup", "target", "met", "max |diff|"]))

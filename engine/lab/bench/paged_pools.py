@@ -1,0 +1,32 @@
+"""The paged benches' pools: dense keys laid out in shuffled pages, as a paged cache holds them."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.quantized import QuantizedKV, quantize
+
+__all__ = ["pools", "quantized_pool"]
+
+
+def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator, head_major: bool):
+    """``(k_pages, v_pages, page_table)`` holding ``k, v [B, Hkv, S, D]`` in shuffled pages ``[num_pages,
+    page_size, Hkv, D]``: head-major storage (as PagedKVCache keeps it) or FlashInfer's NHD order."""
+    batch, kv_heads, s, d = k.shape
+    n = s // page_size
+    table = torch.randperm(batch * n, generator=generator).view(batch, n)  # [B, pages per sequence]
+    out = []
+    for x in (k, v):
+        pages = x.reshape(batch, kv_heads, n, page_size, d).permute(0, 2, 1, 3, 4).reshape(batch * n, kv_heads,
+                                                                                           page_size, d)
+        stored = torch.empty_like(pages)  # [num_pages, Hkv, P, D]
+        stored[table.reshape(-1)] = pages
+        out.append(stored.permute(0, 2, 1, 3) if head_major else stored.permute(0, 2, 1, 3).contiguous())
+    return out[0], out[1], table
+
+
+def quantized_pool(pool: torch.Tensor) -> QuantizedKV:
+    """An fp32 pool ``[num_pages, page_size, Hkv, D]`` in int8 with a scale per token and head (the same storage order:
+    head-major stays head-major)."""
+    stored = quantize(pool.permute(0, 2, 1, 3))  # [num_pages, Hkv, page_size, D] as stored
+    return QuantizedKV(stored.data.permute(0, 2, 1, 3), stored.scale.permute(0, 2, 1))

@@ -1,0 +1,79 @@
+"""``run.py bench paged``'s step group: one decode step of SmolLM2-135M's attention shape over a paged cache, planned
+once (``engine.plan_paged``) as serving runs it, beside the same keys contiguous (``engine.plan(...).run``) and the
+unplanned ``paged_attention`` call, measured interleaved in the same run.
+
+Hq 9 / Hkv 3 / D 64, B = 8 and 32 sequences of 512 keys each (the same keys both ways) or of 256-768 (ragged: the
+contiguous cache holds each row's keys at positions 0..S_b-1 and pads to the longest, as a KVCache does, so its
+kernel reads a visibility mask where the paged one stops at each length), pages of 16 and 256 shuffled in the
+pool, fp32 / bf16 / int8 (a scale per token and head), 1 and 2 threads. Target: the planned paged step within
+1.1x of contiguous.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import engine
+from engine import paged_attention, plan_paged
+from engine.lab.bench.paged_pools import pools, quantized_pool
+from engine.lab.measure import interleaved_us, progress
+from engine.quantized import quantize
+
+HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
+TARGET = 1.1
+PAD_POSITION = 1 << 40  # a padded slot's key position: later than every query, so never seen
+
+
+def step_rows(args) -> list[dict[str, Any]]:
+    cases = [(b, ragged, p, dtype, threads) for b in ((8,) if args.quick else (8, 32)) for ragged in (False, True)
+             for p in (16, 256) for dtype in (torch.float32, torch.bfloat16, torch.int8) for threads in (1, 2)]
+    rounds, calls = (3, 5) if args.quick else (15, 20)
+    g = torch.Generator().manual_seed(args.seed)
+    saved = torch.get_num_threads()
+    rows = []
+    try:
+        for batch, ragged, page_size, dtype, threads in progress(cases, "bench paged: step", quiet=args.quiet):
+            torch.set_num_threads(threads)
+            rows += _step_case(batch, ragged, page_size, dtype, threads, g, rounds, calls)
+    finally:
+        torch.set_num_threads(saved)
+    return rows
+
+
+def _step_case(batch: int, ragged: bool, page_size: int, dtype: torch.dtype, threads: int, g: torch.Generator,
+               rounds: int, calls: int) -> list[dict[str, Any]]:
+    quantized = dtype == torch.int8
+    float_dtype = torch.float32 if quantized else dtype
+    lengths = torch.randint(256, 769, (batch,), generator=g) if ragged else torch.full((batch,), 512)  # [B] keys
+    longest = -(-int(lengths.max()) // page_size) * page_size  # the pools' pages cover the longest
+    k = torch.randn(batch, HKV, longest, D, generator=g).to(float_dtype)  # [B, Hkv, S, D]
+    v = torch.randn(batch, HKV, longest, D, generator=g).to(float_dtype)
+    q = torch.randn(batch, HQ, 1, D, generator=g).to(float_dtype)  # [B, Hq, 1, D]
+    k_pages, v_pages, table = pools(k, v, page_size, g, True)
+    if quantized:  # the same int8 numbers both ways
+        k, v, k_pages, v_pages = quantize(k), quantize(v), quantized_pool(k_pages), quantized_pool(v_pages)
+    slots = torch.arange(longest)
+    key_pos = torch.where(slots < lengths[:, None], slots, PAD_POSITION)  # [B, S]: padding never seen
+    query_pos = (lengths - 1)[:, None]  # [B, 1]: each row's query at its last key
+    contiguous = engine.plan(q, k, v, query_pos, key_pos) if ragged else engine.plan(q, k, v)  # (uniform: no mask)
+    packed, indptr = q[:, :, 0], torch.arange(batch + 1)  # [Nq = B, Hq, D], [B + 1]
+    step = plan_paged(packed, k_pages, v_pages, table, lengths, indptr)
+    impls = {"contiguous plan.run": lambda: contiguous.run(q, k, v),
+             "paged plan.run": lambda: step.run(packed, k_pages, v_pages),
+             "paged_attention": lambda: paged_attention(packed, k_pages, v_pages, table, lengths, indptr)}
+    want = contiguous.run(q, k, v)[:, :, 0].float()
+    diff = max((impls[name]().float() - want).abs().max().item() for name in ("paged plan.run", "paged_attention"))
+    us = interleaved_us(impls, rounds, calls, warmup=3)
+    rows = []
+    for name in impls:
+        ratio = us[name] / us["contiguous plan.run"]
+        target = name == "paged plan.run"
+        rows.append({"group": "step", "case": f"B={batch} S={'256-768' if ragged else 512} page {page_size} "
+                     f"{str(dtype)[6:]} {threads}t", "impl": name, "us": us[name], "time/contiguous": ratio,
+                     "target": f"<= {TARGET}x" if target else None,
+                     "met": ("yes" if ratio <= TARGET else "no") if target else None, "max |diff|": diff,
+                     "kernel": step.path if name != "contiguous plan.run" else contiguous.kernel, "B": batch,
+                     "page": page_size, "dtype": str(dtype), "threads": threads, "ragged": ragged})
+    return rows

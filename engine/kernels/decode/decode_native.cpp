@@ -42,6 +42,7 @@
 namespace {
 
 constexpr int BLOCK = 64;  // keys per online-softmax step
+constexpr int64_t SPLIT = 2048;  // keys per work item at most, cut at multiples of SPLIT positions (batch invariance)
 constexpr int NR = 4;      // query rows per register pass
 #ifndef PF_K_BYTES
 #define PF_K_BYTES 49152  // how far ahead K rows are prefetched (bytes of K: a few blocks)
@@ -254,6 +255,10 @@ struct DecodeCall {
     int64_t pages_stride;
     int64_t page_size;
     const int64_t* lengths;
+    // The position of key 0 in its sequence (a contiguous call cut to the span some row sees: a multiple of
+    // BLOCK; 0 for a paged cache). Work items end at multiples of SPLIT positions, so a sequence's keys are cut the
+    // same way whatever else shares the call, however many threads run it, contiguous or paged.
+    int64_t key_offset;
 };
 
 }  // extern "C"
@@ -511,9 +516,9 @@ struct Item {
             for (int t = 0; t < TILES; ++t) vv[t] = vload<KIND>(vrow, d0 + t * W);
             for (int r = 0; r < N; ++r) {
                 const vec p = vset(s[(r0 + r) * BLOCK + jj]);
-                if (MASKED) {
-                    const vec m = vset(keep[(r0 + r) * BLOCK + jj]);
-                    for (int t = 0; t < TILES; ++t) a[r][t] = _add(a[r][t], vand(vmul(p, vv[t]), m));
+                if (MASKED) {  // a hidden key adds 0 * 0 (its value may be NaN); a seen one the unmasked FMA
+                    const vec m = vset(keep[(r0 + r) * BLOCK + jj]), pm = vand(p, m);
+                    for (int t = 0; t < TILES; ++t) a[r][t] = vfma(pm, vand(vv[t], m), a[r][t]);
                 } else {
                     for (int t = 0; t < TILES; ++t) a[r][t] = vfma(p, vv[t], a[r][t]);
                 }
@@ -602,8 +607,12 @@ struct Item {
 
     void softmax_step(int64_t j0, int n, bool masked) {
         const int64_t R = o.R, Dv = o.Dv;
+        // The exp and the sum run over the whole block in vectors (keys past n weigh 0), so a key's weight and a
+        // row's sum do not depend on where the block ends (the sequence's end, padding, a work item's cut)
+        const int width = SIMD ? BLOCK : n;
         for (int64_t r = 0; r < R; ++r) {
             float* sr = &s[r * BLOCK];
+            for (int jj = n; jj < width; ++jj) sr[jj] = NEG_INF;
             float block_max = NEG_INF;
             if (!(SIMD && !masked && n == BLOCK && finite_max(sr, block_max))) {
                 block_max = NEG_INF;
@@ -632,7 +641,7 @@ struct Item {
             if (SIMD) {
                 vec mv = vset(m_new);
                 vec acc = vzero();
-                for (; jj + W <= n; jj += W) {
+                for (; jj + W <= width; jj += W) {
                     vec p = vexp(_sub(vloadf(sr + jj), mv));
                     vstore(sr + jj, p);
                     acc = _add(acc, p);
@@ -731,7 +740,8 @@ int decode_native_layout(int64_t* offsets, int capacity) {
         (int64_t)offsetof(DecodeCall, visible), (int64_t)offsetof(DecodeCall, visible_strides),
         (int64_t)offsetof(DecodeCall, out), (int64_t)offsetof(DecodeCall, lse), (int64_t)offsetof(DecodeCall, pages),
         (int64_t)offsetof(DecodeCall, pages_stride), (int64_t)offsetof(DecodeCall, page_size),
-        (int64_t)offsetof(DecodeCall, lengths), (int64_t)sizeof(DecodeCall)};
+        (int64_t)offsetof(DecodeCall, lengths), (int64_t)offsetof(DecodeCall, key_offset),
+        (int64_t)sizeof(DecodeCall)};
     const int n = (int)(sizeof(all) / sizeof(all[0]));
     for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
     return n;
@@ -785,28 +795,39 @@ int decode_native(const DecodeCall* call) {
     const bool simd = false;
 #endif
 
-    // Cut the B * Hkv * S keys into `threads` equal runs (whole blocks); a run crossing a head is two items.
-    const int64_t total = B * H * S;
-    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, total / (4 * BLOCK)));
-    std::vector<std::vector<Partial>> work(threads);
-    for (int t = 0; t < threads; ++t) {
-        int64_t begin = total * t / threads, end = total * (t + 1) / threads;
-        while (begin < end) {
-            const int64_t bh = begin / S, j0 = begin % S, j1 = std::min<int64_t>(S, j0 + (end - begin));
+    // Work items: each (b, kv_head)'s keys cut at multiples of SPLIT positions (from key_offset), in order; a
+    // sequence's keys past its length (paged) make none. The items go to the threads in runs of about equal keys,
+    // and are merged below in this order whatever thread ran them: the result of a row depends on its own keys
+    // alone (batch invariance), not on the batch, the thread count or the cache's layout.
+    std::vector<Partial> items;
+    int64_t total = 0;
+    for (int64_t bh = 0; bh < B * H; ++bh) {
+        const int64_t stop = c.lengths ? std::min<int64_t>(S, c.lengths[bh / H]) : S;
+        for (int64_t j0 = 0; j0 < stop;) {
+            const int64_t j1 = std::min<int64_t>(stop, (((c.key_offset + j0) / SPLIT) + 1) * SPLIT - c.key_offset);
             Partial p;
             p.bh = bh, p.j0 = j0, p.j1 = j1;
             p.m.assign(R, NEG_INF);
             p.l.assign(R, 0.0f);
             p.acc.assign(R * Dv, 0.0f);
             p.bad.assign(R, 0);
-            work[t].push_back(std::move(p));
-            begin += j1 - j0;
+            items.push_back(std::move(p));
+            total += j1 - j0;
+            j0 = j1;
         }
     }
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, (int64_t)items.size(),
+                                                            total / (4 * BLOCK)}));
+    std::vector<size_t> first(threads + 1, items.size());  // thread t runs items first[t] .. first[t + 1] - 1
+    first[0] = 0;
+    for (size_t i = 0, t = 1, keys = 0; i < items.size() && t < (size_t)threads; ++i) {
+        keys += items[i].j1 - items[i].j0;
+        if (keys * threads >= total * t) first[t++] = i + 1;
+    }
     auto worker = [&](int t) {
-        for (Partial& p : work[t]) {
-            if (simd) dispatch_kind<true>(kind, o, p);
-            else dispatch_kind<false>(kind, o, p);
+        for (size_t i = first[t]; i < first[t + 1]; ++i) {
+            if (simd) dispatch_kind<true>(kind, o, items[i]);
+            else dispatch_kind<false>(kind, o, items[i]);
         }
     };
     // The runs go to torch's own OpenMP threads: this library links the libgomp.so.1 torch has loaded (one
@@ -833,7 +854,7 @@ int decode_native(const DecodeCall* call) {
     std::vector<float> m(B * H * R, NEG_INF), l(B * H * R, 0.0f);
     std::vector<uint8_t> bad(B * H * R, 0);
     std::fill(out, out + B * H * R * Dv, 0.0f);
-    for (auto& items : work) {
+    {
         for (Partial& p : items) {
             for (int64_t r = 0; r < R; ++r) {
                 const int64_t row = p.bh * R + r;

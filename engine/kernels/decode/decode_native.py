@@ -3,8 +3,10 @@
 Decode reads the whole KV cache for a few queries, so its time is the cache's bytes over the memory
 bandwidth. This kernel (``decode_native.cpp``, built by ``native_build``) reads each K/V row once for
 all ``R = G * T`` query rows of its KV head, converts it to fp32 in registers (bf16, fp16, int8, fp8),
-computes the R scores, updates an online softmax and adds the R weighted rows, in blocks of 64 keys;
-``B * Hkv * S`` keys are cut into one equal run per thread and the runs merged by log-sum-exp::
+computes the R scores, updates an online softmax and adds the R weighted rows, in blocks of 64 keys; each
+sequence's keys are cut into work items at multiples of 2,048 positions (``SPLIT`` in the source), shared out to
+the threads and merged by log-sum-exp in order, so a row's result depends on its own keys alone: bitwise the same
+whatever else shares the batch, however many threads run it, contiguous or paged (batch invariance)::
 
     q [B, Hq, T, D] -> fp32 rows [B, Hkv, G*T, D] * scale      (tiny; rows g*T + i: query i of head h*G + g)
     k, v [B, Hkv, S, D] as they are (any strides, last axis contiguous; KVCache.view() slices: no copy)
@@ -96,7 +98,7 @@ def _runner(inputs: AttentionInputs):
             q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(batch, kv_heads, rows, d)  # scaled in C++
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
             if not planned:
-                planned.append(_template(scale, q_rows, keys, values, visible))
+                planned.append(_template(scale, q_rows, keys, values, visible, key_offset=j0))
             if _run(library, planned[0], q_rows, keys, values, out, lse) == NON_FINITE_Q:
                 raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
         else:  # no row sees any key
@@ -122,14 +124,16 @@ def _keys(x: torch.Tensor | QuantizedKV, j0: int, j1: int) -> tuple[torch.Tensor
     return data, scale
 
 
-def _template(scale: float, q_rows, keys, values, visible) -> tuple[DecodeCall, tuple]:
-    """The plan's ``DecodeCall``: every field but the tensors' addresses, and the strides it was filled for."""
+def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0) -> tuple[DecodeCall, tuple]:
+    """The plan's ``DecodeCall``: every field but the tensors' addresses, and the strides it was filled for;
+    ``key_offset``: the index of the first key read in its row of the cache (the span's start), so the kernel cuts
+    its work where it would for the whole row (batch invariance)."""
     k_data, v_data = keys[0], values[0]
     if k_data.dtype not in KINDS or v_data.dtype != k_data.dtype:
         raise DoesNotFit(f"K/V dtypes {k_data.dtype}, {v_data.dtype}: not read by the native kernel")
     batch, kv_heads, rows, d = q_rows.shape
     call = DecodeCall(kind=KINDS[k_data.dtype], B=batch, H=kv_heads, R=rows, S=k_data.shape[2], D=d,
-                      Dv=v_data.shape[3], scale=scale)
+                      Dv=v_data.shape[3], scale=scale, key_offset=key_offset)
     strides = _fill_strides(call, q_rows, keys, values)
     _set_visible(call, visible)  # (the visibility tensor is the plan's: it outlives every run)
     return call, strides

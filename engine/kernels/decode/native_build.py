@@ -59,7 +59,7 @@ class DecodeCall(ctypes.Structure):
         ("q", _PTR), ("q_strides", _I64 * 3), ("scale", ctypes.c_double),
         ("visible", _PTR), ("visible_strides", _I64 * 4),
         ("out", _PTR), ("lse", _PTR),
-        ("pages", _PTR), ("pages_stride", _I64), ("page_size", _I64), ("lengths", _PTR),
+        ("pages", _PTR), ("pages_stride", _I64), ("page_size", _I64), ("lengths", _PTR), ("key_offset", _I64),
     ]
 
 

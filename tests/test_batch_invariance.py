@@ -1,0 +1,113 @@
+"""Batch invariance of a decode step (issue 26): a request's output is bitwise the same whatever else shares its
+batch, whether its keys are contiguous or paged (pages of 1, 16, 256 in any placement), with 1 or 2 threads.
+
+The native decode kernel cuts each sequence's keys into work items at fixed multiples of its SPLIT positions and
+merges them in order, so a row's result depends on its own keys alone. (Prefill kernels and the model's matrix
+products are not covered: see docs/CONVENTIONS.md.)"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import engine
+from engine import plan_paged
+from engine.kernels.decode.native_build import native_unavailable
+from engine.quantized import quantize
+
+pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=str(native_unavailable()))
+
+HQ, HKV, D = 8, 2, 32
+PAD = 1 << 40  # a padded slot's key position: never seen
+
+
+@contextlib.contextmanager
+def threads(n):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def requests(lengths, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(h, n, D, generator=g).to(dtype) for h, n in ((HQ, 1), (HKV, s), (HKV, s)))
+            for s in lengths]
+
+
+def contiguous(batch, window=None):
+    """Each request's output ``[Hq, D]`` from one contiguous call over the padded batch (right padding)."""
+    longest = max(k.shape[1] for _, k, _ in batch)
+    q = torch.stack([q for q, _, _ in batch])  # [B, Hq, 1, D]
+    k, v = (torch.stack([torch.nn.functional.pad(x, (0, 0, 0, longest - x.shape[1])) for x in xs])
+            for xs in ([k for _, k, _ in batch], [v for _, _, v in batch]))  # [B, Hkv, S, D]
+    lengths = torch.tensor([x.shape[1] for _, x, _ in batch])
+    slots = torch.arange(longest)
+    kpos = torch.where(slots < lengths[:, None], slots, PAD)  # [B, S]
+    qpos = (lengths - 1)[:, None]  # [B, 1]
+    allowed = None if window is None else engine.window_mask(qpos, kpos, window)
+    plain = window is None and bool((lengths == longest).all())
+    step = engine.plan(q, k, v) if plain else engine.plan(q, k, v, qpos, kpos, allowed)
+    assert step.kernel == "decode_native", str(step)
+    return list(step.run(q, k, v)[:, :, 0])
+
+
+def paged(batch, page_size, quantized=False, window=None, seed=0):
+    """Each request's output ``[Hq, D]`` from one paged call, its pages shuffled through one pool."""
+    g = torch.Generator().manual_seed(seed + 1)
+    owned = [-(-k.shape[1] // page_size) for _, k, _ in batch]
+    order = torch.randperm(sum(owned) + 2, generator=g)
+    pools = [torch.zeros(sum(owned) + 2, page_size, HKV, D, dtype=batch[0][1].dtype) for _ in "kv"]
+    table = torch.zeros(len(batch), max(owned), dtype=torch.long)
+    taken = 0
+    for b, ((_, k, v), n) in enumerate(zip(batch, owned)):
+        table[b, :n] = order[taken:taken + n]
+        taken += n
+        for j in range(k.shape[1]):
+            pools[0][table[b, j // page_size], j % page_size] = k[:, j]
+            pools[1][table[b, j // page_size], j % page_size] = v[:, j]
+    if quantized:
+        pools = [quantize(pool.permute(0, 2, 1, 3)) for pool in pools]  # per token and head, as stored
+        pools = [type(pool)(pool.data.permute(0, 2, 1, 3), pool.scale.permute(0, 2, 1)) for pool in pools]
+    q = torch.stack([q[:, 0] for q, _, _ in batch])  # [Nq = B, Hq, D]
+    lengths = torch.tensor([k.shape[1] for _, k, _ in batch])
+    step = plan_paged(q, *pools, table, lengths, torch.arange(len(batch) + 1), window=window)
+    assert step.path == "native in place", str(step)
+    return list(step.run(q, *pools))
+
+
+def quantized_request(request):
+    """A request whose keys and values are their int8 round trip (the numbers an int8 cache holds)."""
+    q, k, v = request
+    return q, *(quantize(x.permute(1, 0, 2)[None]).dequantize()[0].permute(1, 0, 2) for x in (k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 1300], ids=["full", "window"])  # the window spans an item's cut
+def test_a_request_is_bitwise_the_same_alone_in_any_batch_contiguous_or_paged_on_any_threads(dtype, window):
+    mine, *others = requests([3000, 40, 777, 5000, 2048], dtype)  # 3000 keys: two work items of the kernel
+    compositions = [[mine], [mine] + others[:1], others[:2] + [mine], others[1:] + [mine] + others[:1]]
+    alone = contiguous([mine], window)[0]
+    for n in (1, 2):
+        with threads(n):
+            for batch in compositions:
+                at = next(i for i, r in enumerate(batch) if r is mine)
+                assert torch.equal(contiguous(batch, window)[at], alone)
+                for page_size in (1, 16, 256):
+                    assert torch.equal(paged(batch, page_size, window=window)[at], alone), (n, page_size, len(batch))
+
+
+def test_an_int8_request_is_bitwise_the_same_in_any_batch_and_page_size():
+    mine, *others = requests([2600, 64, 2100], torch.float32, seed=3)
+    alone = paged([mine], 16, quantized=True)[0]
+    for n in (1, 2):
+        with threads(n):
+            for batch in ([mine] + others, others + [mine]):
+                at = next(i for i, r in enumerate(batch) if r is mine)
+                for page_size in (1, 16, 256):
+                    assert torch.equal(paged(batch, page_size, quantized=True)[at], alone)
+    torch.testing.assert_close(alone, contiguous([quantized_request(mine)])[0], rtol=1e-5, atol=1e-5)

@@ -259,3 +259,23 @@ def test_a_continuous_batch_layer_equals_the_per_request_oracle(cu_q, cu_k, wind
     want = packed_oracle(query, key, value, cu_q, cu_k, 0.25, window, sinks)
     torch.testing.assert_close(out[0, :cu_q[-1]].double(), want[:cu_q[-1]], rtol=1e-5, atol=1e-5)
     assert not bool(out[0, cu_q[-1]:].any())  # padding rows: 0
+
+
+@pytest.mark.parametrize("mode", ["grad off", "inference"])
+def test_offsets_written_in_place_between_calls_make_a_new_plan(mode):
+    # a static buffer's offsets rewritten for the next step (version counter; an inference tensor by its values)
+    from engine import causal_attention
+
+    g = torch.Generator().manual_seed(4)
+    query, key, value = torch.randn(1, 4, 2, 8, generator=g), torch.randn(1, 2, 12, 8, generator=g), \
+        torch.randn(1, 2, 12, 8, generator=g)
+    context = torch.inference_mode() if mode == "inference" else torch.no_grad()
+    with context:
+        cu_q, cu_k = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+        for split in (5, 8):
+            cu_k[1] = split  # in place: the same tensor object, other offsets
+            kwargs = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, read_index=[])
+            out, _ = continuous.continuous_batch_attention(None, query, key, value, None, **kwargs)
+            for r, (k0, k1) in enumerate(((0, split), (split, 12))):
+                want = causal_attention(query[:, :, r:r + 1], key[:, :, k0:k1], value[:, :, k0:k1])
+                torch.testing.assert_close(out[0, r], want[0, :, 0], rtol=1e-6, atol=1e-6)

@@ -71,13 +71,22 @@ def continuous_batch_attention(module: torch.nn.Module, query: torch.Tensor, key
     window = int(sliding_window) if sliding_window is not None else None
     cu_k = kwargs["cu_seq_lens_k"]
     plans = _steps.plans_of(kwargs["cu_seq_lens_q"])
-    plan_key = (id(cu_k), cu_k._version, window, softcap, scaling, id(sinks), query.shape, query.dtype, key.shape,
-                value.shape)
+    plan_key = (id(cu_k), window, softcap, scaling, id(sinks), query.shape, query.dtype, key.shape, value.shape)
     found = plans.get(plan_key)
-    if found is None:
+    if found is None or not _unchanged(cu_k, found.keep[1], found.key_offsets):
         found = plans[plan_key] = plan_batch(query, key, value, kwargs["cu_seq_lens_q"], cu_k, window, scaling,
                                              softcap, sinks)
     return found.run(query, key, value), None
+
+
+def _unchanged(offsets: torch.Tensor, planned: torch.Tensor, state) -> bool:
+    """``offsets`` is the tensor a plan was made from, unwritten since: its version counter, or (an inference
+    tensor, which has none) its values against the copy the plan keeps."""
+    if offsets is not planned:
+        return False
+    if offsets.is_inference():
+        return torch.equal(offsets, state)
+    return offsets._version == state
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,7 @@ class BatchPlan:
     decode: PagedPlan | None
     requests: tuple  # ((q0, q1, k0, k1, AttentionPlan), ...)
     keep: tuple
+    key_offsets: object = None  # cu_seq_lens_k's version counter when planned, or a copy of it (inference tensors)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``[1, Nq_padded, Hq, Dv]``: rows past the batch's queries (a compiled batch's padding) get 0."""
@@ -130,7 +140,12 @@ def plan_batch(query, key, value, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: to
         allowed = None if window is None else window_mask(query_pos, key_pos, window)
         requests.append((cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1],
                          plan(q_r, k_r, v_r, query_pos, key_pos, allowed, scaling, softcap=softcap, sinks=sinks)))
-    return BatchPlan(query.shape[2], rows, decode, tuple(requests), (cu_seq_lens_q, cu_seq_lens_k, sinks))
+    return BatchPlan(query.shape[2], rows, decode, tuple(requests), (cu_seq_lens_q, cu_seq_lens_k, sinks),
+                     _state(cu_seq_lens_k))
+
+
+def _state(offsets: torch.Tensor):
+    return offsets.clone() if offsets.is_inference() else offsets._version
 
 
 def _as_pages(x: torch.Tensor) -> torch.Tensor:
@@ -154,16 +169,16 @@ class _Steps(threading.local):
     """The plans of the forward pass under way, in each thread (a manager steps its model in one): made by its first
     layer, reused by every other. A forward is known by its query offsets tensor (the same object, unchanged, in
     every layer of one forward; held here so that its id is not reused): another one, or the same one written
-    since, starts a new step."""
+    since (its version counter; an inference tensor, which has none, by its values), starts a new step."""
 
     def __init__(self) -> None:
         self.offsets: torch.Tensor | None = None
-        self.version = -1
+        self.state = None
         self.plans: dict = {}
 
     def plans_of(self, cu_seq_lens_q: torch.Tensor) -> dict:
-        if cu_seq_lens_q is not self.offsets or cu_seq_lens_q._version != self.version:
-            self.offsets, self.version, self.plans = cu_seq_lens_q, cu_seq_lens_q._version, {}
+        if self.offsets is None or not _unchanged(cu_seq_lens_q, self.offsets, self.state):
+            self.offsets, self.state, self.plans = cu_seq_lens_q, _state(cu_seq_lens_q), {}
         return self.plans
 
 

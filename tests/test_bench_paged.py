@@ -49,3 +49,20 @@ def test_the_cascade_group_compares_one_prefix_pass_with_reading_it_per_sequence
                                                           for h in (bench_paged.HKV, 8)}
     assert all(r["max |diff|"] < 1e-5 for r in rows)  # the two ways compute the same attention
     assert all(r["met"] in ("yes", "no") for r in rows if r["impl"] == "cascade")
+
+
+def test_the_step_and_continuous_groups_time_the_planned_paths_against_contiguous(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench_paged.add_arguments(parser)
+    args = parser.parse_args(["--groups", "step,continuous", "--quick", "--out", str(tmp_path), "--quiet"])
+    assert bench_paged.main(args) == 0
+    rows = json.loads((tmp_path / "paged.json").read_text())["rows"]
+    step = [r for r in rows if r["group"] == "step"]
+    assert {r["impl"] for r in step} == {"contiguous plan.run", "paged plan.run", "paged_attention"}
+    assert {r["kernel"] for r in step if r["impl"] != "contiguous plan.run"} <= {"native in place", "per sequence"}
+    assert all(r["max |diff|"] < 2e-2 for r in step)  # (bf16 rows: one bf16 unit at the outputs' magnitude)
+    continuous = [r for r in rows if r["group"] == "continuous"]
+    assert {(r["impl"], r["threads"]) for r in continuous} == {(impl, t) for impl in (
+        "contiguous plan.run", "continuous batching layer") for t in (1, 2)}
+    assert all(r["max |diff|"] < 1e-5 for r in continuous)
+    assert all(r["met"] in ("yes", "no") for r in rows if r["target"])

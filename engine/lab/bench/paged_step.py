@@ -77,3 +77,50 @@ def _step_case(batch: int, ragged: bool, page_size: int, dtype: torch.dtype, thr
                      "kernel": step.path if name != "contiguous plan.run" else contiguous.kernel, "B": batch,
                      "page": page_size, "dtype": str(dtype), "threads": threads, "ragged": ragged})
     return rows
+
+
+CB_TARGET = 1.2
+
+
+def continuous_rows(args) -> list[dict[str, Any]]:
+    """One layer of a continuous-batching decode step (transformers' packed keys; the engine's adapter, its step
+    planned by the first layer) beside the same keys contiguous, 32 requests of 256-768 keys, 1 and 2 threads."""
+    import engine.integrations.transformers.continuous as continuous  # (needs transformers: the [hf] extra)
+
+    rounds, calls = (3, 3) if args.quick else (21, 10)
+    g = torch.Generator().manual_seed(args.seed)
+    batch = 8 if args.quick else 32
+    lengths = torch.randint(256, 769, (batch,), generator=g)  # [B]
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)  # [B + 1]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32)  # one new token each
+    key, value = (torch.randn(1, HKV, int(lengths.sum()), D, generator=g) for _ in range(2))  # [1, Hkv, Nk, D]
+    query = torch.randn(1, HQ, batch, D, generator=g)  # [1, Hq, Nq, D]
+    longest = int(lengths.max())
+    k, v = torch.zeros(batch, HKV, longest, D), torch.zeros(batch, HKV, longest, D)  # [B, Hkv, S, D] right-padded
+    for b in range(batch):
+        k[b, :, :lengths[b]], v[b, :, :lengths[b]] = key[0, :, cu_k[b]:cu_k[b + 1]], value[0, :, cu_k[b]:cu_k[b + 1]]
+    slots = torch.arange(longest)
+    key_pos = torch.where(slots < lengths[:, None], slots, PAD_POSITION)  # [B, S]
+    q = query[0].transpose(0, 1)[:, :, None]  # [B, Hq, 1, D]
+    contiguous = engine.plan(q, k, v, (lengths - 1)[:, None], key_pos)
+    kwargs = dict(cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, read_index=[])
+    impls = {"contiguous plan.run": lambda: contiguous.run(q, k, v),
+             "continuous batching layer": lambda: continuous.continuous_batch_attention(None, query, key, value,
+                                                                                         None, **kwargs)[0]}
+    diff = (impls["continuous batching layer"]()[0] - contiguous.run(q, k, v)[:, :, 0]).abs().max().item()
+    saved, rows = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            us = interleaved_us(impls, rounds, calls, warmup=3)
+            for name in impls:
+                ratio = us[name] / us["contiguous plan.run"]
+                target = name != "contiguous plan.run"
+                rows.append({"group": "continuous", "case": f"{batch} decodes, S=256-768, {threads}t", "impl": name,
+                             "us": us[name], "time/contiguous": ratio,
+                             "target": f"<= {CB_TARGET}x" if target else None,
+                             "met": ("yes" if ratio <= CB_TARGET else "no") if target else None, "max |diff|": diff,
+                             "threads": threads})
+    finally:
+        torch.set_num_threads(saved)
+    return rows

@@ -28,7 +28,7 @@ from engine.attention import merge_heads, split_heads
 from engine.inputs import check_allowed, resolve_positions
 from engine.kv_cache import KVCache
 from engine.masks.padding import PaddingMask
-from engine.masks.window import window_mask
+from engine.masks.window import check_window, window_mask
 from engine.paged import PagedKVCache, paged_attention
 from engine.planning import plan
 from engine.quantized import QuantizedKV
@@ -284,8 +284,7 @@ def _check_config(hidden_size, num_heads, num_kv_heads, head_dim, bias, rope_bas
         raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
     if rope_pairing not in PAIRINGS:
         raise ValueError(f"rope_pairing must be one of {PAIRINGS}, got {rope_pairing!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+    check_window(window)
     if window is not None and not causal:
         raise ValueError("window needs causal=True (the window counts keys at or before the query)")
     if scale is not None and not (_is_real(scale) and math.isfinite(scale)):

@@ -26,6 +26,7 @@ httpx = pytest.importorskip("httpx")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from engine.serving import manager_internals as internals  # noqa: E402
 from engine.serving import openai_api as api  # noqa: E402
 from engine.serving.model import load_model  # noqa: E402
 from engine.serving.server import batching_config, create_app, running  # noqa: E402
@@ -139,6 +140,20 @@ def prompts(count: int, seed: int = 0) -> list[list[int]]:
 def streamed_text(events: list, chat: bool = False) -> str:
     key = (lambda c: c["delta"].get("content", "")) if chat else (lambda c: c["text"])
     return "".join(key(c) for e in events if isinstance(e, dict) for c in e["choices"])
+
+
+def test_the_managers_internals_the_server_reads_are_there(server):
+    # engine.serving.manager_internals reads what transformers has no public way to give: if a release moves one of
+    # these, this names it (instead of a server that leaks handlers or reports no requests)
+    manager = server.served.manager
+    assert isinstance(manager.output_router.result_handlers, dict), "manager.output_router.result_handlers"
+    assert callable(manager.get_result), "manager.get_result(timeout=...)"
+    scheduler = manager.batch_processor.scheduler  # (the manager is running: its processor exists)
+    assert hasattr(scheduler, "active_requests") and hasattr(scheduler, "waiting_requests"), "scheduler's queues"
+    assert hasattr(manager.background_thread_status, "fatal_error"), "manager.background_thread_status.fatal_error"
+    assert internals.request_counts(manager) == (0, 0) and not internals.failed(manager)
+    internals.drop_result_handler(manager, "no such request")  # forgetting an unknown id is a no-op
+    internals.drain_unread_results(manager)
 
 
 def test_models_lists_the_served_model(server):

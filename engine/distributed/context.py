@@ -24,6 +24,7 @@ from engine.distributed.ring import RingAttention
 from engine.distributed.shard import KeyShard, Queries
 from engine.inputs import prepare_inputs, resolve_positions
 from engine.kernels.sinks import apply_sinks
+from engine.masks.window import check_window
 from engine.relative_bias import RelativePositionBias
 
 METHODS = ("auto", "ring", "allgather", "direct")
@@ -105,8 +106,7 @@ def context_parallel_attention(
                          "sequence (see engine.distributed.zigzag_indices)")
     if (query_document_ids is None) != (key_document_ids is None):
         raise ValueError("give both query_document_ids and key_document_ids, or neither")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+    check_window(window)
     dense = isinstance(bias, torch.Tensor)
     if bias is not None and not dense and not isinstance(bias, RelativePositionBias):
         raise ValueError(f"bias must be a RelativePositionBias or a dense tensor [B|1, Hq|1, T_r, S_total], got "

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 NEG_INF = float("-inf")
+MAX_DECODE_QUERIES = 16  # new queries per row that the decode kernels serve (one token, or a few: speculation)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

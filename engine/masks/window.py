@@ -29,8 +29,7 @@ class WindowMask(PairwiseMask):
     name = "window"
 
     def __init__(self, query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive int (number of keys seen, own included), got {window!r}")
+        check_window(window, optional=False)
         if window > POSITION_LIMIT:
             raise ValueError(f"window must be at most 2^62 = {POSITION_LIMIT} keys, got {window} "
                              f"(for an unbounded window use the causal rule alone)")
@@ -49,6 +48,16 @@ class WindowMask(PairwiseMask):
 
     def _describe(self) -> str:
         return f"window={self.window}"
+
+
+def check_window(window, optional: bool = True) -> None:
+    """The one check of a window argument: a positive int (keys a query sees, its own included), or None where
+    ``optional``; a ValueError names what was given otherwise."""
+    if window is None and optional:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be a positive int (keys seen, own included){' or None' if optional else ''}, "
+                         f"got {window!r}")
 
 
 def _check_range(positions: torch.Tensor) -> None:

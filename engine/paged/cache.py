@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.masks.window import check_window
 from engine.paged.pool import PagePool
 from engine.paged.tables import RELEASED
 
@@ -64,8 +65,7 @@ class PagedKVCache:
                         ("head_dim", head_dim), ("value_dim", value_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+        check_window(window)
         self._pool = PagePool(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, device)
         self.page_size, self.window = page_size, window
         self.keys, self.values = self._pool.keys, self._pool.values

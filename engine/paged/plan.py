@@ -27,6 +27,7 @@ from engine.inputs import resolve_positions, resolve_scale
 from engine.kernels.common import DoesNotFit, needs_grad
 from engine.kernels.flex.paged import flex_paged_attention, flex_paged_fits
 from engine.kernels.sinks import apply_sinks
+from engine.masks.window import check_window
 from engine.modifiers import prepare_modifiers
 from engine.paged.cascade import cascade_parts, merge_prefix, shared_prefixes, suffix_tables
 from engine.paged.explain import describe
@@ -199,8 +200,7 @@ def _query_positions(query_positions, tables: PagedBatch, q: torch.Tensor) -> to
 def _check_options(window, alibi_slopes, q_heads: int, cascade) -> None:
     if cascade is not None and not isinstance(cascade, bool):
         raise ValueError(f"cascade must be True, False or None (auto), got {cascade!r}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise ValueError(f"window must be a positive int (keys seen, own included) or None, got {window!r}")
+    check_window(window)
     if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dim() != 1):
         raise ValueError(f"alibi_slopes of a paged call must be [Hq] = [{q_heads}] (one slope per query head), got "
                          f"{getattr(alibi_slopes, 'shape', type(alibi_slopes).__name__)}")

@@ -24,9 +24,7 @@ import json
 import os
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 
 try:
     from fastapi import FastAPI, Request
@@ -36,78 +34,11 @@ try:
 except ImportError as error:  # the serve extra
     raise ImportError("run.py serve needs FastAPI and uvicorn: pip install -e '.[serve]'") from error
 
+from engine.serving import manager_internals as internals
 from engine.serving import openai_api as api
+from engine.serving.generation import Generation, Served
 
 __all__ = ["batching_config", "create_app", "running"]
-
-
-@dataclass
-class Served:
-    """What every request reads: the model's tokenizer and limits, the running manager, the open requests."""
-
-    model: object
-    tokenizer: object
-    name: str
-    manager: object
-    eos_token_ids: list[int]
-    context_length: int
-    open: set[str] = field(default_factory=set)
-
-
-class Generation:
-    """One request in the manager: snapshots in, text deltas out (``deltas``), then ``finish_reason``, ``tokens``."""
-
-    def __init__(self, served: Served, prompt_ids: list[int], max_tokens: int, sampling: dict,
-                 stops: list[str], chat: bool) -> None:
-        self.served, self.prompt_ids, self.chat = served, prompt_ids, chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.text = api.TextStream(served.tokenizer, stops)
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.done_in_manager = False
-        self._outputs: asyncio.Queue = asyncio.Queue()
-        manager = served.manager
-        manager.register_result_handler(self.id, self._outputs.put_nowait)  # before the request: none is missed
-        served.open.add(self.id)
-        accepted = None
-        try:
-            accepted = manager.add_request(prompt_ids, request_id=self.id, max_new_tokens=max_tokens,
-                                           streaming=True, eos_token_id=served.eos_token_ids, **sampling)
-        finally:
-            if accepted is None:  # refused or raised: leave nothing behind
-                self.close()
-        if accepted is None:
-            raise api.APIError(503, "the generation loop is not accepting requests", kind="server_error")
-
-    async def deltas(self) -> AsyncIterator[str]:
-        while self.finish_reason is None:
-            output = await self._outputs.get()
-            if output.error is not None:
-                self.done_in_manager = True
-                raise api.APIError(500, f"generation failed: {output.error}", kind="server_error")
-            self.done_in_manager = output.is_finished()
-            self.tokens = list(output.generated_tokens)
-            delta = self.text.update(self.tokens, final=self.done_in_manager)
-            if self.text.stopped:
-                self.finish_reason = "stop"
-            elif self.done_in_manager:
-                ended_on_eos = bool(self.tokens) and self.tokens[-1] in self.served.eos_token_ids
-                self.finish_reason = "stop" if ended_on_eos else "length"
-            if delta:
-                yield delta
-
-    def close(self) -> None:
-        """Idempotent: cancel the request unless it finished in the manager. A cancelled request never delivers a
-        last output, so its result handler is dropped here; a token of the step it was in when cancelled then lands
-        in the manager's shared queue, which nothing else here reads: drained (of every such orphan) here too."""
-        manager = self.served.manager
-        if not self.done_in_manager:
-            manager.cancel_request(self.id)
-            self.done_in_manager = True
-        manager.output_router.result_handlers.pop(self.id, None)
-        while manager.get_result(timeout=0) is not None:
-            pass
-        self.served.open.discard(self.id)
 
 
 class EventStream(StreamingResponse):
@@ -180,7 +111,7 @@ async def _complete(served: Served, request: Request, body: api.SamplingRequest)
         raise api.APIError(400, f"this model's context holds {served.context_length} tokens: the prompt has "
                                 f"{len(prompt_ids)} and max_tokens asks for {limit or 1} more",
                            param="max_tokens", code="context_length_exceeded")
-    if served.manager.background_thread_status.fatal_error is not None:
+    if internals.failed(served.manager):
         raise api.APIError(503, "the generation loop has failed; restart the server", kind="server_error")
     generation = Generation(served, prompt_ids, limit or room, body.sampling(), body.stops(), chat)
     if body.stream:
@@ -253,13 +184,10 @@ def create_app(model, tokenizer, name: str, batching=None) -> FastAPI:
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         served = request.app.state.served
-        processor = served.manager.batch_processor
-        scheduler = processor.scheduler if processor is not None else None
-        failed = served.manager.background_thread_status.fatal_error is not None
+        active, waiting = internals.request_counts(served.manager)
+        failed = internals.failed(served.manager)
         body = {"status": "failed" if failed else "ok", "model": served.name,
-                "requests": {"open": len(served.open),
-                             "active": len(scheduler.active_requests) if scheduler else 0,
-                             "waiting": len(scheduler.waiting_requests) if scheduler else 0}}
+                "requests": {"open": len(served.open), "active": active, "waiting": waiting}}
         return JSONResponse(body, status_code=503 if failed else 200)
 
     @app.post("/v1/completions")

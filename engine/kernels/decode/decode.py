@@ -27,14 +27,14 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, needs_grad
+from engine.kernels.common import MAX_DECODE_QUERIES, NEG_INF, DoesNotFit, compute_dtype, needs_grad
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
 from engine.kernels.scores import additive_block
 from engine.kernels.sdpa.fused_op import flash_call, flash_fits, flash_operands
 from engine.kernels.visibility import decode_rows
 
-MAX_QUERIES = 16  # decode serves T <= 16 new tokens per row
+MAX_QUERIES = MAX_DECODE_QUERIES  # (engine.kernels.common: one limit for every decode path)
 MIN_KEYS = 512  # ... against at least this many cached keys
 BUSY_ITEMS = 16  # split keys until B * Hkv * n reaches this many independent work items
 MIN_SPLIT_KEYS = 2048  # never split the keys into chunks shorter than this

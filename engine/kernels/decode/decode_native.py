@@ -27,12 +27,12 @@ import ctypes
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import DoesNotFit, needs_grad
+from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, needs_grad
 from engine.kernels.decode.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
 from engine.kernels.visibility import decode_rows
 from engine.quantized import QuantizedKV
 
-MAX_QUERIES = 16  # T <= 16 new tokens per row
+MAX_QUERIES = MAX_DECODE_QUERIES  # (engine.kernels.common: one limit for every decode path)
 
 # The element kinds of decode_native.cpp.
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from engine.generate_paged import report_paged
 from engine.kv_cache import KVCache, kv_cache_bytes
 from engine.layer import MultiHeadAttention
+from engine.paged.step import begin_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 KV_DTYPES = {**DTYPES, "int8": torch.int8}  # the cache may be quantized: 1 byte per entry + a scale per token
@@ -55,9 +56,10 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), positions=positions, cache=cache, valid=valid, plans=plans)  # [B, T, E]
         return self.mlp(x)
 
-    def forward_paged(self, x, cache, seqs, indptr):
-        """Packed tokens ``[N, E]`` of several sequences, attending through a PagedKVCache."""
-        return self.mlp(x + self.attn.forward_paged(self.attn_norm(x), cache, seqs, indptr))  # [N, E]
+    def forward_paged(self, x, cache, step, layer: int):
+        """Packed tokens ``[N, E]`` of several sequences, attending through the model's PagedKVCache (its
+        ``layer``'s pools) in the step ``step`` (engine.paged.step)."""
+        return self.mlp(x + self.attn.forward_paged(self.attn_norm(x), cache, step=step, layer=layer))  # [N, E]
 
     def mlp(self, x):
         h = self.mlp_norm(x)  # [..., E]
@@ -88,12 +90,20 @@ class TinyDecoder(nn.Module):
             x = block(x, positions, None if caches is None else caches[i], valid, plans)  # [B, T, E]
         return self.lm_head(self.norm(x))  # [B, T, V]
 
-    def forward_paged(self, ids: torch.Tensor, caches: list, seqs: list[int], indptr: torch.Tensor) -> torch.Tensor:
+    def forward_paged(self, ids: torch.Tensor, cache, seqs: list[int], indptr: torch.Tensor) -> torch.Tensor:
         """Packed ids ``[N]`` of several sequences (``seqs[i]``: rows ``indptr[i] .. indptr[i+1]-1``) -> logits
-        ``[N, V]``, one PagedKVCache per layer (engine.generate_paged)."""
+        ``[N, V]``, over one PagedKVCache holding every layer's pools (``layers=len(blocks)``): the step is made
+        once (its slots, positions and tables) and every layer reuses it and its plan (engine.generate_paged)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+            raise ValueError(f"ids must be packed token ids [N], got "
+                             f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+        if getattr(cache, "layers", None) != len(self.blocks):
+            raise ValueError(f"cache must be a PagedKVCache of this model's {len(self.blocks)} layers "
+                             f"(PagedKVCache(..., layers={len(self.blocks)})), got {getattr(cache, 'layers', cache)!r}")
         x = self.embed(ids)  # [N, E]
-        for block, cache in zip(self.blocks, caches):
-            x = block.forward_paged(x, cache, seqs, indptr)  # [N, E]
+        step = begin_step(cache, seqs, indptr)  # once: every layer's pages, positions and tables
+        for layer, block in enumerate(self.blocks):
+            x = block.forward_paged(x, cache, step, layer)  # [N, E]
         return self.lm_head(self.norm(x))  # [N, V]
 
 

@@ -18,21 +18,20 @@ chunked prefill and one-token decode are the same call: only the positions diffe
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 from torch import nn
 
 from engine.attention import merge_heads, split_heads
 from engine.inputs import check_allowed, resolve_positions
 from engine.kv_cache import KVCache
+from engine.layer_config import check_layer_config
 from engine.masks.padding import PaddingMask
-from engine.masks.window import check_window, window_mask
-from engine.paged import PagedKVCache, paged_attention
+from engine.masks.window import window_mask
+from engine.paged import PagedKVCache
+from engine.paged.step import PagedStep, begin_step
 from engine.planning import plan
 from engine.quantized import QuantizedKV
-from engine.rope import PAIRINGS, apply_rope
+from engine.rope import apply_rope
 
 __all__ = ["MultiHeadAttention"]
 
@@ -70,7 +69,7 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        head_dim = _check_config(hidden_size, num_heads, num_kv_heads, head_dim, bias, rope_base, rope_pairing,
+        head_dim = check_layer_config(hidden_size, num_heads, num_kv_heads, head_dim, bias, rope_base, rope_pairing,
                                  window, causal, scale, softcap)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_base, self.rope_pairing = rope_base, rope_pairing
@@ -142,21 +141,29 @@ class MultiHeadAttention(nn.Module):
         out = step_plan.run(q, k, v)  # [B, Hq, T, D]
         return self.o_proj(merge_heads(out))  # [B, T, E]
 
-    def forward_paged(self, x: torch.Tensor, cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor
+    def forward_paged(self, x: torch.Tensor, cache: PagedKVCache, seqs: list[int] | None = None,
+                      indptr: torch.Tensor | None = None, *, step: PagedStep | None = None, layer: int = 0
                       ) -> torch.Tensor:
         """Packed new tokens of several sequences, ``x [N, E]`` (sequence ``seqs[i]`` owns rows ``indptr[i] ..
         indptr[i+1]-1``, continuing at its length in ``cache``): their keys and values go to the sequences' pages
-        and they attend to them (engine.paged_attention): a mixed batch of prefills and decodes, ``[N, E]``."""
-        self._check_paged_call(x, cache, seqs, indptr)  # before the cache grows
-        starts = indptr.tolist()
-        positions = torch.cat([torch.arange(cache.length(seq), cache.length(seq) + stop - start, device=x.device)
-                               for seq, start, stop in zip(seqs, starts, starts[1:])] or
-                              [torch.zeros(0, dtype=torch.long, device=x.device)])  # [N]
-        q, k, v = self._project(x[None], positions[None])  # [1, Hq, N, D], [1, Hkv, N, D] x 2
-        cache.append(seqs, k[0].transpose(0, 1), v[0].transpose(0, 1), indptr)  # [N, Hkv, D] each
-        table, lengths = cache.tables(seqs)
-        out = paged_attention(q[0].transpose(0, 1), cache.keys, cache.values, table, lengths, indptr,
-                              window=self.window, softcap=self.softcap, scale=self.scale)  # [N, Hq, D]
+        and they attend to them (engine.paged_attention): a mixed batch of prefills and decodes, ``[N, E]``.
+
+        A model's layers share one step (``engine.paged.step.begin_step(cache, seqs, indptr)``, made once per step
+        over a cache of every layer's pools): pass ``step`` and this layer's index ``layer`` instead of ``seqs`` and
+        ``indptr``; the step's plan is made by the first layer and reused by the others."""
+        self._check_paged_call(x, cache, layer)  # before the cache grows
+        if step is None:
+            cache.check_append(seqs, x.shape[0], indptr)
+            step = begin_step(cache, seqs, indptr)
+        elif not isinstance(step, PagedStep) or step.slots.pages.shape[0] != x.shape[0]:
+            got = f"a step of {step.slots.pages.shape[0]} rows" if isinstance(step, PagedStep) else type(step).__name__
+            raise ValueError(f"step must be the PagedStep of these {x.shape[0]} rows (begin_step), got {got}")
+        q, k, v = self._project(x[None], step.positions[None])  # [1, Hq, N, D], [1, Hkv, N, D] x 2
+        cache.write(step.slots, k[0].transpose(0, 1), v[0].transpose(0, 1), layer)  # [N, Hkv, D] each
+        k_pages, v_pages = cache.layer(layer)
+        q = q[0].transpose(0, 1)  # [N, Hq, D]
+        out = step.plan_for(q, k_pages, v_pages, window=self.window, softcap=self.softcap,
+                            scale=self.scale).run(q, k_pages, v_pages)  # [N, Hq, D]
         return self.o_proj(out.reshape(out.shape[0], -1))  # [N, E]
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
@@ -196,7 +203,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"valid must be a bool tensor [{batch}, {t}], got {kind}")
         self._check_cache_and_allowed(cache, allowed, batch, t, x.device)
 
-    def _check_paged_call(self, x, cache, seqs, indptr) -> None:
+    def _check_paged_call(self, x, cache, layer: int) -> None:
         """ValueError for any bad argument of forward_paged, before the cache is touched (a refused call leaves it as
         it was, and a retry appends once)."""
         if not self.causal:
@@ -224,7 +231,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"the cache releases keys outside a window of {cache.window}, but this layer's queries "
                              f"see {'every earlier key' if self.window is None else f'{self.window} keys'}: make the "
                              f"cache with window=None or at least the layer's window ({self.window})")
-        cache.check_append(seqs, x.shape[0], indptr)
+        cache.layer(layer)  # (validates the index)
 
     def _check_cache_and_allowed(self, cache, allowed, batch, t, device) -> None:
         if cache is not None:
@@ -258,42 +265,3 @@ class MultiHeadAttention(nn.Module):
         if allowed is not None:
             mask = allowed if mask is None else mask & allowed
         return mask
-
-
-def _check_config(hidden_size, num_heads, num_kv_heads, head_dim, bias, rope_base, rope_pairing, window, causal,
-                  scale, softcap) -> int:
-    """ValueError for a bad constructor argument of MultiHeadAttention; returns the resolved head_dim."""
-    for name, n in (("hidden_size", hidden_size), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                    ("head_dim", head_dim)):
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
-            raise ValueError(f"{name} must be a positive int, got {n!r}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    if head_dim is None:
-        if hidden_size % num_heads:
-            raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads}) "
-                             "unless head_dim is given")
-        head_dim = hidden_size // num_heads
-    for name, flag in (("bias", bias), ("causal", causal)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name} must be a bool, got {flag!r} ({type(flag).__name__})")
-    if rope_base is not None and not (_is_real(rope_base) and 1 < rope_base < math.inf):
-        raise ValueError(f"rope_base must be a finite number > 1 (e.g. 10000.0) or None for no RoPE, "
-                         f"got {rope_base!r}")
-    if rope_base is not None and head_dim % 2:
-        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
-    if rope_pairing not in PAIRINGS:
-        raise ValueError(f"rope_pairing must be one of {PAIRINGS}, got {rope_pairing!r}")
-    check_window(window)
-    if window is not None and not causal:
-        raise ValueError("window needs causal=True (the window counts keys at or before the query)")
-    if scale is not None and not (_is_real(scale) and math.isfinite(scale)):
-        raise ValueError(f"scale must be a finite number or None (1 / sqrt(head_dim)), got {scale!r}")
-    if softcap is not None and not (_is_real(softcap) and 0 < softcap < math.inf):
-        raise ValueError(f"softcap must be a positive finite number or None (no cap), got {softcap!r}")
-    return head_dim
-
-
-def _is_real(value: object) -> bool:
-    """A real number (int, float, numpy scalar), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -539,3 +539,67 @@ def test_forward_paged_refuses_before_the_cache_grows(bad):
         with pytest.raises(ValueError, match=message):
             layer.forward_paged(x, cache, seqs, indptr)
         assert cache.length(seq) == 0 and cache.pages_in_use == 0
+
+
+def test_one_cache_of_several_layers_shares_pages_and_each_layer_keeps_its_own_keys():
+    cache = PagedKVCache(6, 4, HKV, D, dtype=torch.float64, layers=3)
+    a, b = cache.add(), cache.add()
+    with pytest.raises(ValueError, match="this cache holds 3 layers: extend"):
+        cache.append([a], *tokens(2, 0), offsets([2]))
+    slots = cache.extend([a, b], offsets([5, 3]))  # one allocation for every layer
+    assert cache.pages_in_use == 3 and cache.length(a) == 5 and slots.pages.shape == (8,)
+    written = [tokens(8, layer) for layer in range(3)]
+    for layer, (keys, values) in enumerate(written):
+        cache.write(slots, keys, values, layer)
+    table, lens = cache.tables([a, b])
+    for layer, (keys, values) in enumerate(written):
+        k_pages, v_pages = cache.layer(layer)
+        for row, (seq, j) in enumerate([(0, j) for j in range(5)] + [(1, j) for j in range(3)]):
+            assert torch.equal(k_pages[table[seq, j // 4], j % 4], keys[row])
+            assert torch.equal(v_pages[table[seq, j // 4], j % 4], values[row])
+    with pytest.raises(ValueError, match="this step made room for 8 rows, got 2"):
+        cache.write(slots, *tokens(2, 0), 1)
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 3\), got 3"):
+        cache.write(slots, *tokens(8, 0), 3)
+    child = cache.fork(a)  # copy on write copies the shared partial page in every layer
+    child_slots = cache.extend([child], offsets([1]))
+    for layer in range(3):
+        cache.write(child_slots, *tokens(1, 9), layer)
+        k_pages, _ = cache.layer(layer)
+        own = cache.tables([child])[0][0, 1]
+        assert torch.equal(k_pages[own, 0], written[layer][0][4])  # the copied key of the parent's page
+    assert cache.nbytes == 3 * 2 * 6 * 4 * HKV * D * 8
+
+
+def test_a_models_layers_share_one_step_and_its_plan():
+    # TinyDecoder over one cache of every layer: one plan per step serves the three layers; tokens equal the
+    # contiguous cache's greedy ones
+    from engine.generate import TinyDecoder
+    from engine.generate_paged import generate_paged
+    from engine.paged import step as paged_step
+
+    torch.manual_seed(0)
+    model = TinyDecoder(vocab=50, hidden=32, layers=3, heads=4, kv_heads=2).eval()
+    ids = torch.randint(0, 50, (3, 6))
+    valid = torch.ones(3, 6, dtype=torch.bool)
+    made = []
+    plan_paged = paged_step.plan_paged
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return plan_paged(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_step, "plan_paged", counted)
+        tokens_paged, cache, _ = generate_paged(model, ids, valid, 5, 4)
+    assert len(made) == 5  # the prefill and four decode steps: one plan each, for the three layers
+    assert cache.layers == 3
+    with torch.no_grad():
+        caches = model.new_caches(3, 16)
+        logits = model(ids, caches=caches)
+        token = logits[:, -1].argmax(-1)
+        want = [token]
+        for _ in range(4):
+            token = model(token[:, None], caches=caches)[:, -1].argmax(-1)
+            want.append(token)
+    assert torch.equal(tokens_paged, torch.stack(want, dim=1))

@@ -30,14 +30,24 @@ float8_e4m3fn: one fp32 scale per token and head, ``keys``/``values`` are ``Quan
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from engine.masks.window import check_window
 from engine.paged.pool import PagePool
 from engine.paged.tables import RELEASED
+from engine.quantized import QuantizedKV
 
-__all__ = ["PagedKVCache"]
+__all__ = ["PagedKVCache", "Slots"]
+
+
+class Slots(NamedTuple):
+    """Where a step's packed new rows go: row i to slot ``slots[i]`` of page ``pages[i]`` (int64 ``[N]`` each, on
+    the pools' device), the same in every layer."""
+
+    pages: torch.Tensor
+    slots: torch.Tensor
 
 
 @dataclass
@@ -59,16 +69,16 @@ class PagedKVCache:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 window: int | None = None) -> None:
+                 window: int | None = None, layers: int = 1) -> None:
         value_dim = head_dim if value_dim is None else value_dim
         for name, n in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
-                        ("head_dim", head_dim), ("value_dim", value_dim)):
+                        ("head_dim", head_dim), ("value_dim", value_dim), ("layers", layers)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         check_window(window)
-        self._pool = PagePool(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, device)
-        self.page_size, self.window = page_size, window
-        self.keys, self.values = self._pool.keys, self._pool.values
+        self._pool = PagePool(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, device, layers)
+        self.page_size, self.window, self.layers = page_size, window, layers
+        self.keys, self.values = self._pool.keys, self._pool.values  # layer 0's pools
         self._sequences: dict[int, _Sequence] = {}
         self._next_id = 0
 
@@ -145,28 +155,54 @@ class PagedKVCache:
             self._pool.drop(page)
         sequence.pages, sequence.length = sequence.pages[:keep], length
 
+    def layer(self, index: int) -> tuple:
+        """``(keys, values)``: layer ``index``'s pools (``keys``/``values`` are layer 0's)."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.layers:
+            raise ValueError(f"layer must be an int in [0, {self.layers}), got {index!r}")
+        return self._pool.layer_keys[index], self._pool.layer_values[index]
+
     def append(self, seqs: list[int], keys: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor) -> None:
         """Write packed new tokens: ``keys [N, Hkv, D]``, ``values [N, Hkv, Dv]`` (any float dtype), sequence
         ``seqs[i]`` gets rows ``indptr[i] .. indptr[i+1]-1`` at its next positions. With a window, each sequence's
-        pages that this step's queries (at positions >= its length) cannot see are released first."""
-        counts = self._check_append(seqs, keys, values, indptr)
+        pages that this step's queries (at positions >= its length) cannot see are released first. A cache of
+        several layers takes ``extend`` once per step and ``write`` per layer instead."""
+        if self.layers != 1:
+            raise ValueError(f"this cache holds {self.layers} layers: extend(seqs, indptr) once per step, then "
+                             f"write(slots, keys, values, layer) for each layer")
+        self._check_rows(keys, values)
+        self.write(self.extend(seqs, indptr, keys.shape[0]), keys, values)
+
+    def extend(self, seqs: list[int], indptr: torch.Tensor, count: int | None = None) -> Slots:
+        """Make room for a step's packed new tokens in every layer: sequence ``seqs[i]`` grows by ``indptr[i+1] -
+        indptr[i]`` tokens (releasing, with a window, the pages this step's queries cannot see; copying a shared,
+        partly filled last page first); returns where each new row goes. All or nothing: a refused call changes
+        nothing. ``count``: the rows the step has (checked against ``indptr``)."""
+        counts = self.check_append(seqs, count, indptr)
         released = self._window_releases(seqs)  # per sequence, the indices of its pages to release
         self._reserve(seqs, counts, released)  # all or nothing: refuses before anything changes
         pages, slots = [], []  # where each new row goes
-        for seq, count in zip(seqs, counts):
-            if count == 0:
+        for seq, n in zip(seqs, counts):
+            if n == 0:
                 continue
             sequence = self._sequences[seq]
-            positions = torch.arange(sequence.length, sequence.length + count)  # [count]
+            positions = torch.arange(sequence.length, sequence.length + n)  # [n]
             first = sequence.length // self.page_size  # the page of its first new token (never released)
             owned = torch.tensor(sequence.pages[first:], dtype=torch.long)  # [pages it writes to]
-            pages.append(owned[positions // self.page_size - first])  # [count]
-            slots.append(positions % self.page_size)  # [count]
+            pages.append(owned[positions // self.page_size - first])  # [n]
+            slots.append(positions % self.page_size)  # [n]
+            sequence.length += n
+        empty = torch.zeros(0, dtype=torch.long)
+        device = self.keys.data.device if isinstance(self.keys, QuantizedKV) else self.keys.device
+        return Slots(torch.cat(pages or [empty]).to(device), torch.cat(slots or [empty]).to(device))
+
+    def write(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor, layer: int = 0) -> None:
+        """Layer ``layer``'s new keys ``[N, Hkv, D]`` and values ``[N, Hkv, Dv]`` to the rows ``extend`` gave."""
+        self._check_rows(keys, values)
+        if keys.shape[0] != slots.pages.shape[0]:
+            raise ValueError(f"this step made room for {slots.pages.shape[0]} rows, got {keys.shape[0]}")
+        self.layer(layer)  # (validates the index)
         if keys.shape[0]:
-            device = self.keys.device
-            self._pool.write(torch.cat(pages).to(device), torch.cat(slots).to(device), keys, values)  # [N] each
-        for seq, count in zip(seqs, counts):
-            self._sequences[seq].length += count
+            self._pool.write(slots.pages, slots.slots, keys, values, layer)  # [N] each
 
     def tables(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(page_table [B, max_pages] int64, kv_lens [B] int64)`` of these sequences for ``paged_attention``;
@@ -201,10 +237,11 @@ class PagedKVCache:
             return [range(0) for _ in seqs]
         return [self._releasable(s, max(s.length - self.window + 1, 0)) for s in map(self._sequences.get, seqs)]
 
-    def check_append(self, seqs: list[int], count: int, indptr: torch.Tensor) -> list[int]:
-        """The new tokens per sequence of an ``append`` of ``count`` rows; a ValueError for an unknown or repeated
-        sequence or a bad ``indptr`` (an integer tensor ``[len(seqs) + 1]`` from 0 to ``count``, never decreasing).
-        Changes nothing (a caller checks before it computes what it appends)."""
+    def check_append(self, seqs: list[int], count: int | None, indptr: torch.Tensor) -> list[int]:
+        """The new tokens per sequence of an ``append`` of ``count`` rows (None: as many as ``indptr`` says); a
+        ValueError for an unknown or repeated sequence or a bad ``indptr`` (an integer tensor ``[len(seqs) + 1]``
+        from 0 to ``count``, never decreasing). Changes nothing (a caller checks before it computes what it
+        appends)."""
         for seq in seqs:
             self._get(seq)
         if len(set(seqs)) != len(seqs):
@@ -216,11 +253,12 @@ class PagedKVCache:
             raise ValueError(f"indptr must be an int tensor [len(seqs) + 1] = [{len(seqs) + 1}], got {got}")
         starts = indptr.tolist()
         counts = [b - a for a, b in zip(starts, starts[1:])]
+        count = starts[-1] if count is None else count
         if starts[0] != 0 or starts[-1] != count or any(c < 0 for c in counts):
             raise ValueError(f"indptr must run from 0 to N = {count} without decreasing, got {starts}")
         return counts
 
-    def _check_append(self, seqs, keys, values, indptr) -> list[int]:
+    def _check_rows(self, keys, values) -> None:
         heads, d, dv = self.keys.shape[2], self.keys.shape[3], self.values.shape[3]
         for name, x, width in (("keys", keys, d), ("values", values, dv)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (heads, width):
@@ -230,7 +268,6 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if keys.shape[0] != values.shape[0]:
             raise ValueError(f"keys and values must have the same N, got {keys.shape[0]} and {values.shape[0]}")
-        return self.check_append(seqs, keys.shape[0], indptr)
 
     def _reserve(self, seqs: list[int], counts: list[int], released: list[range]) -> None:
         """Release the window's pages, then give each sequence the pages its new tokens need, copying a shared

@@ -54,11 +54,16 @@ class PagePool:
     (count 1), ``hold`` adds a holder, ``drop`` removes one and returns the page to the free list at 0."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | None) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, layers: int = 1) -> None:
         self.quantized = check_pool_dtype(dtype)
         self.page_size = page_size
-        self.keys = _pool(num_pages, page_size, kv_heads, head_dim, dtype, device, self.quantized)
-        self.values = _pool(num_pages, page_size, kv_heads, value_dim, dtype, device, self.quantized)
+        # one pair of pools per layer, one page numbering and free list for all of them (page p of every layer
+        # belongs to the same tokens)
+        self.layer_keys = [_pool(num_pages, page_size, kv_heads, head_dim, dtype, device, self.quantized)
+                           for _ in range(layers)]
+        self.layer_values = [_pool(num_pages, page_size, kv_heads, value_dim, dtype, device, self.quantized)
+                             for _ in range(layers)]
+        self.keys, self.values = self.layer_keys[0], self.layer_values[0]
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids first
         self._references = [0] * num_pages  # holders of each page
 
@@ -73,7 +78,7 @@ class PagePool:
     @property
     def nbytes(self) -> int:
         """Bytes of the pools (every page, used or not; a quantized pool's scales included)."""
-        return self.keys.nbytes + self.values.nbytes
+        return sum(pool.nbytes for pool in self.layer_keys + self.layer_values)
 
     def references(self, page: int) -> int:
         return self._references[page]
@@ -96,17 +101,18 @@ class PagePool:
             self._free.append(page)
 
     def copy(self, source: int, target: int) -> None:
-        """Page ``target`` becomes a copy of page ``source`` (keys and values; data and scales)."""
-        for pool in (self.keys, self.values):
+        """Page ``target`` becomes a copy of page ``source`` in every layer (keys and values; data and scales)."""
+        for pool in self.layer_keys + self.layer_values:
             if self.quantized:
                 pool.data[target], pool.scale[target] = pool.data[source], pool.scale[source]
             else:
                 pool[target] = pool[source]
 
-    def write(self, pages: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, pages: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              layer: int = 0) -> None:
         """Row i of ``keys [N, Hkv, D]`` and ``values [N, Hkv, Dv]`` goes to slot ``slots[i]`` of page ``pages[i]``
-        (int64 ``[N]``, distinct pairs); a quantized pool quantizes each row per head first."""
-        for new, pool in ((keys, self.keys), (values, self.values)):
+        (int64 ``[N]``, distinct pairs) of ``layer``'s pools; a quantized pool quantizes each row per head first."""
+        for new, pool in ((keys, self.layer_keys[layer]), (values, self.layer_values[layer])):
             if self.quantized:
                 stored = quantize(new[None].to(pool.device), pool.data.dtype)  # [1, N, Hkv, E], scale per token, head
                 pool.data[pages, slots] = stored.data[0]  # [N, Hkv, E]

@@ -1,0 +1,60 @@
+"""One step of a model over a paged cache: made once, read by every layer (vLLM's per-step attention metadata).
+
+``begin_step(cache, seqs, indptr)`` makes room for the step's packed new tokens in every layer of the cache (one
+page table and allocator for the model, pools per layer: ``PagedKVCache(..., layers=L)``), and records where each
+new row goes, the rows' positions and the tables the layers attend through. Each layer writes its own keys and
+values to those slots and runs the step's paged plan for its configuration, made by the first layer that asks
+(``plan_for``) and reused by the others::
+
+    step = begin_step(cache, seqs, indptr)                       # once per step
+    for i, block in enumerate(blocks):
+        x = block.forward_paged(x, cache, step=step, layer=i)   # writes layer i's K/V, runs the shared plan
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.paged.cache import PagedKVCache, Slots
+from engine.paged.plan import PagedPlan, plan_paged
+
+__all__ = ["PagedStep", "begin_step"]
+
+
+@dataclass
+class PagedStep:
+    """A step's sequences and new rows (``seqs``, ``indptr``), where the rows go (``slots``), their positions
+    ``[N]``, the page table and key lengths after the write, and the plans its layers share."""
+
+    seqs: list[int]
+    indptr: torch.Tensor
+    slots: Slots
+    positions: torch.Tensor
+    page_table: torch.Tensor
+    kv_lens: torch.Tensor
+    plans: dict = field(default_factory=dict)
+
+    def plan_for(self, q: torch.Tensor, k_pages, v_pages, *, window=None, softcap=None, scale=None) -> PagedPlan:
+        """The step's plan for a layer of this configuration: made by the first layer that asks, reused by every
+        other (a layer whose tensors differ, in dtype or gradient need, gets its own)."""
+        key = (window, softcap, scale, q.shape, q.dtype, torch.is_grad_enabled())
+        found = self.plans.get(key)
+        if found is None or not found.matches(q, k_pages, v_pages):
+            found = plan_paged(q, k_pages, v_pages, self.page_table, self.kv_lens, self.indptr, window=window,
+                               softcap=softcap, scale=scale)
+            self.plans[key] = found
+        return found
+
+
+def begin_step(cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor) -> PagedStep:
+    """Extend every sequence of ``seqs`` by its rows of ``indptr`` in ``cache`` (all or nothing) and return the step
+    its layers read; positions continue each sequence from its length."""
+    counts = cache.check_append(seqs, None, indptr)  # (validates before anything changes)
+    device = cache.keys.device
+    positions = torch.cat([torch.arange(cache.length(seq), cache.length(seq) + n) for seq, n in zip(seqs, counts)]
+                          or [torch.zeros(0, dtype=torch.long)]).to(device)  # [N]
+    slots = cache.extend(seqs, indptr)
+    table, lengths = cache.tables(seqs)
+    return PagedStep(list(seqs), indptr, slots, positions, table, lengths)

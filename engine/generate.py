@@ -95,8 +95,7 @@ class TinyDecoder(nn.Module):
         ``[N, V]``, over one PagedKVCache holding every layer's pools (``layers=len(blocks)``): the step is made
         once (its slots, positions and tables) and every layer reuses it and its plan (engine.generate_paged)."""
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-            raise ValueError(f"ids must be packed token ids [N], got "
-                             f"{tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__}")
+            raise ValueError(f"ids must be packed token ids [N], got {getattr(ids, 'shape', type(ids).__name__)}")
         if getattr(cache, "layers", None) != len(self.blocks):
             raise ValueError(f"cache must be a PagedKVCache of this model's {len(self.blocks)} layers "
                              f"(PagedKVCache(..., layers={len(self.blocks)})), got {getattr(cache, 'layers', cache)!r}")

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from engine.masks.structured import StructuredMask, compact_clone
+from engine.masks.copies import compact_clone, owned_copy
+from engine.masks.structured import StructuredMask
 from engine.modifiers import NONE, Modifiers, broadcasts_to, check_score_mod_captures, prepare_modifiers
 from engine.quantized import QuantizedKV, checked_as_tensors
 
@@ -65,11 +66,8 @@ class AttentionInputs:
         then its own, and changing the caller's tensors in place afterwards changes no result of it, whichever
         kernel runs). Broadcast rows stay broadcast; q, k, v and the modifiers' tensors (learned sinks, slopes,
         biases: read at run time) are not copied."""
-        allowed = self.allowed
-        if allowed is not None:
-            allowed = compact_clone(allowed) if isinstance(allowed, torch.Tensor) else allowed.owned()
         return replace(self, query_positions=compact_clone(self.query_positions),
-                       key_positions=compact_clone(self.key_positions), allowed=allowed)
+                       key_positions=compact_clone(self.key_positions), allowed=owned_copy(self.allowed))
 
     def decided(self, name: str, decide: Callable[[], Any]) -> Any:
         """``decide()``, computed once for these inputs and every ``with_tensors`` copy (keyed by ``name``)."""

@@ -48,8 +48,7 @@ class StructuredMask:
         raise NotImplementedError
 
     def block(self, b: int, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
-        """Exact bool mask of queries ``i0:i1`` x keys ``j0:j1`` of batch row b, broadcastable to
-        ``[Hq, i1 - i0, j1 - j0]``."""
+        """Exact bool mask of queries ``i0:i1`` x keys ``j0:j1`` of row b, broadcastable to ``[Hq, tq, tk]``."""
         raise NotImplementedError
 
     def tile_bounds(self, b: int, block_q: int, block_k: int, t: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,13 +58,6 @@ class StructuredMask:
     def batched(self) -> bool:
         """True when the mask differs between batch rows (kernels then plan each row apart)."""
         raise NotImplementedError
-
-    def owned(self) -> StructuredMask:
-        """This mask with copies of the tensors it reads (and of its parts): what a plan keeps, so that a change to
-        the caller's tensors in place after planning changes nothing the plan decided."""
-        copy = object.__new__(type(self))
-        copy.__dict__.update({name: _owned(value) for name, value in self.__dict__.items()})
-        return copy
 
     # --- tensor-like surface ----------------------------------------------------------------------
     @property
@@ -162,24 +154,6 @@ _NOT = {torch.Tensor.__invert__, torch.logical_not, torch.bitwise_not, torch.Ten
         torch.Tensor.bitwise_not}
 
 
-def compact_clone(x: torch.Tensor) -> torch.Tensor:
-    """A copy of ``x`` whose broadcast dimensions (stride 0, an ``expand``) stay broadcast: an expanded
-    ``[B, T, S]`` mask copies one ``[T, S]`` row, and the copy has the same shape and the same zero strides."""
-    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
-                  for size, stride in zip(x.shape, x.stride()))
-    return x[index].clone().expand(x.shape)
-
-
-def _owned(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return compact_clone(value)
-    if isinstance(value, StructuredMask):
-        return value.owned()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_owned(item) for item in value)
-    return value
-
-
 def _dense(x: Any) -> Any:
     return x.to_dense() if isinstance(x, StructuredMask) else x
 
@@ -210,14 +184,14 @@ class DenseMask(StructuredMask):
         if mask.dtype != torch.bool or mask.dim() > 4:
             raise ValueError(f"DenseMask needs a bool tensor of at most 4 dims, got {mask.dtype} {tuple(mask.shape)}")
         self.mask = mask
-        self._mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # [B|1, H|1, T|1, S|1]
         super().__init__(mask.shape, mask.device)
+
+    @property
+    def _mask4(self) -> torch.Tensor:
+        return self.mask.reshape((1,) * (4 - self.mask.dim()) + tuple(self.mask.shape))  # [B|1, H|1, T|1, S|1]
 
     def to_dense(self) -> torch.Tensor:
         return self.mask
-
-    def owned(self) -> DenseMask:
-        return DenseMask(compact_clone(self.mask))  # (its 4-D view follows the copy)
 
     def batched(self) -> bool:
         return self._mask4.shape[0] > 1

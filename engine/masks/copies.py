@@ -1,0 +1,33 @@
+"""The copies a plan keeps of what it decided from: a tensor copied with its broadcast dimensions kept broadcast,
+and a mask's tensors copied whole (``StructuredMask.owned``), so that a change in place to the caller's tensors
+after planning changes nothing the plan decided."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["compact_clone", "owned_copy"]
+
+
+def compact_clone(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` whose broadcast dimensions (stride 0, an ``expand``) stay broadcast: an expanded
+    ``[B, T, S]`` mask copies one ``[T, S]`` row, and the copy has the same shape and the same zero strides."""
+    index = tuple(slice(0, 1) if stride == 0 and size > 1 else slice(None)
+                  for size, stride in zip(x.shape, x.stride()))
+    return x[index].clone().expand(x.shape)
+
+
+def owned_copy(value: Any) -> Any:
+    """``value`` with its own copies of the tensors in it: a tensor (``compact_clone``), a structured mask (every
+    tensor it holds, its parts' too: engine.masks.structured), a list or tuple of them; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return compact_clone(value)
+    if hasattr(type(value), "tile_bounds") and hasattr(value, "__dict__"):  # a StructuredMask
+        copy = object.__new__(type(value))
+        copy.__dict__.update({name: owned_copy(part) for name, part in value.__dict__.items()})
+        return copy
+    if isinstance(value, (list, tuple)):
+        return type(value)(owned_copy(item) for item in value)
+    return value

@@ -1,7 +1,9 @@
 """``python run.py <command> ...``: the engine's subcommands.
 
 Each command lives in its own module, which defines ``add_arguments(parser)`` and ``main(args) -> int``.
-Modules are imported only when their command runs, so ``run.py --help`` stays fast.
+Modules are imported only when their command runs, so ``run.py --help`` stays fast. The benchmarks and the cost
+lab (``lab.*``) live beside the package at the repository's root: the installed package holds the engine, its
+integrations and the server.
 """
 
 from __future__ import annotations
@@ -16,17 +18,17 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("generate",), "engine.generate", "run a small model end to end with the engine's layer and KV cache"),
     (("serve",), "engine.serving.server", "an OpenAI-compatible HTTP server: continuous batching on the engine"),
     (("build-native",), "engine.kernels.decode.native_build", "compile the native decode kernel for this CPU now"),
-    (("memory",), "engine.lab.calculators.memory", "score-matrix and KV-cache memory calculator with model presets"),
-    (("bench", "kernels"), "engine.lab.bench.kernels", "engine kernels vs PyTorch SDPA and FlexAttention"),
-    (("bench", "scaling"), "engine.lab.bench.scaling", "time and peak memory vs sequence length, fitted exponents"),
-    (("bench", "roofline"), "engine.lab.bench.roofline", "prefill vs decode on this machine's roofline"),
-    (("bench", "gqa"), "engine.lab.bench.gqa", "decode bytes and FLOPs for several KV-head counts"),
-    (("bench", "cp"), "engine.lab.bench.cp", "context parallelism on P processes: time, memory and bytes per rank"),
-    (("bench", "overhead"), "engine.lab.bench.overhead", "per-call cost and generate tokens/s vs PyTorch SDPA"),
-    (("bench", "paged"), "engine.lab.bench.paged", "decode over a paged KV cache vs the same keys contiguous"),
-    (("bench", "serving"), "engine.lab.bench.serving", "concurrent requests: engine CB vs transformers' CB, static"),
-    (("explain", "scaling"), "engine.lab.figures.explain_scaling", "why scores are divided by sqrt(d_k)"),
-    (("show", "weights"), "engine.lab.figures.show_weights", "heatmaps of attention weights for each mask family"),
+    (("memory",), "lab.calculators.memory", "score-matrix and KV-cache memory calculator with model presets"),
+    (("bench", "kernels"), "lab.bench.kernels", "engine kernels vs PyTorch SDPA and FlexAttention"),
+    (("bench", "scaling"), "lab.bench.scaling", "time and peak memory vs sequence length, fitted exponents"),
+    (("bench", "roofline"), "lab.bench.roofline", "prefill vs decode on this machine's roofline"),
+    (("bench", "gqa"), "lab.bench.gqa", "decode bytes and FLOPs for several KV-head counts"),
+    (("bench", "cp"), "lab.bench.cp", "context parallelism on P processes: time, memory and bytes per rank"),
+    (("bench", "overhead"), "lab.bench.overhead", "per-call cost and generate tokens/s vs PyTorch SDPA"),
+    (("bench", "paged"), "lab.bench.paged", "decode over a paged KV cache vs the same keys contiguous"),
+    (("bench", "serving"), "lab.bench.serving", "concurrent requests: engine CB vs transformers' CB, static"),
+    (("explain", "scaling"), "lab.figures.explain_scaling", "why scores are divided by sqrt(d_k)"),
+    (("show", "weights"), "lab.figures.show_weights", "heatmaps of attention weights for each mask family"),
 ]
 
 
@@ -47,7 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     words, module_name, text = max(matches, key=lambda m: len(m[0]))
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != "lab":
+            raise
+        print(f"run.py {' '.join(words)} is one of the lab's commands: they run from a checkout of the repository "
+              f"(lab/ beside engine/, run.py at its root), not from the installed package alone", file=sys.stderr)
+        return 2
     parser = argparse.ArgumentParser(prog="run.py " + " ".join(words), description=text)
     module.add_arguments(parser)
     args = parser.parse_args(argv[len(words):])

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import causal_attention, document_mask, window_mask  # noqa: E402
 from engine.distributed import METHODS, context_parallel_attention, zigzag_indices, zigzag_unshard  # noqa: E402
-from engine.lab.measure import PeakMemory  # noqa: E402
+from lab.measure import PeakMemory  # noqa: E402
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 NAMES = ("out", "lse", "dq", "dk", "dv")  # what is compared, in this order
@@ -149,7 +149,7 @@ def now(device: torch.device) -> float:
 
 def measure_peak(fn, device: torch.device) -> int:
     """Peak bytes allocated during ``fn()`` above the level before it (the rank's shard inputs excluded): CUDA's
-    allocator statistics on a GPU, the C heap sampled every 0.2 ms on CPU (``engine.lab.measure.PeakMemory``;
+    allocator statistics on a GPU, the C heap sampled every 0.2 ms on CPU (``lab.measure.PeakMemory``;
     not the profiler, whose memory events under gloo made a rank abort at exit now and then, torch 2.13)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -21,10 +21,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.attention import causal_attention  # noqa: E402
 from engine.inputs import prepare_inputs
 from engine.kernels.dispatch import select_kernel  # noqa: E402
-from engine.lab.fitting import fit_power_law, solve_power_law  # noqa: E402
-from engine.lab.measure import format_table, median_ms, peak_allocated_bytes, progress, save_results  # noqa: E402
-from engine.lab.units import machine_memory_bytes  # noqa: E402
 from engine.seeds import SEED_CAUSAL_TABLE, SIX_TOKENS, WORDS  # noqa: E402
+from lab.fitting import fit_power_law, solve_power_law  # noqa: E402
+from lab.measure import format_table, median_ms, peak_allocated_bytes, progress, save_results  # noqa: E402
+from lab.units import machine_memory_bytes  # noqa: E402
 
 
 def six_token_table() -> torch.Tensor:

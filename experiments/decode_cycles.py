@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.kernels.decode import native_build  # noqa: E402
 from engine.kernels.decode.decode_native import KINDS, _call  # noqa: E402
-from engine.lab.measure import format_table  # noqa: E402
 from engine.quantized import QUANTIZED_DTYPES, quantize  # noqa: E402
+from lab.measure import format_table  # noqa: E402
 
 PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")
 BUILDS = {"native (-march=native)": PLAIN + ("-march=native",), "avx2": PLAIN + ("-mavx2", "-mfma", "-mf16c"),

@@ -13,8 +13,9 @@ ROOT = Path(engine.__file__).parent.parent
 
 
 def _modules() -> dict[str, Path]:
+    """The engine package's modules and the lab's (the cost lab and benchmarks, beside the package at the root)."""
     modules = {}
-    for path in (ROOT / "engine").rglob("*.py"):
+    for path in [*(ROOT / "engine").rglob("*.py"), *(ROOT / "lab").rglob("*.py")]:
         name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
         modules[name.removesuffix(".__init__")] = path
     return modules
@@ -27,7 +28,7 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("engine"):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(("engine", "lab")):
                 targets = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
             elif isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -93,24 +94,32 @@ def test_inputs_import_no_kernel():
     assert not any(target.startswith("engine.kernels") for target in import_graph()["engine.inputs"])
 
 
+def test_the_engine_package_never_imports_the_lab():
+    # the wheel holds engine/ only: the lab and the benchmarks live beside it (run.py runs them from the checkout)
+    graph = import_graph()
+    reaching = {m: sorted(t for t in graph[m] if t.startswith("lab")) for m in graph if m.startswith("engine")}
+    assert not any(reaching.values()), {m: t for m, t in reaching.items() if t}
+    assert len([m for m in graph if m.startswith("lab.bench.")]) >= 8
+
+
 def test_lab_commands_import_shared_modules_never_each_other():
     graph = import_graph()
-    folders = ("engine.lab.bench.", "engine.lab.figures.", "engine.lab.calculators.")
+    folders = ("lab.bench.", "lab.figures.", "lab.calculators.")
     commands = {m for m in graph if m.startswith(folders)}
     assert len(commands) >= 8
     sideways = {m: graph[m] & commands for m in commands if graph[m] & commands}
-    cases = "engine.lab.bench.kernel_cases"  # one command in a few files each; its cases reuse Case, Impl
-    allowed = {"engine.lab.bench.kernels": {cases, "engine.lab.bench.kernel_cases_cuda",
-                                            "engine.lab.bench.kernel_suite", "engine.lab.bench.kernel_targets",
-                                            "engine.lab.bench.modifier_cases"},
-               "engine.lab.bench.kernel_cases_cuda": {cases},
-               "engine.lab.bench.kernel_cases_decode": {cases},
-               "engine.lab.bench.kernel_suite": {cases, "engine.lab.bench.kernel_cases_decode"},
-               "engine.lab.bench.modifier_cases": {cases},
-               "engine.lab.bench.cp": {"engine.lab.bench.cp_worker", "engine.lab.bench.cp_model"},
-               "engine.lab.bench.serving": {"engine.lab.bench.serving_ways"},
-               "engine.lab.bench.paged": {"engine.lab.bench.paged_pools", "engine.lab.bench.paged_step"},
-               "engine.lab.bench.paged_step": {"engine.lab.bench.paged_pools"}}
+    cases = "lab.bench.kernel_cases"  # one command in a few files each; its cases reuse Case, Impl
+    allowed = {"lab.bench.kernels": {cases, "lab.bench.kernel_cases_cuda",
+                                            "lab.bench.kernel_suite", "lab.bench.kernel_targets",
+                                            "lab.bench.modifier_cases"},
+               "lab.bench.kernel_cases_cuda": {cases},
+               "lab.bench.kernel_cases_decode": {cases},
+               "lab.bench.kernel_suite": {cases, "lab.bench.kernel_cases_decode"},
+               "lab.bench.modifier_cases": {cases},
+               "lab.bench.cp": {"lab.bench.cp_worker", "lab.bench.cp_model"},
+               "lab.bench.serving": {"lab.bench.serving_ways"},
+               "lab.bench.paged": {"lab.bench.paged_pools", "lab.bench.paged_step"},
+               "lab.bench.paged_step": {"lab.bench.paged_pools"}}
     assert sideways == allowed, sideways
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine.lab.bench import cp
+from lab.bench import cp
 
 TINY = ["--quick", "--quiet", "--procs", "1,2", "--length", "64", "--heads", "2", "--kv-heads", "1",
         "--head-dim", "8", "--window", "16"]

@@ -1,4 +1,4 @@
-"""run.py bench cp --model: the scale model's bytes equal the measured bench's formula (engine.lab.bench.cp_worker,
+"""run.py bench cp --model: the scale model's bytes equal the measured bench's formula (lab.bench.cp_worker,
 which counted bytes match exactly), its time and memory behave as stated, and the command writes its files."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from engine.lab.bench import cp, cp_model
-from engine.lab.bench.cp_worker import expected_bytes
+from lab.bench import cp, cp_model
+from lab.bench.cp_worker import expected_bytes
 
 
 @pytest.mark.parametrize("procs", [2, 4, 8])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine.lab.bench import overhead
+from lab.bench import overhead
 
 IMPLS = {"engine causal_attention", "engine plan.run", "sdpa"}
 

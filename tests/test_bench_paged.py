@@ -8,7 +8,7 @@ import json
 import torch
 
 from engine import paged_attention
-from engine.lab.bench import paged as bench_paged
+from lab.bench import paged as bench_paged
 
 
 def test_the_benchs_pools_hold_each_key_where_its_page_table_says():

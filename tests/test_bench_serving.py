@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers")
 pytest.importorskip("engine.integrations.transformers")
 
-from engine.lab.bench import serving  # noqa: E402
+from lab.bench import serving  # noqa: E402
 from tests.test_hf_models import VOCAB, build  # noqa: E402
 
 # 3 requests, prompts 5..40 tokens (longer than a step's 32 tokens: chunked prefill), 4..7 new tokens, pages of 16

@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from engine.lab.bench import kernels as bench_kernels
-from engine.lab.bench.kernel_cases import Case, Impl, causal_pairs, window_pairs
+from lab.bench import kernels as bench_kernels
+from lab.bench.kernel_cases import Case, Impl, causal_pairs, window_pairs
 
 
 def test_useful_work_counts_visible_pairs():
@@ -68,7 +68,7 @@ def test_device_cuda_without_a_gpu_says_so_and_exits_2(tmp_path, capsys, monkeyp
 
 
 def test_the_gpu_cases_are_the_issues_and_build_nothing_until_run():
-    from engine.lab.bench.kernel_cases_cuda import cuda_cases
+    from lab.bench.kernel_cases_cuda import cuda_cases
 
     cases = cuda_cases(quick=False)  # builds no tensor: every case makes its inputs when it runs
     names = {(c.group, c.name) for c in cases}

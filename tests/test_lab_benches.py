@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from engine.kernels.dispatch import KERNELS
-from engine.lab.bench import gqa, roofline, scaling
-from engine.lab.fitting import fit_power_law
-from engine.lab.implementations import PEER
 from engine.planning import explain
+from lab.bench import gqa, roofline, scaling
+from lab.fitting import fit_power_law
+from lab.implementations import PEER
 
 
 def run(module, *flags: str) -> int:

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.lab.figures import explain_scaling, show_weights
+from lab.figures import explain_scaling, show_weights
 
 
 def run(module, *flags: str) -> int:

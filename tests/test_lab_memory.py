@@ -7,8 +7,8 @@ import argparse
 import pytest
 
 from engine.kv_cache import kv_cache_bytes
-from engine.lab.calculators import memory
-from engine.lab.calculators.memory import (
+from lab.calculators import memory
+from lab.calculators.memory import (
     PRESETS,
     crossover_context,
     decode_intensity,
@@ -16,7 +16,7 @@ from engine.lab.calculators.memory import (
     score_matrix_bytes,
     seed_figures,
 )
-from engine.lab.units import format_bytes, parse_bytes
+from lab.units import format_bytes, parse_bytes
 
 GiB, MiB, GB = 2**30, 2**20, 10**9
 

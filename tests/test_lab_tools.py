@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from engine.attention import causal_attention
-from engine.lab.fitting import fit_power_law, solve_power_law
-from engine.lab.implementations import grouped_decode, select, torch_sdpa
-from engine.lab.measure import peak_allocated_bytes
-from engine.lab.traffic import TrafficCounter, distinct_bytes
+from lab.fitting import fit_power_law, solve_power_law
+from lab.implementations import grouped_decode, select, torch_sdpa
+from lab.measure import peak_allocated_bytes
+from lab.traffic import TrafficCounter, distinct_bytes
 
 
 def test_traffic_counter_counts_one_matmul_exactly():

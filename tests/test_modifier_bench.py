@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lab.bench.modifier_cases import alibi_case, relative_bias_case, sinks_case
+from lab.bench.modifier_cases import alibi_case, relative_bias_case, sinks_case
 
 
 @pytest.mark.parametrize("make", [sinks_case, alibi_case, relative_bias_case])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.lab.bench.kernel_cases import (
+from lab.bench.kernel_cases import (
     Case,
     chunked,
     chunked_bf16,
@@ -14,7 +14,7 @@ from engine.lab.bench.kernel_cases import (
     ragged,
     windowed,
 )
-from engine.lab.bench.kernel_cases_decode import decode, decode_cache_view
+from lab.bench.kernel_cases_decode import decode, decode_cache_view
 
 
 def training_cases(quick: bool, heads: int, d: int, flex: bool) -> list[Case]:

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import causal_attention
-from engine.lab.bench.kernel_cases import Case, Impl, _qkv, causal_pairs
 from engine.planning import explain
 from engine.relative_bias import RelativePositionBias
+from lab.bench.kernel_cases import Case, Impl, _qkv, causal_pairs
 
 DENSE_MASK_LIMIT = 6 << 30  # bytes: a dense fp32 mask above this is not built (SDPA would also need its copies)
 
@@ -143,7 +143,7 @@ def modifier_cases(quick: bool, heads: int, d: int, flex: bool) -> list[Case]:
 
 def plot_modifiers(rows: list[dict[str, Any]], out) -> list:
     """``kernels_modifiers.png``: median ms per call vs T for each modifier, every implementation (empty: no file)."""
-    from engine.lab import plots
+    from lab import plots
 
     measured = [r for r in rows if r["group"] == "modifiers" and "ms" in r]
     if not measured:

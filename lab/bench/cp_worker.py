@@ -1,5 +1,5 @@
-"""The worker side of ``run.py bench cp`` (engine.lab.bench.cp): what each rank measures, how it counts the
-bytes it sends, and the formula those counts are checked against (stated in engine.lab.bench.cp's docstring)."""
+"""The worker side of ``run.py bench cp`` (lab.bench.cp): what each rank measures, how it counts the
+bytes it sends, and the formula those counts are checked against (stated in lab.bench.cp's docstring)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from engine import causal_attention, window_mask
 from engine.distributed import context_parallel_attention, zigzag_indices
 from engine.distributed.direct import ShardBounds, visibility_graph
-from engine.lab.measure import peak_allocated_bytes
+from lab.measure import peak_allocated_bytes
 
 METHODS = ("ring", "allgather", "direct")
 MASKS = ("causal", "window")

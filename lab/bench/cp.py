@@ -55,10 +55,10 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from engine.lab.bench.cp_model import model_main
-from engine.lab.bench.cp_worker import MASKS, METHODS, worker
-from engine.lab.measure import format_table, machine_info, progress, save_results
-from engine.lab.options import add_common, apply_threads, parse_count, parse_counts, positive_float, positive_int
+from lab.bench.cp_model import model_main
+from lab.bench.cp_worker import MASKS, METHODS, worker
+from lab.measure import format_table, machine_info, progress, save_results
+from lab.options import add_common, apply_threads, parse_count, parse_counts, positive_float, positive_int
 
 QUICK = {"length": 512, "batch": 1, "heads": 4, "kv_heads": 2, "head_dim": 16, "window": 64}
 FULL = {"length": 8192, "batch": 1, "heads": 8, "kv_heads": 2, "head_dim": 64, "window": 512}
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds any one wait of a measured group may last (its collectives' timeout and "
                         "the ring's; default 120)")
     parser.add_argument("--model", action="store_true",
-                        help="no processes: the scale model (engine/lab/bench/cp_model.py) projected to P = 8-1,024 "
+                        help="no processes: the scale model (lab/bench/cp_model.py) projected to P = 8-1,024 "
                         "on stated hardware, and checked against --measured")
     parser.add_argument("--measured", default=None,
                         help="--model: a measured run's cp_summary.json to check the model against")
@@ -258,7 +258,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def plot(summary: list[dict[str, Any]], path: Path) -> Path:
     """Memory per rank vs P (forward, forward + backward; single process and 1/P dashed) and bytes sent per rank
     vs P (counted; the formula dotted)."""
-    from engine.lab import plots
+    from lab import plots
 
     fig, axes = plots.figure(ncols=3, width=4.8)
     lines = list(dict.fromkeys((r["mask"], r["method"]) for r in summary if r["method"] != "single"))

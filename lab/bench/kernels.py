@@ -1,6 +1,6 @@
 """``run.py bench kernels``: the engine's kernels against PyTorch SDPA and FlexAttention, in one run.
 
-For each case (see engine.lab.bench.kernel_cases) every implementation runs on the same inputs; timings
+For each case (see lab.bench.kernel_cases) every implementation runs on the same inputs; timings
 interleave the implementations repeat by repeat (so drift on a shared machine hits them alike) and the
 median is reported, with GFLOP/s of useful work, decode GB/s, peak extra memory (first call) and the
 engine's speed-up over each peer. FlexAttention's block mask and compile time are reported apart. The
@@ -9,8 +9,8 @@ closing table checks issue 4's seven targets and issue 13's decode targets. Resu
 
     python run.py bench kernels --quick            # seconds: small sizes, no FlexAttention
     python run.py bench kernels --threads 2        # the full run of docs/BENCHMARKS.md
-    python run.py bench kernels --device cuda      # the GPU cases (engine.lab.bench.kernel_cases_cuda)
-    python run.py bench kernels --groups modifiers # sinks, ALiBi, relative bias (engine.lab.bench.modifier_cases)
+    python run.py bench kernels --device cuda      # the GPU cases (lab.bench.kernel_cases_cuda)
+    python run.py bench kernels --groups modifiers # sinks, ALiBi, relative bias (lab.bench.modifier_cases)
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from engine.lab.bench import kernel_cases as cases_mod
-from engine.lab.bench import kernel_cases_cuda
-from engine.lab.bench.kernel_suite import all_cases
-from engine.lab.bench.kernel_targets import SDPA_CUDA_BACKENDS, check_cuda_targets, check_targets, find_rows
-from engine.lab.bench.modifier_cases import modifier_cases, plot_modifiers
-from engine.lab.measure import CudaPeakMemory, PeakMemory, format_table, machine_info, progress, save_results
-from engine.lab.options import add_common, apply_threads
+from lab.bench import kernel_cases as cases_mod
+from lab.bench import kernel_cases_cuda
+from lab.bench.kernel_suite import all_cases
+from lab.bench.kernel_targets import SDPA_CUDA_BACKENDS, check_cuda_targets, check_targets, find_rows
+from lab.bench.modifier_cases import modifier_cases, plot_modifiers
+from lab.measure import CudaPeakMemory, PeakMemory, format_table, machine_info, progress, save_results
+from lab.options import add_common, apply_threads
 
 SLOW_SECONDS = 4.0  # an implementation slower than this per call is timed once (its first call)
 
@@ -190,7 +190,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Path]:
-    from engine.lab import plots
+    from lab import plots
 
     paths = []
     fig, axes = plots.figure(ncols=2)

@@ -19,10 +19,10 @@ import argparse
 
 import torch
 
-from engine.lab import implementations, plots
-from engine.lab.implementations import grouped_decode
-from engine.lab.measure import format_table, machine_info, median_ms, progress, save_results
-from engine.lab.options import add_common, apply_threads, positive_int
+from lab import implementations, plots
+from lab.implementations import grouped_decode
+from lab.measure import format_table, machine_info, median_ms, progress, save_results
+from lab.options import add_common, apply_threads, positive_int
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -9,7 +9,7 @@
   int8 rows: the same keys quantized per token and head (``QuantizedKV``), contiguous and in int8 pages.
 - ``step``: SmolLM2-135M's attention shape (Hq 9 / Hkv 3 / D 64), B = 8 and 32 ragged sequences of 256-768 keys,
   pages of 16 and 256, fp32 / bf16 / int8, 1 and 2 threads: the planned paged step, the unplanned
-  ``paged_attention`` call and the same keys contiguous (engine.lab.bench.paged_step).
+  ``paged_attention`` call and the same keys contiguous (lab.bench.paged_step).
 - ``continuous``: one layer of a continuous-batching decode step of 32 requests (transformers' packed keys through
   the engine's adapter, its step planned by the first layer) beside the same keys contiguous; target <= 1.2x.
 - ``cascade``: 32 sequences sharing an 8k-token prefix (forked from one prompt: the same pages) plus 64 tokens of
@@ -34,12 +34,12 @@ import torch
 
 import engine
 from engine import PagedKVCache, paged_attention, plan_paged
-from engine.lab import plots
-from engine.lab.bench.paged_pools import pools, quantized_pool
-from engine.lab.bench.paged_step import continuous_rows, step_rows
-from engine.lab.measure import format_table, interleaved_us, machine_info, progress, save_results
-from engine.lab.options import add_common, apply_threads
 from engine.quantized import quantize
+from lab import plots
+from lab.bench.paged_pools import pools, quantized_pool
+from lab.bench.paged_step import continuous_rows, step_rows
+from lab.measure import format_table, interleaved_us, machine_info, progress, save_results
+from lab.options import add_common, apply_threads
 
 B, HQ, HKV, D = 8, 32, 8, 128
 TARGET = 1.1

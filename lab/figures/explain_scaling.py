@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from engine.lab import plots
-from engine.lab.measure import format_table, save_results
-from engine.lab.options import positive_int
+from lab import plots
+from lab.measure import format_table, save_results
+from lab.options import positive_int
 
 HEADLINE_DIMS = (16, 128, 1024)
 

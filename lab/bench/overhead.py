@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 import engine
-from engine.lab import plots
-from engine.lab.measure import format_table, interleaved_us, machine_info, progress, save_results
-from engine.lab.options import add_common, apply_threads, positive_int
+from lab import plots
+from lab.measure import format_table, interleaved_us, machine_info, progress, save_results
+from lab.options import add_common, apply_threads, positive_int
 
 GROUPS = ("calls", "generate")
 # (case, Hq, Hkv, S, D) of one decode call, B = 1, T = 1

@@ -1,4 +1,4 @@
-"""The ways ``run.py bench serving`` serves a request set, each measured the same way (engine.lab.bench.serving):
+"""The ways ``run.py bench serving`` serves a request set, each measured the same way (lab.bench.serving):
 transformers' continuous batching (on the engine or on its own attention) and static ``generate`` batches; per
 request its tokens and the times of its first and last token, per run its wall time and resident-memory peak."""
 

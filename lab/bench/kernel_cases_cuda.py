@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import causal_attention
-from engine.lab.bench.kernel_cases import COPY_BYTES, Case, Impl, _auto, causal_pairs, mask_build, window_pairs
+from lab.bench.kernel_cases import COPY_BYTES, Case, Impl, _auto, causal_pairs, mask_build, window_pairs
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16

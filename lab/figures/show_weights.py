@@ -19,10 +19,10 @@ import argparse
 import torch
 
 from engine.attention import causal_attention
-from engine.lab import plots
-from engine.lab.options import parse_counts, positive_int
 from engine.masks import document_mask, padding_mask, window_mask
 from engine.seeds import SEED_CAUSAL_TABLE, SIX_TOKENS, WORDS
+from lab import plots
+from lab.options import parse_counts, positive_int
 
 FAMILIES = ("causal", "window", "documents", "padding", "none")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import causal_attention
-from engine.lab.bench.kernel_cases import COPY_BYTES, Case, Impl, _auto, _engine_impls, _qkv, _sdpa
+from lab.bench.kernel_cases import COPY_BYTES, Case, Impl, _auto, _engine_impls, _qkv, _sdpa
 
 
 def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype, tiled: bool,

@@ -114,6 +114,6 @@ def _of_copy_bandwidth(rows) -> list[tuple[str, float]]:
 
 
 def fitted_exponent(ts: list[int], ms: list[float]) -> float:
-    from engine.lab.fitting import fit_power_law
+    from lab.fitting import fit_power_law
 
     return fit_power_law(ts, ms)[0] if len(ts) >= 2 else math.nan

@@ -179,8 +179,8 @@ def model_main(args, out) -> list:
     import json
     import os
 
-    from engine.lab import plots
-    from engine.lab.measure import format_table, machine_info, save_results
+    from lab import plots
+    from lab.measure import format_table, machine_info, save_results
 
     projections = projection_rows(long_context_layers(), [8, 64, 512, 1024])
     columns = ["hardware", "T", "mask", "P", "method", "compute ms", "shard transfer ms", "time ms", "transfer hidden",

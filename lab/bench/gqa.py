@@ -5,7 +5,7 @@ The notes' claim: a decode step does ``4 * B * Hq * S * D`` FLOPs and reads ``2 
 KV cache, so its arithmetic intensity is ``Hq / Hkv`` FLOP/B in fp16/bf16: GQA shrinks the cache *and* makes
 decode less memory-bound.
 
-What is measured, per implementation and Hkv (see ``engine.lab.traffic``):
+What is measured, per implementation and Hkv (see ``lab.traffic``):
 - FLOPs and bytes are *counted from the aten ops that actually run* (a dispatch mode sees every op with its
   real tensors): ``kv_read`` is what the ops read from q, k and v; ``other_read`` what they read from tensors
   made on the way (casts, copies, scores). These are bytes requested by ops, not DRAM bytes: a fused op
@@ -22,13 +22,13 @@ import argparse
 
 import torch
 
-from engine.lab import implementations, plots
-from engine.lab.fitting import fit_power_law
-from engine.lab.implementations import grouped_decode
-from engine.lab.measure import format_table, machine_info, median_ms, progress, save_results
-from engine.lab.options import add_common, apply_threads, parse_counts, positive_float, positive_int
-from engine.lab.traffic import TrafficCounter
 from engine.planning import explain
+from lab import implementations, plots
+from lab.fitting import fit_power_law
+from lab.implementations import grouped_decode
+from lab.measure import format_table, machine_info, median_ms, progress, save_results
+from lab.options import add_common, apply_threads, parse_counts, positive_float, positive_int
+from lab.traffic import TrafficCounter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Compiled kernels run as one higher-order op whose inside the dispatch mode cannot see (and must not try to:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from engine.lab.units import parse_bytes
+from lab.units import parse_bytes
 
 
 def parse_count(text: str) -> int:
@@ -54,7 +54,7 @@ def positive_float(text: str) -> float:
 
 
 def byte_size(text: str) -> int:
-    """argparse type: a size such as ``80GiB`` or ``16GB`` (see ``engine.lab.units.parse_bytes``)."""
+    """argparse type: a size such as ``80GiB`` or ``16GB`` (see ``lab.units.parse_bytes``)."""
     try:
         return parse_bytes(text)
     except ValueError as error:

@@ -51,10 +51,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.lab import plots
-from engine.lab.bench.serving_ways import Request, Served, batching_config, serve_continuous, serve_static
-from engine.lab.measure import format_table, machine_info, progress, save_results
-from engine.lab.options import add_common, apply_threads, positive_int
+from lab import plots
+from lab.bench.serving_ways import Request, Served, batching_config, serve_continuous, serve_static
+from lab.measure import format_table, machine_info, progress, save_results
+from lab.options import add_common, apply_threads, positive_int
 
 GROUPS = ("smollm2", "softcap-sinks")
 TARGET = 1.2  # engine tokens/s over sdpa CB's, at least

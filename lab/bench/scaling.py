@@ -23,11 +23,11 @@ import math
 
 import torch
 
-from engine.lab import implementations, plots
-from engine.lab.fitting import fit_power_law, solve_power_law
-from engine.lab.measure import format_table, machine_info, median_ms, peak_allocated_bytes, progress, save_results
-from engine.lab.options import add_common, apply_threads, byte_size, positive_float, positive_int
-from engine.lab.units import available_memory_bytes, format_bytes, machine_memory_bytes
+from lab import implementations, plots
+from lab.fitting import fit_power_law, solve_power_law
+from lab.measure import format_table, machine_info, median_ms, peak_allocated_bytes, progress, save_results
+from lab.options import add_common, apply_threads, byte_size, positive_float, positive_int
+from lab.units import available_memory_bytes, format_bytes, machine_memory_bytes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

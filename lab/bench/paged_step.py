@@ -17,9 +17,9 @@ import torch
 
 import engine
 from engine import paged_attention, plan_paged
-from engine.lab.bench.paged_pools import pools, quantized_pool
-from engine.lab.measure import interleaved_us, progress
 from engine.quantized import quantize
+from lab.bench.paged_pools import pools, quantized_pool
+from lab.measure import interleaved_us, progress
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M's attention
 TARGET = 1.1

@@ -20,9 +20,9 @@ import argparse
 from dataclasses import asdict, dataclass
 
 from engine.kv_cache import kv_cache_bytes
-from engine.lab.measure import format_table, save_results
-from engine.lab.options import parse_count, parse_counts
-from engine.lab.units import DTYPE_BYTES, UNITS, dtype_bytes, format_bytes
+from lab.measure import format_table, save_results
+from lab.options import parse_count, parse_counts
+from lab.units import DTYPE_BYTES, UNITS, dtype_bytes, format_bytes
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from engine.distributed.shard import KeyShard, Queries
 from engine.distributed.transport import transfer
-from engine.kernels.common import compute_dtype
+from engine.kernels.common import compute_dtype, nothing_seen
 from engine.kernels.merge import merge_into
 
 __all__ = ["DirectAttention", "ShardBounds", "visibility_graph"]
@@ -79,13 +79,11 @@ def direct_forward(queries: Queries, own: KeyShard, lengths: list[int], sources:
     rank = dist.get_rank(group)
     q = queries.q
     b, h, t, _ = q.shape
-    compute = compute_dtype(q.dtype)
     readers = [r for r, seen in enumerate(sources) if rank in seen]  # who reads this rank's shard
     incoming = {s: own.like(lengths[s]) for s in sources[rank]}
     wait = transfer({r: own.tensors() for r in readers}, {s: shard.tensors() for s, shard in incoming.items()},
                     group, timeout, f"a peer (sending its shard to ranks {readers}, receiving from {sorted(incoming)})")
-    out = torch.zeros(b, h, t, own.v.shape[3], dtype=compute, device=q.device)  # [B, Hq, T_r, Dv]
-    lse = torch.full((b, h, t), float("-inf"), dtype=compute, device=q.device)  # [B, Hq, T_r]
+    out, lse = nothing_seen((b, h, t), own.v.shape[3], q.dtype, q.device)  # [B, Hq, T_r, Dv], [B, Hq, T_r]
     if queries.sees(own):  # the own shard while the others travel
         merge_into(out, lse, *queries.at_step(rank).attend(own))
     wait()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from engine.distributed.shard import KeyShard, Queries
 from engine.distributed.transport import transfer
-from engine.kernels.common import compute_dtype
+from engine.kernels.common import compute_dtype, nothing_seen
 from engine.kernels.merge import merge_into
 
 
@@ -58,8 +58,7 @@ def ring_forward(queries: Queries, own: KeyShard, lengths: list[int], group, tim
         if wait is not None:
             shard = incoming.from_tensors(wait())
     if out is None:  # no query here sees any key: 0 and -inf
-        out = torch.zeros(b, h, t, own.v.shape[3], dtype=compute, device=q.device)
-        lse = torch.full((b, h, t), float("-inf"), dtype=compute, device=q.device)
+        out, lse = nothing_seen((b, h, t), own.v.shape[3], q.dtype, q.device)
     return out.to(q.dtype), lse
 
 

@@ -104,15 +104,21 @@ class _Differentiable(torch.autograd.Function):
         return grads[0], grads[1], grads[2], dbias, None, None, None
 
 
+def nothing_seen(rows: tuple[int, ...], dv: int, dtype: torch.dtype, device: torch.device,
+                 out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The result of rows that see no key, stated once: out 0 ``[*rows, Dv]`` (in ``out_dtype``, default the compute
+    dtype) and lse -inf ``[*rows]`` in the compute dtype of ``dtype`` (fp32; fp64 for fp64)."""
+    compute = compute_dtype(dtype)
+    return (torch.zeros(*rows, dv, dtype=out_dtype or compute, device=device),
+            torch.full(rows, NEG_INF, dtype=compute, device=device))
+
+
 def empty_result(inputs, return_lse: bool):
     """B, Hq or T of 0 gives an empty output; S = 0 gives rows that see nothing: zeros and lse -inf. In training
     the result is still part of the graph (zero gradients), so a loss over it can call backward."""
 
     def forward(x):
-        batch, q_heads, t, _ = x.q.shape
-        out = x.q.new_zeros(batch, q_heads, t, x.v.shape[3])  # [B, Hq, T, Dv]
-        lse = torch.full((batch, q_heads, t), float("-inf"), dtype=compute_dtype(x.q.dtype),
-                         device=x.q.device)  # [B, Hq, T]
+        out, lse = nothing_seen(x.q.shape[:3], x.v.shape[3], x.q.dtype, x.q.device, x.q.dtype)  # [B, Hq, T, Dv]
         return out, lse, out
 
     def backward(x, out, lse, grad_out, grad_lse):

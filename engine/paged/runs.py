@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import causal_attention
+from engine.kernels.common import nothing_seen
 from engine.kernels.merge import merge_attention_states
 from engine.masks.window import window_mask
 from engine.quantized import QuantizedKV
@@ -87,8 +88,6 @@ def run_attention(q_b: torch.Tensor, k_pages, v_pages, owned: list[int], page_si
         outs.append(o.to(lse.dtype))
         lses.append(lse)
     if not outs:
-        dtype = torch.float64 if q_b.dtype == torch.float64 else torch.float32
-        return (q_b.new_zeros(1, q_heads, t, v_pages.shape[3], dtype=dtype),
-                torch.full((1, q_heads, t), float("-inf"), dtype=dtype, device=q_b.device))
+        return nothing_seen((1, q_heads, t), v_pages.shape[3], q_b.dtype, q_b.device)
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else merge_attention_states(outs, lses)
     return out.reshape(1, q_heads, t, out.shape[-1]), lse.reshape(1, q_heads, t)  # (rows g*T + i back to heads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import causal_attention
+from engine.kernels.common import nothing_seen
 from engine.masks.window import window_mask
 from engine.paged import runs as page_runs
 from engine.paged.tables import PagedBatch
@@ -23,9 +24,7 @@ def per_sequence(q, k_pages, v_pages, tables: PagedBatch, positions, window, sca
     time when it has more than one run (any kernel but ``reference``), else gathered from its pages."""
     modifiers = {name: x for name, x in modifiers.items() if x is not None}
     q_heads, dv = q.shape[1], v_pages.shape[3]
-    out = q.new_zeros(q.shape[0], q_heads, dv)  # [Nq, Hq, Dv]
-    lse = torch.full((q.shape[0], q_heads), float("-inf"), dtype=torch.float64 if q.dtype == torch.float64
-                     else torch.float32, device=q.device)  # [Nq, Hq]
+    out, lse = nothing_seen((q.shape[0], q_heads), dv, q.dtype, q.device, q.dtype)  # [Nq, Hq, Dv], [Nq, Hq]
     pages = tables.pages  # [B] lists of page ids
     for b in range(tables.batch):
         rows = tables.query_rows(b)

@@ -39,15 +39,30 @@ class WindowMask(PairwiseMask):
         self.window = window
 
     def relate(self, q, k):
-        return (k <= q) & (q - k < self.window)
+        return sees(q, k, self.window)
 
     def bounds(self, q_lo, q_hi, k_lo, k_hi):
-        some = (k_lo <= q_hi) & (q_lo - k_hi < self.window)
-        every = (k_hi <= q_lo) & (q_hi - k_lo < self.window)
-        return some, every
+        return range_sees(q_lo, q_hi, k_lo, k_hi, self.window)
 
     def _describe(self) -> str:
         return f"window={self.window}"
+
+
+def sees(query_pos, key_pos, window):
+    """The rule with a window, stated once (tensors broadcast; ints too): ``key_pos <= query_pos`` and, unless
+    ``window`` is None, ``query_pos - key_pos < window``. Every path that applies a window calls this (the mask,
+    the paged kernels' visibility, Flex's ``mask_mod``)."""
+    visible = key_pos <= query_pos
+    return visible if window is None else visible & (query_pos - key_pos < window)
+
+
+def range_sees(q_lo, q_hi, k_lo, k_hi, window):
+    """``(some, every)`` of ``sees`` over queries at ``q_lo .. q_hi`` and keys at ``k_lo .. k_hi`` (tensors that
+    broadcast, or ints): some query may see some key / every query sees every key. Sound, exact for ranges."""
+    some, every = k_lo <= q_hi, k_hi <= q_lo
+    if window is not None:
+        some, every = some & (q_lo - k_hi < window), every & (q_hi - k_lo < window)
+    return some, every
 
 
 def check_window(window, optional: bool = True) -> None:

@@ -18,6 +18,7 @@ import torch
 from engine.kernels.common import DoesNotFit, needs_grad
 from engine.kernels.decode.decode_native import MAX_QUERIES, NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native, native_unavailable
+from engine.masks.window import sees
 from engine.paged.tables import PagedBatch
 from engine.quantized import QuantizedKV
 
@@ -117,8 +118,6 @@ def _row_visibility(positions: torch.Tensor, lengths: torch.Tensor, window: int 
     (with a window) ``pos[b, i] - j < window``; rows g*T + i repeat query i for each head of the group."""
     longest = int(lengths.max())
     keys = torch.arange(longest)  # [S]
-    visible = (keys <= positions[:, :, None]) & (keys < lengths[:, None, None])  # [B, T, S]
-    if window is not None:
-        visible &= positions[:, :, None] - keys < window
+    visible = sees(positions[:, :, None], keys, window) & (keys < lengths[:, None, None])  # [B, T, S]
     batch, t, s = visible.shape
     return visible[:, None].expand(batch, group, t, s).reshape(batch, 1, group * t, s)

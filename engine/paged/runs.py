@@ -24,7 +24,7 @@ import torch
 from engine.attention import causal_attention
 from engine.kernels.common import nothing_seen
 from engine.kernels.merge import merge_attention_states
-from engine.masks.window import window_mask
+from engine.masks.window import range_sees, window_mask
 from engine.quantized import QuantizedKV
 
 RUN_KEYS = 4096  # keys per run (rounded down to whole pages, one page at least)
@@ -39,7 +39,7 @@ def runs_seen(page_size: int, key_start: int, length: int, query_pos: torch.Tens
     runs = []
     for j0 in range(key_start, length, per_run):
         j1 = min(j0 + per_run, length)
-        if j0 > last or (window is not None and first - (j1 - 1) >= window):
+        if not range_sees(first, last, j0, j1 - 1, window)[0]:
             continue  # later than every query, or outside every query's window: never read
         runs.append((j0, j1))
     return runs

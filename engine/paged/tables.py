@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.inputs import SUPPORTED_DTYPES
+from engine.masks.window import range_sees
 from engine.quantized import QuantizedKV
 
 __all__ = ["PagedBatch", "paged_batch", "check_released", "RELEASED"]
@@ -168,7 +169,7 @@ def check_released(tables: PagedBatch, positions: torch.Tensor, window: int | No
         if j0 > j1:
             continue  # past the sequence's keys: never read
         p = positions[tables.query_rows(b)].cpu()  # [q_len]
-        sees = (p >= j0) if window is None else (p >= j0) & (p - j1 < window)
+        sees = range_sees(p, p, j0, j1, window)[0]  # [q_len]: the query may see a key of the page
         if bool(sees.any()):
             raise ValueError(f"page_table[{b}, {column}] is {RELEASED} (a released page), but sequence {b}'s query at "
                              f"position {int(p[sees][0])} sees its keys {j0}..{j1} (window={window}): only pages "

@@ -38,6 +38,7 @@ from engine.kernels.flex.block_mask import BlockMask
 from engine.kernels.flex.flex import AuxRequest, _flex_attention, _unfused, softcap_mod
 from engine.kernels.nonfinite import all_finite, guard_non_finite
 from engine.kernels.sinks import apply_sinks
+from engine.masks.window import range_sees, sees
 
 if TYPE_CHECKING:  # a type only: engine.paged imports this module
     from engine.paged.tables import PagedBatch
@@ -217,12 +218,8 @@ def _page_visibility(block_logical, real, pos, length, page_size: int, window: i
     low = block_logical * page_size  # [blocks, pages]: the page's first key position
     filled = (length.amax(1, keepdim=True) - low).clamp(0, page_size)  # its keys below kv_len
     owned = block_logical >= 0
-    some = owned & (filled > 0) & (low <= q_max)
-    every = owned & (filled == page_size) & (low + page_size - 1 <= q_min)
-    if window is not None:
-        some &= q_min - (low + filled - 1) < window
-        every &= q_max - low < window
-    return some, every
+    some, every = range_sees(q_min, q_max, low, low + filled - 1, window)  # keys low .. low + filled - 1
+    return owned & (filled > 0) & some, owned & (filled == page_size) & every
 
 
 def _mask_mod(block_logical, row_pos, row_len, window, q_block: int, page_size: int, kv_heads: int | None,
@@ -244,8 +241,7 @@ def _visible(logical, slot, length, pos, window, page_size: int):
     """The rule at a slot of a sequence's page ``logical`` (-1: not its page): its key ``logical * P + slot`` is
     below the sequence's length, not after the query's position and, with a window, less than it before."""
     key = logical * page_size + slot
-    visible = (logical >= 0) & (key < length) & (key <= pos)
-    return visible if window is None else visible & (pos - key < window)
+    return (logical >= 0) & (key < length) & sees(pos, key, window)
 
 
 def _flex_call(q, k, v, **kwargs):

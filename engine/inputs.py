@@ -20,8 +20,33 @@ from engine.masks.structured import StructuredMask
 from engine.modifiers import NONE, Modifiers, broadcasts_to, check_score_mod_captures, prepare_modifiers
 from engine.quantized import QuantizedKV, checked_as_tensors
 
-__all__ = ["AttentionInputs", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions",
+__all__ = ["AttentionInputs", "Decisions", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions",
            "resolve_scale"]
+
+
+UNDECIDED = object()  # a decision not made yet (None is a decision: "no mask", "no prepared run")
+
+
+class Decisions:
+    """What a plan decides once and every run reuses, by name; each is made at its first use, so choosing a kernel
+    or explaining a call builds nothing (engine.kernels.visibility, engine.kernels.decode.decode_native,
+    engine.planning)."""
+
+    __slots__ = ("visibility_mask", "causal_pattern", "decode_rows", "native_runner", "prepared")
+
+    visibility_mask: Any  # the call's visibility as one structured mask, or None (no mask)
+    causal_pattern: Any  # "none" / "causal" / None: what the position rule leaves (no pass over positions when known)
+    decode_rows: Any  # the decode kernels' (j0, j1, visible): the span some row sees and each row's visibility
+    native_runner: Any  # decode_native's run with its DecodeCall, built at the first run
+    prepared: Any  # the chosen kernel's run for a plan (Kernel.prepare), or None
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, UNDECIDED)
+
+    def __repr__(self) -> str:
+        made = [name for name in self.__slots__ if getattr(self, name) is not UNDECIDED]
+        return f"Decisions(made: {', '.join(made) or 'none'})"
 
 
 @dataclass(frozen=True)
@@ -49,7 +74,7 @@ class AttentionInputs:
     # Decisions that depend on shapes, positions, masks and modifiers only (never on q, k, v's values): made
     # once, then shared by every AttentionInputs that ``with_tensors`` derives from this one (one plan's runs).
     # ``dataclasses.replace`` starts an empty one, so inputs with other positions or masks never see them.
-    decisions: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    decisions: Decisions = field(default_factory=lambda: Decisions(), init=False, repr=False, compare=False)
 
     def with_tensors(self, q=None, k=None, v=None) -> AttentionInputs:
         """These inputs with other q, k, v of the same shapes (a plan's run, sanitized or rescaled values, autograd's
@@ -70,11 +95,14 @@ class AttentionInputs:
                        key_positions=compact_clone(self.key_positions), allowed=owned_copy(self.allowed))
 
     def decided(self, name: str, decide: Callable[[], Any]) -> Any:
-        """``decide()``, computed once for these inputs and every ``with_tensors`` copy (keyed by ``name``)."""
+        """Decision ``name`` (a field of ``Decisions``): ``decide()``, computed once for these inputs and every
+        ``with_tensors`` copy."""
         decisions = self.decisions
-        if name not in decisions:
-            decisions[name] = decide()
-        return decisions[name]
+        value = getattr(decisions, name)  # (an unknown name is an AttributeError: the fields are the list)
+        if value is UNDECIDED:
+            value = decide()
+            setattr(decisions, name, value)
+        return value
 
     def options(self) -> frozenset[str]:
         """The optional parts of this call, by name (``"softcap"``, ...): each kernel lists in ``KERNELS`` the

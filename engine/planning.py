@@ -11,10 +11,13 @@ chooses the kernel, once; ``plan.run(q, k, v)`` checks that the tensors are the 
 
     print(step_plan)            # the kernel, why, and why not the faster ones (engine.explain shows the same)
 
-What the plan keeps (``AttentionInputs.decided``): the visibility mask, its pattern, the span of keys some
-row sees and each row's visibility, the fused calls covering the visible tiles: the kernels compute them on
-the first run and every later run reuses them. ``causal_attention`` is ``plan(...).run(q, k, v)``; a call with
-default positions and no mask or modifier reuses a cached plan for its shapes.
+What the plan keeps (``engine.inputs.Decisions``, named fields): the visibility mask, its causal pattern, the decode
+kernels' span of keys and each row's visibility, the native kernel's call and the chosen kernel's prepared run; each
+is made at its first use (choosing or explaining builds nothing) and every later run reuses it. ``sdpa_tiles`` and
+``tiled`` still work out their tiles on each run. ``causal_attention`` is ``plan(...).run(q, k, v)``; a call with
+default positions and no mask or modifier reuses a cached plan for its shapes. A paged step (page tables, key
+lengths, query offsets) is planned the same way by ``engine.plan_paged`` (engine.paged.plan), whose runs compare the
+same ``Signature``.
 """
 
 from __future__ import annotations

@@ -91,15 +91,15 @@ class TinyDecoder(nn.Module):
         return self.lm_head(self.norm(x))  # [B, T, V]
 
     def forward_paged(self, ids: torch.Tensor, cache, seqs: list[int], indptr: torch.Tensor) -> torch.Tensor:
-        """Packed ids ``[N]`` of several sequences (``seqs[i]``: rows ``indptr[i] .. indptr[i+1]-1``) -> logits
-        ``[N, V]``, over one PagedKVCache holding every layer's pools (``layers=len(blocks)``): the step is made
-        once (its slots, positions and tables) and every layer reuses it and its plan (engine.generate_paged)."""
+        """Packed ids ``[N]`` (``seqs[i]``: rows ``indptr[i] .. indptr[i+1]-1``) -> logits ``[N, V]`` over one
+        PagedKVCache of every layer's pools: the step made once, every layer reusing it and its plan."""
         if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
             raise ValueError(f"ids must be packed token ids [N], got {getattr(ids, 'shape', type(ids).__name__)}")
         if getattr(cache, "layers", None) != len(self.blocks):
-            raise ValueError(f"cache must be a PagedKVCache of this model's {len(self.blocks)} layers "
-                             f"(PagedKVCache(..., layers={len(self.blocks)})), got {getattr(cache, 'layers', cache)!r}")
+            raise ValueError(f"cache must be a PagedKVCache of {len(self.blocks)} layers, got {cache!r}")
         x = self.embed(ids)  # [N, E]
+        for layer, block in enumerate(self.blocks):
+            block.attn.check_paged_call(x, cache, layer)  # every layer's checks, before the cache grows
         step = begin_step(cache, seqs, indptr)  # once: every layer's pages, positions and tables
         for layer, block in enumerate(self.blocks):
             x = block.forward_paged(x, cache, step, layer)  # [N, E]

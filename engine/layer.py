@@ -28,7 +28,7 @@ from engine.layer_config import check_layer_config
 from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
 from engine.paged import PagedKVCache
-from engine.paged.step import PagedStep, begin_step
+from engine.paged.step import PagedStep, begin_step, check_step
 from engine.planning import plan
 from engine.quantized import QuantizedKV
 from engine.rope import apply_rope
@@ -151,13 +151,15 @@ class MultiHeadAttention(nn.Module):
         A model's layers share one step (``engine.paged.step.begin_step(cache, seqs, indptr)``, made once per step
         over a cache of every layer's pools): pass ``step`` and this layer's index ``layer`` instead of ``seqs`` and
         ``indptr``; the step's plan is made by the first layer and reused by the others."""
-        self._check_paged_call(x, cache, layer)  # before the cache grows
+        self.check_paged_call(x, cache, layer)  # before the cache grows
         if step is None:
+            if cache.layers != 1:  # (a step per layer would grow every layer's sequences once per layer)
+                raise ValueError(f"this cache holds {cache.layers} layers: make the step once "
+                                 f"(engine.paged.step.begin_step) and pass step= and layer= to each layer")
             cache.check_append(seqs, x.shape[0], indptr)
             step = begin_step(cache, seqs, indptr)
-        elif not isinstance(step, PagedStep) or step.slots.pages.shape[0] != x.shape[0]:
-            got = f"a step of {step.slots.pages.shape[0]} rows" if isinstance(step, PagedStep) else type(step).__name__
-            raise ValueError(f"step must be the PagedStep of these {x.shape[0]} rows (begin_step), got {got}")
+        else:
+            check_step(step, cache, x.shape[0])
         q, k, v = self._project(x[None], step.positions[None])  # [1, Hq, N, D], [1, Hkv, N, D] x 2
         cache.write(step.slots, k[0].transpose(0, 1), v[0].transpose(0, 1), layer)  # [N, Hkv, D] each
         k_pages, v_pages = cache.layer(layer)
@@ -203,7 +205,7 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"valid must be a bool tensor [{batch}, {t}], got {kind}")
         self._check_cache_and_allowed(cache, allowed, batch, t, x.device)
 
-    def _check_paged_call(self, x, cache, layer: int) -> None:
+    def check_paged_call(self, x, cache, layer: int) -> None:
         """ValueError for any bad argument of forward_paged, before the cache is touched (a refused call leaves it as
         it was, and a retry appends once)."""
         if not self.causal:

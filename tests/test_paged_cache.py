@@ -603,3 +603,38 @@ def test_a_models_layers_share_one_step_and_its_plan():
             token = model(token[:, None], caches=caches)[:, -1].argmax(-1)
             want.append(token)
     assert torch.equal(tokens_paged, torch.stack(want, dim=1))
+
+
+def test_a_cache_of_several_layers_is_refused_without_a_step_and_a_stale_step_is_refused():
+    from engine import MultiHeadAttention
+    from engine.paged.step import begin_step
+
+    layer = MultiHeadAttention(32, 4, 2).double()
+    cache = PagedKVCache(8, 4, 2, 8, dtype=torch.float64, layers=2)
+    seq = cache.add()
+    x = torch.randn(3, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="this cache holds 2 layers: make the step once"):
+        layer.forward_paged(x, cache, [seq], offsets([3]), layer=0)
+    assert cache.length(seq) == 0 and cache.pages_in_use == 0
+    step = begin_step(cache, [seq], offsets([3]))
+    layer.forward_paged(x, cache, step=step, layer=0)
+    layer.forward_paged(x, cache, step=step, layer=1)
+    assert cache.length(seq) == 3
+    newer = begin_step(cache, [seq], offsets([3]))
+    with pytest.raises(ValueError, match="got a step made before the cache last grew"):
+        layer.forward_paged(x, cache, step=step, layer=0)
+    other = PagedKVCache(8, 4, 2, 8, dtype=torch.float64, layers=2)
+    with pytest.raises(ValueError, match="got a step of another cache"):
+        layer.forward_paged(x, other, step=newer, layer=0)
+
+
+def test_a_refused_model_step_leaves_the_cache_as_it_was():
+    from engine.generate import TinyDecoder
+
+    torch.manual_seed(0)
+    model = TinyDecoder(vocab=50, hidden=32, layers=2, heads=4, kv_heads=2)
+    wrong = PagedKVCache(8, 4, 1, 8, layers=2)  # one KV head: not this model's
+    seq = wrong.add()
+    with pytest.raises(ValueError, match=r"cache must hold \[Hkv, D, Dv\]"):
+        model.forward_paged(torch.tensor([1, 2, 3]), wrong, [seq], offsets([3]))
+    assert wrong.length(seq) == 0 and wrong.pages_in_use == 0

@@ -104,3 +104,16 @@ def test_print_of_a_paged_plan_names_its_path_and_explain_paged_agrees():
     gathered = plan_paged(*args, kernel="reference")
     assert gathered.path == "per sequence" and "not decode_native in place: kernel='reference' forced" in str(gathered)
     assert "gathered, kernel reference" in engine.explain_paged(*args, kernel="reference")
+
+
+def test_a_native_plan_run_on_pools_with_a_strided_last_axis_stays_exact():
+    # planned on contiguous pools; a later layer's pools have a strided last axis (same shape and dtype): the plan
+    # must not read them as contiguous rows
+    q, k_pages, v_pages, *tables = decode_step()
+    step = plan_paged(q, k_pages, v_pages, *tables)
+    g = torch.Generator().manual_seed(3)
+    strided = torch.randn(k_pages.shape[0], k_pages.shape[1], k_pages.shape[3], k_pages.shape[2],
+                          generator=g).transpose(2, 3)  # [num_pages, P, Hkv, D], last axis strided
+    assert step.matches(q, strided, v_pages)
+    torch.testing.assert_close(step.run(q, strided, v_pages).double(), oracle(q, strided, v_pages, *tables)[0],
+                               rtol=1e-5, atol=1e-5)

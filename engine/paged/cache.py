@@ -81,6 +81,7 @@ class PagedKVCache:
         self.keys, self.values = self._pool.keys, self._pool.values  # layer 0's pools
         self._sequences: dict[int, _Sequence] = {}
         self._next_id = 0
+        self.extends = 0  # extend calls so far: a model's step names the one it was made by
 
     @property
     def num_pages(self) -> int:
@@ -180,6 +181,7 @@ class PagedKVCache:
         counts = self.check_append(seqs, count, indptr)
         released = self._window_releases(seqs)  # per sequence, the indices of its pages to release
         self._reserve(seqs, counts, released)  # all or nothing: refuses before anything changes
+        self.extends += 1
         pages, slots = [], []  # where each new row goes
         for seq, n in zip(seqs, counts):
             if n == 0:

@@ -81,8 +81,11 @@ class NativeStep:
 
     def run(self, q: torch.Tensor, k_pages, v_pages):
         """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None when q holds NaN/inf (the kernel found it
-        as it scaled q; the gathered path keeps it to its rows)."""
+        as it scaled q; the gathered path keeps it to its rows) or these pools' last axis is strided (the plan was
+        made for other strides: the gathered path reads any)."""
         batch, t, kv_heads, group, d = self.shape
+        if not all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (_data(k_pages), _data(v_pages))):
+            return None  # a layer's pools with a strided last axis: the kernel reads rows as contiguous memory
         q_rows = (q if q.dtype == torch.float32 else q.float()).view(batch, t, kv_heads, group, d).permute(
             0, 2, 3, 1, 4).reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D] (a view for T = 1)
         if q_rows.stride(-1) != 1 and d > 1:

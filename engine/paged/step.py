@@ -20,7 +20,7 @@ import torch
 from engine.paged.cache import PagedKVCache, Slots
 from engine.paged.plan import PagedPlan, plan_paged
 
-__all__ = ["PagedStep", "begin_step"]
+__all__ = ["PagedStep", "begin_step", "check_step"]
 
 
 @dataclass
@@ -30,6 +30,8 @@ class PagedStep:
 
     seqs: list[int]
     indptr: torch.Tensor
+    cache: PagedKVCache
+    extend: int  # the cache's extend that made room for this step (its layers refuse an older step)
     slots: Slots
     positions: torch.Tensor
     page_table: torch.Tensor
@@ -57,4 +59,15 @@ def begin_step(cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor) -> Pa
                           or [torch.zeros(0, dtype=torch.long)]).to(device)  # [N]
     slots = cache.extend(seqs, indptr)
     table, lengths = cache.tables(seqs)
-    return PagedStep(list(seqs), indptr, slots, positions, table, lengths)
+    return PagedStep(list(seqs), indptr, cache, cache.extends, slots, positions, table, lengths)
+
+
+def check_step(step, cache: PagedKVCache, rows: int) -> None:
+    """ValueError unless ``step`` is the newest step of ``cache`` (its last ``extend``) for ``rows`` packed rows."""
+    if not isinstance(step, PagedStep):
+        raise ValueError(f"step must be a PagedStep (engine.paged.step.begin_step), got {type(step).__name__}")
+    why = ("of another cache" if step.cache is not cache else "made before the cache last grew"
+           if step.extend != cache.extends else f"of {step.slots.pages.shape[0]} rows"
+           if step.slots.pages.shape[0] != rows else None)
+    if why is not None:
+        raise ValueError(f"step must be this cache's newest step for these {rows} rows, got a step {why}")

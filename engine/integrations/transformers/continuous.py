@@ -71,7 +71,8 @@ def continuous_batch_attention(module: torch.nn.Module, query: torch.Tensor, key
     window = int(sliding_window) if sliding_window is not None else None
     cu_k = kwargs["cu_seq_lens_k"]
     plans = _steps.plans_of(kwargs["cu_seq_lens_q"])
-    plan_key = (id(cu_k), window, softcap, scaling, id(sinks), query.shape, query.dtype, key.shape, value.shape)
+    plan_key = (id(cu_k), window, softcap, scaling, id(sinks), query.shape, query.dtype, key.shape, value.shape,
+                key.dtype, value.dtype, key.device)
     found = plans.get(plan_key)
     if found is None or not _unchanged(cu_k, found.keep[1], found.key_offsets):
         found = plans[plan_key] = plan_batch(query, key, value, kwargs["cu_seq_lens_q"], cu_k, window, scaling,

@@ -156,8 +156,7 @@ class MultiHeadAttention(nn.Module):
             if cache.layers != 1:  # (a step per layer would grow every layer's sequences once per layer)
                 raise ValueError(f"this cache holds {cache.layers} layers: make the step once "
                                  f"(engine.paged.step.begin_step) and pass step= and layer= to each layer")
-            cache.check_append(seqs, x.shape[0], indptr)
-            step = begin_step(cache, seqs, indptr)
+            step = begin_step(cache, seqs, indptr, x.shape[0])
         else:
             check_step(step, cache, x.shape[0])
         q, k, v = self._project(x[None], step.positions[None])  # [1, Hq, N, D], [1, Hkv, N, D] x 2

@@ -150,10 +150,8 @@ def plan(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=
     broadcast), so changing those tensors in place after planning changes none of its results, whatever kernel it
     runs; plan again for new positions. The modifiers' tensors (sinks, slopes, a bias: learned, updated in place by
     an optimizer) are read at each run."""
-    check_kernel_name(kernel)
-    inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
-                            **modifiers)
-    return _planned(inputs.owning(), q, k, v, kernel)
+    return _planned(q, k, v, query_positions, key_positions, allowed, scale, causal, softcap, kernel, modifiers,
+                    own=True)
 
 
 def plan_for_call(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, *,
@@ -161,13 +159,17 @@ def plan_for_call(q, k, v, query_positions=None, key_positions=None, allowed=Non
                   **modifiers) -> AttentionPlan:
     """``plan``'s plan for one call that runs it at once (``causal_attention``): nothing can change its positions or
     mask before it runs, so they are not copied."""
+    return _planned(q, k, v, query_positions, key_positions, allowed, scale, causal, softcap, kernel, modifiers,
+                    own=False)
+
+
+def _planned(q, k, v, query_positions, key_positions, allowed, scale, causal, softcap, kernel: str, modifiers: dict,
+             own: bool) -> AttentionPlan:
+    """Validate, (``own``: copy the positions and mask), choose the kernel and record the signature."""
     check_kernel_name(kernel)
     inputs = prepare_inputs(q, k, v, query_positions, key_positions, allowed, scale, causal=causal, softcap=softcap,
                             **modifiers)
-    return _planned(inputs, q, k, v, kernel)
-
-
-def _planned(inputs: AttentionInputs, q, k, v, kernel: str) -> AttentionPlan:
+    inputs = inputs.owning() if own else inputs
     choice = choose(inputs, kernel)
     template = inputs.with_tensors(*(_placeholder(x) for x in (q, k, v)))
     signature = Signature(*(TensorSignature(*part) for part in signature_of(q, k, v)))

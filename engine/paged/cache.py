@@ -171,7 +171,9 @@ class PagedKVCache:
             raise ValueError(f"this cache holds {self.layers} layers: extend(seqs, indptr) once per step, then "
                              f"write(slots, keys, values, layer) for each layer")
         self._check_rows(keys, values)
-        self.write(self.extend(seqs, indptr, keys.shape[0]), keys, values)
+        slots = self.extend(seqs, indptr, keys.shape[0])
+        if keys.shape[0]:
+            self._pool.write(slots.pages, slots.slots, keys, values)  # [N] each (the rows checked above)
 
     def extend(self, seqs: list[int], indptr: torch.Tensor, count: int | None = None) -> Slots:
         """Make room for a step's packed new tokens in every layer: sequence ``seqs[i]`` grows by ``indptr[i+1] -

@@ -50,14 +50,15 @@ class PagedStep:
         return found
 
 
-def begin_step(cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor) -> PagedStep:
-    """Extend every sequence of ``seqs`` by its rows of ``indptr`` in ``cache`` (all or nothing) and return the step
-    its layers read; positions continue each sequence from its length."""
-    counts = cache.check_append(seqs, None, indptr)  # (validates before anything changes)
-    device = cache.keys.device
-    positions = torch.cat([torch.arange(cache.length(seq), cache.length(seq) + n) for seq, n in zip(seqs, counts)]
+def begin_step(cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor, rows: int | None = None) -> PagedStep:
+    """Extend every sequence of ``seqs`` by its rows of ``indptr`` in ``cache`` (all or nothing; ``rows``: the
+    packed rows the step has, checked against ``indptr``) and return the step its layers read; positions continue
+    each sequence from its length."""
+    before = [cache.length(seq) for seq in seqs]  # (an unknown sequence is refused here, before any change)
+    slots = cache.extend(seqs, indptr, rows)  # the one check of seqs and indptr
+    device = slots.pages.device
+    positions = torch.cat([torch.arange(start, cache.length(seq)) for seq, start in zip(seqs, before)]
                           or [torch.zeros(0, dtype=torch.long)]).to(device)  # [N]
-    slots = cache.extend(seqs, indptr)
     table, lengths = cache.tables(seqs)
     return PagedStep(list(seqs), indptr, cache, cache.extends, slots, positions, table, lengths)
 

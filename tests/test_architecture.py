@@ -128,3 +128,16 @@ def test_context_parallelism_uses_the_kernels_only_through_the_public_call():
     distributed = {m for m in graph if m.startswith("engine.distributed")}
     kernel_modules = {kernel.run.__module__ for kernel in KERNELS.values()} | {"engine.kernels.dispatch"}
     assert all(not (graph[m] & kernel_modules) for m in distributed)
+
+
+def test_every_engine_module_holds_at_most_300_lines():
+    # one concept per module: a module past 300 lines holds more than one (split it by what it is)
+    long = {name: n for name, path in _modules().items()
+            if name.startswith("engine") and (n := len(path.read_text().splitlines())) > 300}
+    assert not long, long
+
+
+def test_the_kernels_that_read_paged_calls_in_place_are_rows_of_the_table():
+    # paged K/V is one more input source: the kernels that read it in place say so in ``takes`` and have a paged row
+    paged = {name for name, kernel in KERNELS.items() if kernel.paged is not None}
+    assert paged == {name for name, kernel in KERNELS.items() if "paged" in kernel.takes} == {"decode_native", "flex"}

@@ -117,3 +117,27 @@ def test_a_native_plan_run_on_pools_with_a_strided_last_axis_stays_exact():
     assert step.matches(q, strided, v_pages)
     torch.testing.assert_close(step.run(q, strided, v_pages).double(), oracle(q, strided, v_pages, *tables)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["auto", "tiled"])
+@pytest.mark.parametrize("window", [None, 9])
+def test_each_sequences_call_is_planned_once_per_step_not_per_layer(monkeypatch, kernel, window):
+    # a mixed step (a prefill, a chunk, decodes) runs the readable path: its calls are planned by plan_paged, and a
+    # layer's run plans nothing (it used to plan and build a window mask per sequence per layer)
+    import engine.planning as planning
+    q, k_pages, v_pages, table, lens, _ = decode_step()
+    g = torch.Generator().manual_seed(3)
+    indptr = torch.tensor([0, 5, 6, 10, 11])  # 5, 1, 4, 1 new queries
+    q = torch.randn(11, 6, 16, generator=g)
+    step = plan_paged(q, k_pages, v_pages, table, lens, indptr, window=window, kernel=kernel)
+    assert step.path == "per sequence" and step.sequences is not None, str(step)
+    planned = []  # every plan (engine.plan, causal_attention's) chooses its kernel through planning's ``choose``
+    real_choose = planning.choose
+    monkeypatch.setattr(planning, "choose", lambda *a, **k: planned.append(1) or real_choose(*a, **k))
+    for seed in range(3):
+        layer = other_layer((q, k_pages, v_pages, table, lens, indptr), seed)
+        out = step.run(*layer[:3])
+        want = oracle(*layer, window=window)[0]
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert planned == []
+    assert f"kernel {kernel if kernel != 'auto' else ''}" in str(step)

@@ -21,6 +21,12 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 |              |                                                             | decode_native also reads)       |
 | reference    | dense scores ``[B, Hq, T, S]`` (the oracle)                 | everything, small sizes only    |
 
+Paged K/V is a third source beside dense and quantized K/V: a paged call (engine.paged.inputs) walks the same table,
+and the kernels whose ``takes`` has ``paged`` (decode_native: a decode step through the page table; flex: forced, or
+auto on CUDA) read its pools in place through their ``paged`` row (engine.kernels.paged_rows); engine.paged.plan's
+``choose_paged`` says which and why. Where none does, the readable twin runs: each sequence's keys gathered and its
+own call planned (engine.paged.sequences), the oracle of the rows.
+
 Score modifiers (engine.modifiers) are options a kernel takes or not; sinks are none: they act on each row's
 lse after whichever kernel ran (engine.kernels.sinks), and ``explain`` says so.
 
@@ -56,6 +62,7 @@ from engine.kernels.decode.decode_native import (
 )
 from engine.kernels.decode.dequantized import dequantized_attention, dequantized_fits
 from engine.kernels.flex.flex import flex_attention, flex_fits, flex_pays_off
+from engine.kernels.paged_rows import FLEX_PAGED, NATIVE_PAGED, PagedRow
 from engine.kernels.reference import reference_attention
 from engine.kernels.sdpa.sdpa import sdpa_attention, sdpa_fits
 from engine.kernels.sdpa.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
@@ -91,14 +98,16 @@ class Kernel(NamedTuple):
     # for a plan's runs: inputs -> run(q, k, v, return_lse), with what depends only on the plan decided once
     # (a kernel without one runs through ``run`` with the plan's decisions)
     prepare: Callable[[AttentionInputs], Callable] | None = None
+    # how it reads a paged call in place (engine.kernels.paged_rows), for a kernel whose ``takes`` has "paged"
+    paged: PagedRow | None = None
 
 
 # Fastest first: the order auto walks and the fallback order of a forced kernel.
 KERNELS: dict[str, Kernel] = {
     "decode_native": Kernel(native_decode_attention, native_decode_fits, native_decode_pays_off,
                             "few queries against a long cache, in C++: each K/V row read once for its query group, "
-                            "converted in registers", takes=frozenset({"quantized_kv"}),
-                            prepare=native_decode_runner),
+                            "converted in registers", takes=frozenset({"quantized_kv", "paged"}),
+                            prepare=native_decode_runner, paged=NATIVE_PAGED),
     "decode": Kernel(decode_attention, decode_fits, decode_pays_off,
                      "few queries against a long cache: reads each K/V byte once, split across chunks",
                      takes=frozenset({"alibi", "bias"})),
@@ -112,7 +121,7 @@ KERNELS: dict[str, Kernel] = {
                          takes=frozenset({"alibi", "bias"})),
     "flex": Kernel(flex_attention, flex_fits, flex_pays_off,
                    "FlexAttention, compiled, on a BlockMask from the mask's tile bounds (masks, per-row positions, "
-                   "softcap, GQA)", takes=frozenset({"softcap"})),
+                   "softcap, GQA)", takes=frozenset({"softcap", "paged"}), paged=FLEX_PAGED),
     "tiled": Kernel(tiled_attention, _always, _always,
                     "the general tiled kernel (softcap, score modifiers, Dv != D, per-head masks, any device)",
                     takes=frozenset({"softcap", "alibi", "bias", "bias_grad", "score_mod", "dropout"})),
@@ -156,7 +165,7 @@ def _walk(inputs: AttentionInputs, start: str | None = None, forced: bool = Fals
     passed_over: dict[str, str] = {}
     for name in names[names.index(start) if start else 0:]:
         kernel = KERNELS[name]
-        why_not = _untaken(kernel, inputs) or kernel.fits(inputs) or (None if forced else kernel.pays_off(inputs))
+        why_not = untaken(kernel, inputs) or kernel.fits(inputs) or (None if forced else kernel.pays_off(inputs))
         if why_not is None:
             return KernelChoice(name, kernel.why, passed_over)
         passed_over[name] = why_not
@@ -167,7 +176,7 @@ def _walk(inputs: AttentionInputs, start: str | None = None, forced: bool = Fals
     raise AssertionError("the reference kernel fits every input and takes every option")
 
 
-def _untaken(kernel: Kernel, inputs: AttentionInputs) -> str | None:
+def untaken(kernel: Kernel, inputs: AttentionInputs) -> str | None:
     """Why ``kernel`` cannot run a call with options it does not compute (None: it takes them all)."""
     untaken = sorted(inputs.options() - kernel.takes)
     return f"{', '.join(untaken)}: not computed by this kernel" if untaken else None

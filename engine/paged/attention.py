@@ -16,7 +16,7 @@ every layer). The paths, which ``explain_paged`` (or ``print(plan)``) names with
     flex            ``kernel="flex"`` (and auto on CUDA): FlexAttention over the pools as one key axis, a BlockMask of
                     each sequence's pages (engine.kernels.flex.paged)
     in place        a decode step (every sequence the same 1..16 new queries, CPU, no gradients, softcap or ALiBi):
-                    the native decode kernel reads K/V through the page table (engine.paged.native)
+                    the native decode kernel reads K/V through the page table (engine.kernels.decode.native_paged)
     runs of pages   a sequence with more than RUN_KEYS keys: one causal_attention call per run of its pages, merged by
                     lse, no copy of the whole sequence (engine.paged.runs)
     gathered        the readable path: the sequence's keys gathered from its pages, then causal_attention with its
@@ -79,4 +79,4 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
     step = plan_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions, window=window,
                       softcap=softcap, scale=scale, kernel=kernel, cascade=cascade, sinks=modifiers.get("sinks"),
                       alibi_slopes=modifiers.get("alibi_slopes"))
-    return describe(step, (q, k_pages, v_pages), modifiers)
+    return describe(step)

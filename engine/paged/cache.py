@@ -20,11 +20,10 @@ sequence holds it. A sequence of one-token decode steps so holds at most ``ceil(
         pages   [p3    p0    p5     p1]     keys 0..3, 4..7, 8..11, 12
         after   [None  None  p5     p1]     tables() row [-1, -1, 5, 1]; p3, p0 back to the pool
 
-Keys ``[N, Hkv, D]`` in any float dtype go to pools of ``dtype``: float (the kernels' dtypes) or quantized (int8,
-float8_e4m3fn: one fp32 scale per token and head, ``keys``/``values`` are ``QuantizedKV``; engine.paged.pool).
-``append`` takes the packed new tokens of several sequences at once (FlashInfer's ``append_paged_kv_cache``);
-``tables`` gives the page table and key lengths ``paged_attention`` reads. Every operation checks what it needs
-(free pages, known sequences, shapes) before it changes anything, so a refused call leaves the cache as it was.
+Keys ``[N, Hkv, D]`` of any float dtype go to pools of ``dtype``: float, or int8 / float8_e4m3fn with one fp32 scale
+per token and head (``QuantizedKV`` pools; engine.paged.pool). ``append`` takes the packed new tokens of several
+sequences at once (FlashInfer's ``append_paged_kv_cache``); ``tables`` gives what ``paged_attention`` reads. Every
+operation checks what it needs before it changes anything: a refused call leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -294,9 +293,7 @@ class PagedKVCache:
             self._release(sequence, pages)
         for sequence, shared_tail, new in plans:
             if shared_tail:  # copy on write: this sequence gets its own copy of the shared, partly filled page
-                old, copy = sequence.pages[-1], self._pool.take()
-                self._pool.copy(old, copy)
+                old, sequence.pages[-1] = sequence.pages[-1], self._pool.take()
+                self._pool.copy(old, sequence.pages[-1])
                 self._pool.drop(old)
-                sequence.pages[-1] = copy
-            for _ in range(new):
-                sequence.pages.append(self._pool.take())
+            sequence.pages += [self._pool.take() for _ in range(new)]

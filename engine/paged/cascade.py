@@ -4,7 +4,7 @@ pass, merged by log-sum-exp with each sequence's own suffix. Exact.
 Thirty-two samples of one prompt each hold the prompt's pages (``PagedKVCache.fork``); their decode step would read
 those pages 32 times. Here the prefix is read once for all of their queries: one pass of the native decode kernel
 in place, every member's queries as rows of their KV head (``G * 32`` rows, so each key block loaded once serves
-them all), or where it does not fit, one ``causal_attention`` call per run of pages (engine.paged.runs); and the
+them all), or where it does not fit, one planned call per run of pages (engine.paged.sequences); and the
 suffixes (each sequence's keys after the prefix) go to one
 paged call with the page table shifted past the prefix::
 
@@ -22,16 +22,17 @@ which reads the prefix once per sequence; the tests compare the two.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from engine.kernels.merge import merge_attention_states
-from engine.paged.native import native_paged_attention, native_paged_fits
-from engine.paged.runs import run_attention
+from engine.paged.inputs import PagedInputs
 from engine.paged.tables import RELEASED, PagedBatch
 
 CASCADE_MIN_KEYS = 256  # a shared prefix shorter than this is read per sequence (a separate pass costs more)
 
-__all__ = ["CASCADE_MIN_KEYS", "shared_prefixes", "cascade_parts", "suffix_tables", "merge_prefix"]
+__all__ = ["CASCADE_MIN_KEYS", "shared_prefixes", "prefix_inputs", "suffix_tables", "merge_prefix"]
 
 
 def shared_prefixes(tables: PagedBatch, min_keys: int | None = None) -> list[tuple[list[int], int]]:
@@ -56,27 +57,14 @@ def shared_prefixes(tables: PagedBatch, min_keys: int | None = None) -> list[tup
     return groups
 
 
-def cascade_parts(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor,
-                  groups: list[tuple[list[int], int]], window: int | None, scale, kernel: str, modifiers: dict):
-    """The prefix pass of each group: ``[(rows [n] int64, out [n, Hq, Dv], lse [n, Hq])]`` (fp32 / fp64); the
-    suffixes' call is planned apart (``suffix_tables``)."""
-    size = tables.page_size
-    parts = []
-    for members, pages in groups:
-        rows = torch.cat([torch.arange(tables.starts[b], tables.starts[b + 1]) for b in members]).to(q.device)
-        prefix = PagedBatch([0, len(rows)], [pages * size], tables.page_table[members[0:1], :pages], size,
-                            tables.released)  # one sequence: the prefix, every member's queries
-        native = native_paged_fits(q, k_pages, v_pages, prefix, modifiers.get("softcap"),
-                                   modifiers.get("alibi_slopes"), kernel, one_pass=True) is None
-        result = native_paged_attention(q[rows], k_pages, v_pages, prefix, positions[rows], window,
-                                        scale) if native else None  # in place: [n, Hq, Dv], [n, Hq]
-        if result is None:  # (or NaN/inf in q: the runs keep it to its rows)
-            q_g = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            out, lse = run_attention(q_g, k_pages, v_pages, prefix.pages[0], size, 0, pages * size, positions[rows],
-                                     window, scale, kernel, **modifiers)  # [1, Hq, n, Dv], [1, Hq, n]
-            result = out[0].transpose(0, 1), lse[0].transpose(0, 1)
-        parts.append((rows, *result))
-    return parts
+def prefix_inputs(inputs: PagedInputs, members: list[int], pages: int) -> tuple[torch.Tensor, PagedInputs]:
+    """``(rows [n] int64, call)``: the call of one group's prefix pass, one sequence of the prefix's ``pages`` pages
+    whose queries are every member's (its packed ``rows``, at their own positions); sinks join after the merge."""
+    tables, size = inputs.tables, inputs.tables.page_size
+    rows = torch.cat([torch.arange(tables.starts[b], tables.starts[b + 1]) for b in members]).to(inputs.q.device)
+    prefix = PagedBatch([0, len(rows)], [pages * size], tables.page_table[members[0:1], :pages], size,
+                        tables.released)
+    return rows, replace(inputs, q=inputs.q[rows], tables=prefix, positions=inputs.positions[rows], sinks=None)
 
 
 def suffix_tables(tables: PagedBatch, groups: list[tuple[list[int], int]], positions: torch.Tensor):

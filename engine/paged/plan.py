@@ -12,42 +12,86 @@ to the host on the in-place path::
         out = step.run(q_layer, k_pages_of[layer], v_pages_of[layer])                  # every layer
     print(step)   # the path and why; each sequence's kernel where each runs its own call
 
-The paths (engine.paged.attention's docstring shows each): ``flex`` (forced, or auto on CUDA), ``cascade`` (a prefix
-several sequences share read once), ``native in place`` (a decode step), ``per sequence`` (the readable path:
-gathered, or a run of pages at a time). A plan owns what it decided: the tables and positions are copies.
+How it is decided, the contiguous call's way: the call is validated once (engine.paged.inputs.PagedInputs), a prefix
+several sequences share is split off and read once (``cascade``, merged by lse), and the kernel table is walked for
+a kernel that reads the pools in place (``choose_paged``: the rows whose ``takes`` has ``paged``, engine.kernels
+.paged_rows: ``native in place`` for a decode step, ``flex`` forced or on CUDA); where none does, the readable twin
+runs (``per sequence``: each sequence's keys gathered, or a run of pages at a time, and its own call planned here,
+engine.paged.sequences). A plan owns what it decided: the tables and positions are copies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from engine.inputs import resolve_positions, resolve_scale
 from engine.kernels.common import DoesNotFit, needs_grad
-from engine.kernels.flex.paged import flex_paged_attention, flex_paged_fits
+from engine.kernels.decode.native_paged import NativeStep, native_pass_fits
+from engine.kernels.dispatch import KERNELS, KernelChoice, untaken, check_kernel_name
 from engine.kernels.sinks import apply_sinks
-from engine.masks.window import check_window
-from engine.modifiers import prepare_modifiers
-from engine.paged.cascade import cascade_parts, merge_prefix, shared_prefixes, suffix_tables
+from engine.paged.cascade import merge_prefix, prefix_inputs, shared_prefixes, suffix_tables
 from engine.paged.explain import describe
-from engine.paged.native import NativeStep, native_paged_fits
-from engine.paged.sequences import per_sequence
-from engine.paged.tables import PagedBatch, check_released, paged_batch
+from engine.paged.inputs import PagedInputs, paged_inputs
+from engine.paged.sequences import SequencePlans, plan_sequences
+from engine.paged.tables import PagedBatch
 from engine.planning import Signature, TensorSignature, signature_of
 
 __all__ = ["PagedPlan", "plan_paged"]
 
+GATHERED = "gathered"  # a paged call's readable twin: each sequence's keys gathered, its own call planned
+
+
+def choose_paged(inputs, kernel: str = "auto") -> KernelChoice:
+    """The kernel that reads a paged call (engine.paged.inputs.PagedInputs) in place, why, and why not the other
+    kernels that take paged calls; ``GATHERED`` where none does (each sequence's own call then walks this table as
+    any call, with ``kernel``). A forced kernel reads the call in place where it fits, else runs per sequence."""
+    passed_over: dict[str, str] = {}
+    names = [name for name, row in KERNELS.items() if row.paged is not None]
+    if kernel != "auto":
+        check_kernel_name(kernel)
+        if kernel not in names:
+            why = f"kernel={kernel!r} forced: it reads gathered keys, so each sequence's call runs it"
+            return KernelChoice(GATHERED, why, {name: f"kernel={kernel!r} forced" for name in names})
+        names = [kernel]
+    for name in names:
+        row = KERNELS[name]
+        why_not = untaken(row, inputs) or row.paged.fits(inputs) or (None if kernel != "auto" else
+                                                                       row.paged.pays_off(inputs))
+        if why_not is None:
+            reason = row.paged.why if kernel == "auto" else f"{row.paged.why} (forced by kernel={kernel!r})"
+            return KernelChoice(name, reason, passed_over)
+        passed_over[name] = why_not
+    reason = "no kernel reads these pools in place: each sequence's keys gathered (a run of pages at a time past " \
+             "RUN_KEYS), its own call planned" + ("" if kernel == "auto" else f" with kernel={kernel!r}")
+    return KernelChoice(GATHERED, reason, passed_over)
+
+
 PATHS = ("flex", "cascade", "native in place", "per sequence")
+IN_PLACE = {"decode_native": "native in place", "flex": "flex"}  # the path of each kernel that reads pools in place
+
+
+class PrefixPass(NamedTuple):
+    """A shared prefix read once for every member's queries (``rows``): in place by the native kernel, or by runs of
+    pages (``sequences``: the prefix as one sequence holding all those rows)."""
+
+    members: list[int]
+    pages: int
+    rows: torch.Tensor
+    native: NativeStep | None
+    sequences: SequencePlans | None
+    why_not_native: str | None
 
 
 @dataclass(frozen=True)
 class PagedPlan:
-    """A paged step with its path chosen: ``run(q, k_pages, v_pages)`` for tensors of the planned signature.
+    """A paged step with its kernel chosen: ``run(q, k_pages, v_pages)`` for tensors of the planned signature.
 
-    tables: the validated tables (host ints and the page table); positions: int64 ``[Nq]``; path: one of PATHS and
-    why; native: the prepared in-place call (path ``native in place``); groups: the shared prefixes (``cascade``),
-    suffix: the plan of the suffixes' call."""
+    tables: the validated tables (host ints and the page table); positions: int64 ``[Nq]``; choice: the kernel that
+    reads the pools in place and why (``GATHERED``: none; each sequence's own planned call, ``sequences``); path: one
+    of PATHS; in_place: that kernel's prepared run; prefixes: the shared prefixes' passes and suffix: the plan of
+    the suffixes' call (path ``cascade``); kernel: the kernel asked for (``"auto"`` or a name)."""
 
     signature: Signature
     grad: bool
@@ -61,11 +105,16 @@ class PagedPlan:
     alibi_slopes: torch.Tensor | None
     kernel: str
     path: str
-    reason: str
-    native: NativeStep | None = None
-    groups: tuple = ()
+    choice: KernelChoice
+    in_place: object = None
+    sequences: SequencePlans | None = None
+    prefixes: tuple = ()
     suffix: PagedPlan | None = None
-    flex_lse: bool = False  # the Flex path also fits when the lse is asked for
+    fallback: dict = field(default_factory=dict, compare=False, repr=False)  # the readable twin, planned if needed
+
+    @property
+    def reason(self) -> str:
+        return self.choice.reason
 
     def run(self, q: torch.Tensor, k_pages, v_pages, *, return_lse: bool = False):
         """``out [Nq, Hq, Dv]`` in q's dtype (``(out, lse [Nq, Hq])`` with ``return_lse``) for q and pools of the
@@ -104,30 +153,52 @@ class PagedPlan:
                          f"the step under the same grad mode")
 
     def _attend(self, q, k_pages, v_pages, return_lse: bool):
-        """``(out, lse)`` on the planned path; the in-place paths fall back to the readable one when they find NaN/inf
-        in q (which it keeps to its rows)."""
-        if self.path == "flex" and (self.flex_lse or not return_lse):
-            result = flex_paged_attention(q, k_pages, v_pages, self.tables, self.positions, self.window,
-                                          self.softcap, self.scale, self.sinks, return_lse=return_lse)
-            if result is not None:  # (None: NaN/inf in q or an overflow: the gathered path is exact)
-                return result  # (sinks applied by the Flex path)
-        result = None
+        """``(out, lse)`` on the planned path; an in-place run that finds it cannot be exact (NaN/inf in q, other
+        strides) falls back to the readable twin, which keeps NaN to its rows."""
+        if self.in_place is not None:
+            result = self.in_place.run(q, k_pages, v_pages, return_lse)
+            if result is not None:
+                return result  # (sinks applied)
         if self.path == "cascade":
-            modifiers = {name: x for name, x in (("softcap", self.softcap), ("alibi_slopes", self.alibi_slopes))
-                         if x is not None}
-            parts = cascade_parts(q, k_pages, v_pages, self.tables, self.positions, list(self.groups), self.window,
-                                  self.scale, self.kernel, modifiers)
             out, lse = self.suffix.run(q, k_pages, v_pages, return_lse=True)
-            result = merge_prefix(out, lse, parts)
-        elif self.native is not None:
-            result = self.native.run(q, k_pages, v_pages)
-        if result is None:
-            result = per_sequence(q, k_pages, v_pages, self.tables, self.positions, self.window, self.scale,
-                                  self.kernel, softcap=self.softcap, alibi_slopes=self.alibi_slopes)
-        out, lse = result
+            out, lse = merge_prefix(out, lse, [self._prefix_part(p, q, k_pages, v_pages) for p in self.prefixes])
+        else:
+            out, lse = self._sequences(q, k_pages, v_pages).run(q, k_pages, v_pages)
         if self.sinks is not None:  # once per row, after every part: [Nq, Hq, 1, Dv] and [Nq, Hq, 1] as [B, Hq, T, ..]
             out, lse = (x[:, :, 0] for x in apply_sinks(out[:, :, None], lse[:, :, None], self.sinks))
         return out, lse
+
+    def _sequences(self, q, k_pages, v_pages) -> SequencePlans:
+        """The readable twin's plans: made when planning on its path, at the first fallback on the others."""
+        if self.sequences is not None:
+            return self.sequences
+        if "sequences" not in self.fallback:
+            self.fallback["sequences"] = plan_sequences(self._inputs(q, k_pages, v_pages), self._twin_kernel())
+        return self.fallback["sequences"]
+
+    def _prefix_part(self, prefix: PrefixPass, q, k_pages, v_pages):
+        """``(rows, out [n, Hq, Dv], lse [n, Hq])`` of one shared prefix's pass (fp32 / fp64)."""
+        q_rows = q[prefix.rows]
+        result = None if prefix.native is None else prefix.native.run(q_rows, k_pages, v_pages)
+        if result is None:  # (or NaN/inf in q: the runs keep it to its rows, planned at the first such run)
+            runs = prefix.sequences
+            if runs is None:
+                key = ("prefix", prefix.members[0])
+                if key not in self.fallback:
+                    _, inputs = prefix_inputs(self._inputs(q, k_pages, v_pages), prefix.members, prefix.pages)
+                    self.fallback[key] = plan_sequences(inputs, self.kernel, runs=True)
+                runs = self.fallback[key]
+            result = runs.run(q_rows, k_pages, v_pages)
+        return (prefix.rows, *result)
+
+    def _twin_kernel(self) -> str:
+        """The kernel each sequence's call is planned with: the one asked for, unless it is the in-place reader that
+        just found it cannot be exact (then auto: the call walks the table as any call)."""
+        return self.kernel if self.kernel not in IN_PLACE or self.in_place is None else "auto"
+
+    def _inputs(self, q, k_pages, v_pages) -> PagedInputs:
+        return PagedInputs(q, k_pages, v_pages, self.tables, self.positions, self.window, self.softcap, self.scale,
+                           self.sinks, self.alibi_slopes, self.grad)
 
     def __str__(self) -> str:
         return describe(self)
@@ -138,69 +209,54 @@ def plan_paged(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv_l
                softcap: float | None = None, scale: float | None = None, sinks: torch.Tensor | None = None,
                alibi_slopes: torch.Tensor | None = None, kernel: str = "auto",
                cascade: bool | None = None) -> PagedPlan:
-    """Validate a paged step and choose its path once (``paged_attention``'s arguments; q and the pools are read for
-    their shapes, dtypes and device, not their values). ``paged_attention(...)`` is
+    """Validate a paged step and choose its kernel once (``paged_attention``'s arguments; q and the pools are read
+    for their shapes, dtypes, strides and device, not their values). ``paged_attention(...)`` is
     ``plan_paged(...).run(q, k_pages, v_pages)``."""
-    tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
-    positions = _query_positions(query_positions, tables, q)
-    _check_options(window, alibi_slopes, q.shape[1], cascade)
-    scale = resolve_scale(scale, q.shape[2])  # one float for every path (a bad scale refused on each alike)
-    check_released(tables, positions, window)
-    if sinks is not None:
-        sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks
-    grad = needs_grad(q, k_pages, v_pages)
-    signature = Signature(*(TensorSignature(*part) for part in signature_of(q, k_pages, v_pages)))
-    common = dict(signature=signature, grad=grad, tables=tables, query_indptr=query_indptr, positions=positions,
-                  window=window, softcap=softcap, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes,
-                  kernel=kernel)
-    groups = [] if cascade is False else shared_prefixes(tables, min_keys=1 if cascade else None)
-    why_not_flex = _why_not_flex(q, k_pages, v_pages, tables, softcap, alibi_slopes, sinks, kernel, grad, False)
-    if not groups and why_not_flex is None:
-        flex_lse = _why_not_flex(q, k_pages, v_pages, tables, softcap, alibi_slopes, sinks, kernel, grad,
-                                 True) is None
-        return PagedPlan(**common, path="flex", flex_lse=flex_lse,
-                         reason="Flex reads K/V in place from the pools (a BlockMask of each sequence's pages; no "
-                                "gathered copy)")
-    if groups:  # the shared prefixes once, then one paged call on the suffixes (planned here too)
-        table, lens, shifted = suffix_tables(tables, groups, positions)
-        suffix = plan_paged(q, k_pages, v_pages, table, lens, query_indptr, shifted, window=window, softcap=softcap,
-                            scale=scale, alibi_slopes=alibi_slopes, kernel=kernel, cascade=False)
-        return PagedPlan(**common, path="cascade", groups=tuple(groups), suffix=suffix,
-                         reason="shared prefixes read once for every sequence that holds them")
-    why_not = native_paged_fits(q, k_pages, v_pages, tables, softcap, alibi_slopes, kernel)
-    if why_not is None:
-        try:
-            native = NativeStep(tuple(q.shape), k_pages, v_pages, tables, positions, window, scale)
-            return PagedPlan(**common, path="native in place", native=native,
-                             reason=f"decode_native reads K/V in place through the page table (every sequence "
-                                    f"{tables.starts[1] - tables.starts[0]} queries; no gathered copy)")
-        except DoesNotFit as error:
-            why_not = str(error)
-    return PagedPlan(**common, path="per sequence", reason=f"not decode_native in place: {why_not}")
-
-
-def _why_not_flex(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_slopes, sinks, kernel: str, grad: bool,
-                  return_lse: bool) -> str | None:
-    """Why the in-place Flex path does not run this call (None: it does): ``kernel="flex"`` asks for it; ``auto``
-    takes it on CUDA (on the CPU the native kernel and the fused op are faster, measured)."""
-    if kernel != "flex" and not (kernel == "auto" and q.device.type == "cuda"):
-        return "Flex in place: kernel='flex', or auto on CUDA"
-    return flex_paged_fits(q, k_pages, v_pages, tables, softcap, alibi_slopes, sinks, grad, return_lse=return_lse)
-
-
-def _query_positions(query_positions, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor:
-    """int64 ``[Nq]`` (the plan's own copy): the given positions, or each sequence's last ``q_len`` key positions."""
-    if query_positions is not None:
-        return resolve_positions(query_positions, 1, q.shape[0], 0, q.device, "query_positions")[0].clone()  # [Nq]
-    default = [torch.arange(tables.kv_lens[b] - (tables.starts[b + 1] - tables.starts[b]), tables.kv_lens[b])
-               for b in range(tables.batch)]
-    return torch.cat(default).to(q.device) if default else torch.zeros(0, dtype=torch.long, device=q.device)
-
-
-def _check_options(window, alibi_slopes, q_heads: int, cascade) -> None:
     if cascade is not None and not isinstance(cascade, bool):
         raise ValueError(f"cascade must be True, False or None (auto), got {cascade!r}")
-    check_window(window)
-    if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dim() != 1):
-        raise ValueError(f"alibi_slopes of a paged call must be [Hq] = [{q_heads}] (one slope per query head), got "
-                         f"{getattr(alibi_slopes, 'shape', type(alibi_slopes).__name__)}")
+    inputs = paged_inputs(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions, window=window,
+                          softcap=softcap, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes)
+    return _plan(inputs, query_indptr, kernel, cascade)
+
+
+def _plan(inputs: PagedInputs, query_indptr: torch.Tensor, kernel: str, cascade: bool | None) -> PagedPlan:
+    i = inputs
+    signature = Signature(*(TensorSignature(*part) for part in signature_of(i.q, i.k_pages, i.v_pages)))
+    common = dict(signature=signature, grad=i.grad, tables=i.tables, query_indptr=query_indptr,
+                  positions=i.positions, window=i.window, softcap=i.softcap, scale=i.scale, sinks=i.sinks,
+                  alibi_slopes=i.alibi_slopes, kernel=kernel)
+    groups = [] if cascade is False else shared_prefixes(i.tables, min_keys=1 if cascade else None)
+    if groups:  # the shared prefixes once, then one paged call on the suffixes (planned here too)
+        table, lens, shifted = suffix_tables(i.tables, groups, i.positions)
+        suffix = plan_paged(i.q, i.k_pages, i.v_pages, table, lens, query_indptr, shifted, window=i.window,
+                            softcap=i.softcap, scale=i.scale, alibi_slopes=i.alibi_slopes, kernel=kernel,
+                            cascade=False)
+        prefixes = tuple(_plan_prefix(i, members, pages, kernel) for members, pages in groups)
+        choice = KernelChoice("cascade", "shared prefixes read once for every sequence that holds them")
+        return PagedPlan(**common, path="cascade", choice=choice, prefixes=prefixes, suffix=suffix)
+    choice = choose_paged(i, kernel)
+    if choice.kernel != GATHERED:
+        try:
+            return PagedPlan(**common, path=IN_PLACE[choice.kernel], choice=choice,
+                             in_place=KERNELS[choice.kernel].paged.prepare(i))
+        except DoesNotFit as error:  # found while preparing (the library cannot be built, a dtype it cannot read)
+            choice = KernelChoice(GATHERED, f"not {choice.kernel} in place: {error}", choice.passed_over)
+    return PagedPlan(**common, path="per sequence", choice=choice, sequences=plan_sequences(i, kernel))
+
+
+def _plan_prefix(inputs: PagedInputs, members: list[int], pages: int, kernel: str) -> PrefixPass:
+    """The pass of one shared prefix: in place by the native kernel where it reads it, else by runs of pages."""
+    rows, prefix = prefix_inputs(inputs, members, pages)
+    untaken = inputs.softcap is not None or inputs.alibi_slopes is not None
+    why_not = (None if kernel in ("auto", "decode_native") else f"kernel={kernel!r} forced") or \
+        ("softcap / ALiBi: not computed by the native kernel" if untaken else native_pass_fits(prefix))
+    native = None
+    if why_not is None:
+        try:
+            native = NativeStep(prefix)
+        except DoesNotFit as error:
+            why_not = str(error)
+    sequences = plan_sequences(prefix, kernel, runs=True) if native is None else None
+    return PrefixPass(members, pages, rows, native, sequences, why_not)
+
+

@@ -1,50 +1,122 @@
-"""The readable path of a paged call: each sequence's own ``causal_attention`` call on its keys.
+"""The readable path of a paged call, planned: each sequence's own call on its keys, decided once per step.
 
 A sequence's keys are gathered from its pages into one ``[1, Hkv, S_b, D]`` tensor (only the slots it owns), its
-queries are its rows of q, and the call has its positions and window: the engine's one rule, its kernel chosen as
-for any call. A sequence longer than one run of pages is read a run at a time instead (engine.paged.runs: no copy of
-the whole sequence), merged by lse. The oracle of the in-place paths: ``kernel="reference"`` always takes it.
+queries are its rows of q, and its call has its positions and window: the engine's one rule, its kernel chosen as
+for any call (engine.plan). A sequence longer than one run of pages is read a run at a time instead
+(engine.paged.runs: no copy of the whole sequence), one planned call per run, merged by lse. ``plan_sequences``
+plans every sequence's calls once (positions, window masks, kernels); ``SequencePlans.run`` gathers and runs them in
+each layer. The oracle of the in-place paths: ``kernel="reference"`` always takes it.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from engine.attention import causal_attention
 from engine.kernels.common import nothing_seen
+from engine.kernels.merge import merge_attention_states
 from engine.masks.window import window_mask
 from engine.paged import runs as page_runs
-from engine.paged.tables import PagedBatch
+from engine.paged.inputs import PagedInputs
+from engine.planning import AttentionPlan, plan
+from engine.quantized import QuantizedKV
 
-__all__ = ["per_sequence", "sequence_call", "gather_keys", "by_runs"]
+__all__ = ["SequencePlans", "plan_sequences", "gather_keys", "by_runs"]
 
 
-def per_sequence(q, k_pages, v_pages, tables: PagedBatch, positions, window, scale, kernel, **modifiers):
-    """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq])``: each sequence's own call, its keys a run of pages at a
-    time when it has more than one run (any kernel but ``reference``), else gathered from its pages."""
-    modifiers = {name: x for name, x in modifiers.items() if x is not None}
-    q_heads, dv = q.shape[1], v_pages.shape[3]
-    out, lse = nothing_seen((q.shape[0], q_heads), dv, q.dtype, q.device, q.dtype)  # [Nq, Hq, Dv], [Nq, Hq]
-    pages = tables.pages  # [B] lists of page ids
-    for b in range(tables.batch):
+class SequencePlan(NamedTuple):
+    """One sequence's calls: its query rows, pages, the planned calls ``((j0, j1, plan), ...)`` on its keys
+    ``j0 .. j1-1`` (one run from key 0 when gathered whole; none when no query sees a key), and the GQA group folded
+    into the rows of each call (1: none)."""
+
+    b: int
+    rows: slice
+    pages: list[int]
+    runs: tuple
+    by_runs: bool
+    group: int
+
+
+class SequencePlans(NamedTuple):
+    """Every sequence's planned calls (``plan_sequences``); ``run`` per layer."""
+
+    sequences: tuple[SequencePlan, ...]
+    shape: tuple  # (Nq, Hq, Dv) of the call's output
+    page_size: int
+
+    def run(self, q: torch.Tensor, k_pages, v_pages):
+        """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq])`` without sinks: each sequence's planned calls on its
+        keys gathered from these pools."""
+        nq, q_heads, dv = self.shape
+        out, lse = nothing_seen((nq, q_heads), dv, q.dtype, q.device, q.dtype)  # [Nq, Hq, Dv], [Nq, Hq]
+        for s in self.sequences:
+            if not s.runs:
+                continue  # no query of it sees a key: 0 and -inf
+            q_b = _queries(q, s)  # [1, Hq, T, D] or [1, Hkv, G*T, D]
+            parts = [call.run(q_b, page_runs.run_keys(k_pages, s.pages, j0, j1, self.page_size),
+                              page_runs.run_keys(v_pages, s.pages, j0, j1, self.page_size), return_lse=True)
+                     for j0, j1, call in s.runs]  # [1, H, R, Dv], [1, H, R]
+            o, part_lse = parts[0] if len(parts) == 1 else merge_attention_states(
+                [o.to(part_lse.dtype) for o, part_lse in parts], [part_lse for _, part_lse in parts])
+            t = s.rows.stop - s.rows.start
+            out[s.rows] = o.reshape(q_heads, t, dv).transpose(0, 1).to(out.dtype)  # [T, Hq, Dv]
+            lse[s.rows] = part_lse.reshape(q_heads, t).transpose(0, 1).to(lse.dtype)  # [T, Hq]
+        return out, lse
+
+
+def plan_sequences(inputs: PagedInputs, kernel: str, *, only: list[int] | None = None,
+                   runs: bool | None = None) -> SequencePlans:
+    """Plan each sequence's calls (``only``: these sequences; ``runs``: read by runs of pages, None: where a
+    sequence has more than one run and the kernel is not the reference)."""
+    tables, q = inputs.tables, inputs.q
+    modifiers = {name: x for name, x in (("softcap", inputs.softcap), ("alibi_slopes", inputs.alibi_slopes))
+                 if x is not None}
+    pages, sequences = tables.pages, []
+    for b in range(tables.batch) if only is None else only:
         rows = tables.query_rows(b)
         if rows.stop == rows.start:
             continue
-        if by_runs(tables, b, kernel):
-            q_b = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-            o, part_lse = page_runs.run_attention(q_b, k_pages, v_pages, pages[b], tables.page_size, 0,
-                                                  tables.kv_lens[b], positions[rows], window, scale, kernel,
-                                                  **modifiers)
-        else:
-            args = sequence_call(q, k_pages, v_pages, tables, pages[b], positions, b, window)
-            o, part_lse = causal_attention(*args, scale, return_lse=True, kernel=kernel,
-                                           **modifiers)  # [1, Hq, q_len, Dv], [1, Hq, q_len]
-        out[rows] = o[0].transpose(0, 1).to(out.dtype)  # [q_len, Hq, Dv]
-        lse[rows] = part_lse[0].transpose(0, 1).to(lse.dtype)  # [q_len, Hq]
-    return out, lse
+        split = by_runs(tables, b, kernel) if runs is None else runs
+        group = q.shape[1] // inputs.k_pages.shape[2] if split and inputs.alibi_slopes is None else 1
+        s = SequencePlan(b, rows, pages[b], (), split, group)
+        q_b, query_pos = _queries(q, s), inputs.positions[rows].repeat(group)  # [1, H, R, D], [R]
+        spans = page_runs.runs_seen(tables.page_size, 0, tables.kv_lens[b], query_pos, inputs.window) if split \
+            else [(0, tables.kv_lens[b])]
+        calls = tuple((j0, j1, _plan_call(q_b, inputs, query_pos, j0, j1, kernel, modifiers)) for j0, j1 in spans)
+        sequences.append(s._replace(runs=calls))
+    return SequencePlans(tuple(sequences), (q.shape[0], q.shape[1], inputs.v_pages.shape[3]), tables.page_size)
 
 
-def by_runs(tables: PagedBatch, b: int, kernel: str) -> bool:
+def _plan_call(q_b, inputs: PagedInputs, query_pos, j0: int, j1: int, kernel: str, modifiers: dict) -> AttentionPlan:
+    """The plan of one call on keys ``j0 .. j1-1`` (planned on empty stand-ins of the gathered keys: their shape,
+    dtype, device and gradient need)."""
+    key_pos = torch.arange(j0, j1, device=q_b.device)  # [n]
+    allowed = None if inputs.window is None else window_mask(query_pos, key_pos, inputs.window)  # [R, n]
+    k, v = (_stand_in(pool, j1 - j0) for pool in (inputs.k_pages, inputs.v_pages))
+    return plan(q_b, k, v, query_pos, key_pos, allowed, inputs.scale, kernel=kernel, **modifiers)
+
+
+def _stand_in(pool, n: int):
+    """An empty ``[1, Hkv, n, E]`` tensor (a QuantizedKV from quantized pools) like a run of ``n`` keys of
+    ``pool``."""
+    _, _, kv_heads, e = pool.shape
+    if isinstance(pool, QuantizedKV):
+        return QuantizedKV(pool.data.new_empty(1, kv_heads, n, e), pool.scale.new_empty(1, kv_heads, n))
+    return pool.new_empty(1, kv_heads, n, e).requires_grad_(pool.requires_grad)
+
+
+def _queries(q: torch.Tensor, s: SequencePlan) -> torch.Tensor:
+    """Sequence ``s``'s queries ``[1, Hq, T, D]``, or with its group folded into rows ``[1, Hkv, G*T, D]`` (row
+    g*T + i: query i of head h*G + g)."""
+    q_b = q[s.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
+    if s.group == 1:
+        return q_b
+    _, q_heads, t, d = q_b.shape
+    return q_b.reshape(1, q_heads // s.group, s.group * t, d)
+
+
+def by_runs(tables, b: int, kernel: str) -> bool:
     """Sequence b read a run of pages at a time: more than one run of keys, and not the readable twin (reference)."""
     run = max(page_runs.RUN_KEYS // tables.page_size, 1) * tables.page_size
     return kernel != "reference" and tables.kv_lens[b] > run
@@ -54,17 +126,3 @@ def gather_keys(pages, owned: list[int], length: int, page_size: int):
     """A sequence's ``length`` keys (or values) from its pages, ``[1, Hkv, length, E]`` (a QuantizedKV from
     quantized pools): only the slots it owns (its pages' run from key 0, engine.paged.runs.run_keys)."""
     return page_runs.run_keys(pages, owned, 0, length, page_size)
-
-
-def sequence_call(q, k_pages, v_pages, tables: PagedBatch, pages: list[int], positions: torch.Tensor, b: int,
-                  window: int | None):
-    """``(q, k, v, query_positions, key_positions, allowed)`` of sequence b (its ``pages``) as one causal_attention
-    call."""
-    rows, length = tables.query_rows(b), tables.kv_lens[b]
-    q_b = q[rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, q_len, D]
-    k_b = gather_keys(k_pages, pages, length, tables.page_size)  # [1, Hkv, S_b, D]
-    v_b = gather_keys(v_pages, pages, length, tables.page_size)  # [1, Hkv, S_b, Dv]
-    query_pos = positions[rows]  # [q_len]
-    key_pos = torch.arange(length, device=q.device)  # [S_b]
-    allowed = None if window is None else window_mask(query_pos, key_pos, window)  # [q_len, S_b]
-    return q_b, k_b, v_b, query_pos, key_pos, allowed

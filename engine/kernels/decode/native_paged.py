@@ -1,4 +1,4 @@
-"""The paged batch on the native decode kernel, reading K/V in place through the page table (no gathered copy).
+"""The native decode kernel's row for paged calls: a decode step read in place through the page table (no copy).
 
 It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
 plain decoding), on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in
@@ -13,73 +13,81 @@ key up to that length is visible (one query per sequence at its default position
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from engine.kernels.common import DoesNotFit, needs_grad
+from engine.kernels.common import DoesNotFit
 from engine.kernels.decode.decode_native import MAX_QUERIES, NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native, native_unavailable
 from engine.masks.window import sees
-from engine.paged.tables import PagedBatch
 from engine.quantized import QuantizedKV
 
-__all__ = ["NativeStep", "native_paged_fits", "native_paged_attention"]
+if TYPE_CHECKING:
+    from engine.paged.inputs import PagedInputs
+
+__all__ = ["NativeStep", "native_paged_fits", "native_pass_fits"]
 
 
-def native_paged_fits(q, k_pages, v_pages, tables: PagedBatch, softcap, alibi_slopes, kernel: str,
-                      one_pass: bool = False) -> str | None:
-    """Why the paged batch cannot run on the native kernel in place (None: it can). Builds nothing. ``one_pass``:
-    a shared prefix's pass (engine.paged.cascade), one sequence with any number of queries."""
-    if kernel not in ("auto", "decode_native"):
-        return f"kernel={kernel!r} forced: the gathered path runs it"
-    why_not = native_unavailable()
+def native_paged_fits(inputs: PagedInputs) -> str | None:
+    """Why the native kernel cannot read this paged decode step in place (None: it can). Builds nothing. Options it
+    does not compute (softcap, ALiBi) are the kernel table's business (``Kernel.takes``)."""
+    why_not = native_pass_fits(inputs)
     if why_not is not None:
         return why_not
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"the native kernel takes fp32 / bf16 / fp16 queries on the CPU, got {q.dtype} on {q.device}"
-    if needs_grad(q, k_pages, v_pages):
-        return "gradients are needed: the native kernel has no backward"
-    if softcap is not None or alibi_slopes is not None:
-        return "softcap / ALiBi: not computed by the native kernel"
-    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (_data(k_pages), _data(v_pages))):
-        return "a pool whose last axis is strided: the native kernel reads each row as contiguous memory"
-    counts = {tables.starts[b + 1] - tables.starts[b] for b in range(tables.batch)}
-    if one_pass:
-        return None
+    counts = inputs.queries_per_sequence()
     if len(counts) != 1 or not 1 <= next(iter(counts)) <= MAX_QUERIES:
         return f"sequences with {sorted(counts)} queries: the native kernel takes the same 1..{MAX_QUERIES} for all"
     return None
 
 
-class NativeStep:
-    """A decode step on the native kernel, planned once (engine.paged.plan): the page table and key lengths as the
-    kernel reads them, each row's visibility (or none), and the kernel's call with everything but the tensors'
-    addresses; ``run(q, k_pages, v_pages)`` per layer reads nothing back to the host. Raises DoesNotFit where the
-    library cannot be built or does not read the pools' dtype."""
+def native_pass_fits(inputs: PagedInputs) -> str | None:
+    """Why the native kernel cannot read this call's pools in place as one pass over one sequence's keys (a shared
+    prefix's pass, engine.paged.cascade: any number of queries); None: it can."""
+    why_not = native_unavailable()
+    if why_not is not None:
+        return why_not
+    q = inputs.q
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"the native kernel takes fp32 / bf16 / fp16 queries on the CPU, got {q.dtype} on {q.device}"
+    if inputs.grad:
+        return "gradients are needed: the native kernel has no backward"
+    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (_data(inputs.k_pages), _data(inputs.v_pages))):
+        return "a pool whose last axis is strided: the native kernel reads each row as contiguous memory"
+    if _data(inputs.k_pages).dtype != _data(inputs.v_pages).dtype:
+        return (f"page dtypes {_data(inputs.k_pages).dtype}, {_data(inputs.v_pages).dtype}: not read in place by "
+                f"the native kernel")
+    return None
 
-    def __init__(self, q_shape: tuple, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor,
-                 window: int | None, scale: float) -> None:
+
+class NativeStep:
+    """A decode step on the native kernel, prepared once from a paged call's inputs (engine.paged.plan): the page
+    table and key lengths as the kernel reads them, each row's visibility (or none), and the kernel's call with
+    everything but the tensors' addresses; ``run(q, k_pages, v_pages)`` per layer reads nothing back to the host.
+    Raises DoesNotFit where the library cannot be built or does not read the pools' dtype."""
+
+    def __init__(self, inputs: PagedInputs) -> None:
         library = load_native()
         if isinstance(library, str):
             raise DoesNotFit(library)
-        nq, q_heads, d = q_shape
+        tables, window = inputs.tables, inputs.window
+        nq, q_heads, d = inputs.q.shape
         batch, t = tables.batch, tables.starts[1] - tables.starts[0]
-        kv_heads, dv = k_pages.shape[2], v_pages.shape[3]
-        self.library, self.shape, self.dv = library, (batch, t, kv_heads, q_heads // kv_heads, d), dv
+        kv_heads, dv = inputs.k_pages.shape[2], inputs.v_pages.shape[3]
+        group = q_heads // kv_heads
+        self.library, self.shape, self.dv = library, (batch, t, kv_heads, group, d), dv
         self.pages = tables.readable_table.contiguous()  # [B, max_pages] int64: each sequence's own entries read
         self.lengths = torch.tensor(tables.kv_lens, dtype=torch.long)  # [B]
-        per_row = positions.view(batch, t).cpu()  # [B, T]
+        per_row = inputs.positions.view(batch, t).cpu()  # [B, T]
         self.visible = None  # every query at or after its sequence's last key, the window covering all: no mask
         if not (bool((per_row >= self.lengths[:, None] - 1).all())
                 and (window is None or bool((per_row < window).all()))):
-            self.visible = _row_visibility(per_row, self.lengths, window, q_heads // kv_heads)  # [B, 1, G*T, S]
-        kind = _data(k_pages).dtype
-        if _data(v_pages).dtype != kind:
-            raise DoesNotFit(f"page dtypes {kind}, {_data(v_pages).dtype}: not read in place by the native kernel")
-        rows = (batch, kv_heads, (q_heads // kv_heads) * t, d)
-        self.template = paged_template(kind, rows, dv, scale, self.pages, self.lengths, tables.page_size,
-                                       self.visible)
+            self.visible = _row_visibility(per_row, self.lengths, window, group)  # [B, 1, G*T, S]
+        rows = (batch, kv_heads, group * t, d)
+        self.template = paged_template(_data(inputs.k_pages).dtype, rows, dv, inputs.scale, self.pages, self.lengths,
+                                       tables.page_size, self.visible)
 
-    def run(self, q: torch.Tensor, k_pages, v_pages):
+    def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
         """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None when q holds NaN/inf (the kernel found it
         as it scaled q; the gathered path keeps it to its rows) or these pools' last axis is strided (the plan was
         made for other strides: the gathered path reads any)."""
@@ -98,17 +106,6 @@ class NativeStep:
                                                                                          self.dv)
         lse = lse.view(batch, kv_heads, group, t).permute(0, 3, 1, 2).reshape(batch * t, q.shape[1])
         return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
-
-
-def native_paged_attention(q, k_pages, v_pages, tables: PagedBatch, positions: torch.Tensor, window: int | None,
-                           scale: float):
-    """One native pass planned and run at once (a shared prefix's pass, engine.paged.cascade): ``(out, lse)`` as
-    ``NativeStep.run``, or None (NaN/inf in q, or the library cannot run it)."""
-    try:
-        step = NativeStep(tuple(q.shape), k_pages, v_pages, tables, positions, window, scale)
-    except DoesNotFit:
-        return None
-    return step.run(q, k_pages, v_pages)
 
 
 def _data(pool):

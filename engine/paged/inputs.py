@@ -1,0 +1,89 @@
+"""A paged call validated: what every path of it reads, checked once (the paged twin of engine.inputs).
+
+``paged_inputs(...)`` takes ``paged_attention``'s arguments, checks the tables against the pools and q
+(engine.paged.tables: one host read of the small tables), resolves the query positions, the scale and the sinks,
+checks released pages against every query's window, and returns a ``PagedInputs``. Kernels read it to say whether
+they read the pools in place (their ``Kernel.paged`` row, engine.kernels.dispatch) and to prepare their run; the
+readable path plans each sequence's call from it (engine.paged.sequences)::
+
+    options()    what a kernel must compute besides the position rule: {"paged"} always, and "softcap",
+                 "alibi", "quantized_kv" (int8 / fp8 pools) where given (``Kernel.takes`` says which it does)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.inputs import resolve_positions, resolve_scale
+from engine.kernels.common import needs_grad
+from engine.masks.window import check_window
+from engine.modifiers import prepare_modifiers
+from engine.paged.tables import PagedBatch, check_released, paged_batch
+from engine.quantized import QuantizedKV
+
+__all__ = ["PagedInputs", "paged_inputs"]
+
+
+@dataclass(frozen=True)
+class PagedInputs:
+    """One paged call, validated: q ``[Nq, Hq, D]`` and the pools as given (read for their shapes, dtypes, strides
+    and device while planning; a plan keeps none of them), the tables, the positions int64 ``[Nq]`` (the call's own
+    copy), the window, the modifiers (scale a float; sinks ``[Hq]`` fp32 or None) and whether gradients are needed."""
+
+    q: torch.Tensor
+    k_pages: object
+    v_pages: object
+    tables: PagedBatch
+    positions: torch.Tensor
+    window: int | None
+    softcap: float | None
+    scale: float
+    sinks: torch.Tensor | None
+    alibi_slopes: torch.Tensor | None
+    grad: bool
+
+    def options(self) -> frozenset[str]:
+        """What a kernel must compute for this call besides the position rule (``Kernel.takes`` lists what it does)."""
+        options = {"paged"}
+        if self.softcap is not None:
+            options.add("softcap")
+        if self.alibi_slopes is not None:
+            options.add("alibi")
+        if isinstance(self.k_pages, QuantizedKV) or isinstance(self.v_pages, QuantizedKV):
+            options.add("quantized_kv")
+        return frozenset(options)
+
+    def queries_per_sequence(self) -> set[int]:
+        """The distinct numbers of query rows the sequences have."""
+        starts = self.tables.starts
+        return {starts[b + 1] - starts[b] for b in range(self.tables.batch)}
+
+
+def paged_inputs(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv_lens: torch.Tensor,
+                 query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None, *, window: int | None = None,
+                 softcap: float | None = None, scale: float | None = None, sinks: torch.Tensor | None = None,
+                 alibi_slopes: torch.Tensor | None = None) -> PagedInputs:
+    """Validate a paged call (``paged_attention``'s arguments); a ValueError names what was expected and given."""
+    tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
+    positions = _query_positions(query_positions, tables, q)
+    check_window(window)
+    if alibi_slopes is not None and (not isinstance(alibi_slopes, torch.Tensor) or alibi_slopes.dim() != 1):
+        raise ValueError(f"alibi_slopes of a paged call must be [Hq] = [{q.shape[1]}] (one slope per query head), got "
+                         f"{getattr(alibi_slopes, 'shape', type(alibi_slopes).__name__)}")
+    scale = resolve_scale(scale, q.shape[2])  # one float for every path (a bad scale refused on each alike)
+    check_released(tables, positions, window)
+    if sinks is not None:
+        sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks
+    return PagedInputs(q, k_pages, v_pages, tables, positions, window, softcap, scale, sinks, alibi_slopes,
+                       needs_grad(q, k_pages, v_pages))
+
+
+def _query_positions(query_positions, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor:
+    """int64 ``[Nq]`` (the call's own copy): the given positions, or each sequence's last ``q_len`` key positions."""
+    if query_positions is not None:
+        return resolve_positions(query_positions, 1, q.shape[0], 0, q.device, "query_positions")[0].clone()  # [Nq]
+    default = [torch.arange(tables.kv_lens[b] - (tables.starts[b + 1] - tables.starts[b]), tables.kv_lens[b])
+               for b in range(tables.batch)]
+    return torch.cat(default).to(q.device) if default else torch.zeros(0, dtype=torch.long, device=q.device)

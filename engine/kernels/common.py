@@ -3,7 +3,7 @@
 GQA layout, stated once: query head ``h = kv_head * G + g`` reads KV head ``kv_head``, so the queries
 of one KV head's group are stacked as rows of one matrix and share a single read of that head's K/V::
 
-    q[b]  [Hq, tq, D]  ->  view [Hkv, G, tq, D]  ->  [Hkv, G * tq, D]     (rows g * tq + i)
+    q[b]  [Hq, tq, D]  ->  view [Hkv, G, tq, D]  ->  [Hkv, G * tq, D]     (rows g * tq + i; fold_groups)
     Hq = 4, Hkv = 2:  rows of KV head 0 = q heads 0, 1;  rows of KV head 1 = q heads 2, 3
 """
 
@@ -22,10 +22,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def group_rows(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """``[Hq, tq, E] -> [Hkv, G * tq, E]``: stack each KV head's query heads as rows."""
-    hq, tq, e = x.shape
-    return x.reshape(kv_heads, (hq // kv_heads) * tq, e)  # [Hkv, G*tq, E] (copies only if x is strided)
+def fold_groups(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """``[..., Hq, T, E] -> [..., Hkv, G * T, E]``: each KV head's query heads stacked as its rows (row g*T + i:
+    query i of head h*G + g); a view unless x's heads and rows are strided. The one place this fold is written."""
+    *lead, hq, t, e = x.shape
+    return x.reshape(*lead, kv_heads, (hq // kv_heads) * t, e)
+
+
+def unfold_groups(x: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """The inverse of ``fold_groups`` on a result: out ``[B, Hkv, G*T, Dv] -> [B, Hq, T, Dv]``, lse ``[B, Hkv, G*T]
+    -> [B, Hq, T]`` (a view of a contiguous result)."""
+    batch, kv_heads, rows = x.shape[:3]
+    return x.reshape(batch, q_heads, rows * kv_heads // q_heads, *x.shape[3:])
 
 
 def head_mask(mask: torch.Tensor, kv_heads: int, q_heads: int) -> torch.Tensor:

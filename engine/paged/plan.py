@@ -29,7 +29,7 @@ import torch
 
 from engine.kernels.common import DoesNotFit, needs_grad
 from engine.kernels.decode.native_paged import NativeStep, native_pass_fits
-from engine.kernels.dispatch import KERNELS, KernelChoice, untaken, check_kernel_name
+from engine.kernels.dispatch import KERNELS, KernelChoice, check_kernel_name, untaken
 from engine.kernels.sinks import apply_sinks
 from engine.paged.cascade import merge_prefix, prefix_inputs, shared_prefixes, suffix_tables
 from engine.paged.explain import describe

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.kernels.common import nothing_seen
+from engine.kernels.common import fold_groups, nothing_seen
 from engine.kernels.merge import merge_attention_states
 from engine.masks.window import window_mask
 from engine.paged import runs as page_runs
@@ -110,10 +110,7 @@ def _queries(q: torch.Tensor, s: SequencePlan) -> torch.Tensor:
     """Sequence ``s``'s queries ``[1, Hq, T, D]``, or with its group folded into rows ``[1, Hkv, G*T, D]`` (row
     g*T + i: query i of head h*G + g)."""
     q_b = q[s.rows].transpose(0, 1).unsqueeze(0)  # [1, Hq, T, D]
-    if s.group == 1:
-        return q_b
-    _, q_heads, t, d = q_b.shape
-    return q_b.reshape(1, q_heads // s.group, s.group * t, d)
+    return q_b if s.group == 1 else fold_groups(q_b, q_b.shape[1] // s.group)
 
 
 def by_runs(tables, b: int, kernel: str) -> bool:

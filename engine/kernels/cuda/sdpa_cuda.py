@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import DoesNotFit, needs_grad
+from engine.kernels.common import DoesNotFit, fold_groups, needs_grad, unfold_groups
 from engine.kernels.nonfinite import run_guarded
 from engine.kernels.sdpa.fused_op import causal_call_fits
 from engine.kernels.visibility import causal_pattern
@@ -77,7 +77,7 @@ def _fused(inputs: AttentionInputs, pattern: str, return_lse: bool):
     kv_heads = k.shape[1]
     group = q_heads // kv_heads
     if pattern == "none" and group > 1:  # every key visible: the group's heads are rows of one KV head
-        q = q.reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D]; rows g*T + i = head h*G + g, query i
+        q = fold_groups(q, kv_heads)  # [B, Hkv, G*T, D]; rows g*T + i = head h*G + g, query i
     causal = pattern == "causal"
     if return_lse:
         out, lse = _with_lse(q, k, v, causal, inputs.scale)  # [B, H, R, D], [B, H, R]
@@ -85,8 +85,8 @@ def _fused(inputs: AttentionInputs, pattern: str, return_lse: bool):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=inputs.scale,
                                              enable_gqa=q.shape[1] != kv_heads)  # [B, H, R, D]
         lse = None
-    out = out.reshape(batch, q_heads, t, d)  # [B, Hq, T, D]
-    return out, (None if lse is None else lse.reshape(batch, q_heads, t))
+    out = unfold_groups(out, q_heads)  # [B, Hq, T, D]
+    return out, (None if lse is None else unfold_groups(lse, q_heads))
 
 
 def _with_lse(q, k, v, causal: bool, scale: float):

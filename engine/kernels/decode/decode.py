@@ -27,7 +27,15 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import MAX_DECODE_QUERIES, NEG_INF, DoesNotFit, compute_dtype, needs_grad
+from engine.kernels.common import (
+    MAX_DECODE_QUERIES,
+    NEG_INF,
+    DoesNotFit,
+    compute_dtype,
+    fold_groups,
+    needs_grad,
+    unfold_groups,
+)
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.nonfinite import run_guarded
 from engine.kernels.scores import additive_block
@@ -76,7 +84,7 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
     if j1 > j0:
         # bf16/fp16 stay as they are: the fused kernel accumulates scores and sums in fp32 (converting the
         # cache to fp32 first would triple the bytes moved)
-        q_rows = q.reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D]; a view when contiguous
+        q_rows = fold_groups(q, kv_heads)  # [B, Hkv, G*T, D]; a view when contiguous
         kc, vc = k[:, :, j0:j1], v[:, :, j0:j1]  # views
         additive = None
         if inputs.modifiers.additive():  # ALiBi / bias of the span, -inf where hidden, in the rows layout
@@ -84,8 +92,8 @@ def _grouped_flash(inputs: AttentionInputs, return_lse: bool = True):
             bias = bias.expand(bias.shape[0], q_heads, t, j1 - j0).reshape(-1, kv_heads, group * t, j1 - j0)
             additive = bias if visible is None else torch.where(visible, bias, NEG_INF)  # [B|1, Hkv, G*T, n]
         out, lse = _split_kv(q_rows, kc, vc, visible, inputs.scale, additive)
-    out = out.reshape(batch, q_heads, t, d).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
-    return out, lse.reshape(batch, q_heads, t)
+    out = unfold_groups(out, q_heads).to(q.dtype)  # [B, Hq, T, Dv]
+    return out, unfold_groups(lse, q_heads)
 
 
 def _split_kv(q_rows, k, v, visible, scale, additive=None):

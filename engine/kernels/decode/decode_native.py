@@ -27,7 +27,7 @@ import ctypes
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, needs_grad
+from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, needs_grad, unfold_groups
 from engine.kernels.decode.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
 from engine.kernels.visibility import decode_rows
 from engine.quantized import QuantizedKV
@@ -95,7 +95,7 @@ def _runner(inputs: AttentionInputs):
         out = torch.empty(batch, kv_heads, rows, dv)  # [B, Hkv, G*T, Dv] fp32, written whole by the kernel
         lse = torch.empty(batch, kv_heads, rows)  # [B, Hkv, G*T]
         if j1 > j0:
-            q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(batch, kv_heads, rows, d)  # scaled in C++
+            q_rows = fold_groups(q if q.dtype == torch.float32 else q.float(), kv_heads)  # [B, Hkv, G*T, D]
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
             if not planned:
                 planned.append(_template(scale, q_rows, keys, values, visible, key_offset=j0))
@@ -104,9 +104,9 @@ def _runner(inputs: AttentionInputs):
         else:  # no row sees any key
             out.zero_()
             lse.fill_(float("-inf"))
-        out = out.view(batch, q_heads, t, dv)  # rows g*T + i of KV head h -> query head h*G + g
+        out = unfold_groups(out, q_heads)  # [B, Hq, T, Dv]
         out = out if q.dtype == torch.float32 else out.to(q.dtype)
-        return out, (lse.view(batch, q_heads, t) if return_lse else None)
+        return out, (unfold_groups(lse, q_heads) if return_lse else None)
 
     return run
 

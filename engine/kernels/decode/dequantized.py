@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, needs_grad
+from engine.kernels.common import NEG_INF, DoesNotFit, compute_dtype, fold_groups, needs_grad, unfold_groups
 from engine.kernels.merge import merge_attention_states
 from engine.kernels.visibility import row_visibility, visibility_mask
 from engine.quantized import QuantizedKV
@@ -49,7 +49,7 @@ def dequantized_attention(inputs: AttentionInputs, return_lse: bool = False):
     kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
     group, rows = q_heads // kv_heads, (q_heads // kv_heads) * t
     compute = compute_dtype(q.dtype)
-    q_rows = q.to(compute).reshape(batch, kv_heads, rows, d)  # [B, Hkv, G*T, D]: each KV head's group as rows
+    q_rows = fold_groups(q.to(compute), kv_heads)  # [B, Hkv, G*T, D]: each KV head's group as rows
     mask = visibility_mask(inputs)
     chunk = max(64, min(CHUNK, SCORES_PER_CHUNK // max(1, batch * q_heads * t)))
     out = lse = None
@@ -65,8 +65,8 @@ def dequantized_attention(inputs: AttentionInputs, return_lse: bool = False):
         row_bad |= bad
     out = out.masked_fill(row_bad[..., None], float("nan"))  # a visible non-finite key: row NaN, lse -inf
     lse = lse.masked_fill(row_bad, NEG_INF)
-    out = out.reshape(batch, q_heads, t, -1).to(q.dtype)  # rows g*T + i of KV head h -> query head h*G + g
-    return out, (lse.reshape(batch, q_heads, t) if return_lse else None)
+    out = unfold_groups(out, q_heads).to(q.dtype)  # [B, Hq, T, Dv]
+    return out, (unfold_groups(lse, q_heads) if return_lse else None)
 
 
 def _attend(q, k, v, visible, inputs: AttentionInputs):

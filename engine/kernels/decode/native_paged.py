@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.kernels.common import DoesNotFit
+from engine.kernels.common import DoesNotFit, fold_groups, unfold_groups
 from engine.kernels.decode.decode_native import MAX_QUERIES, NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native, native_unavailable
 from engine.masks.window import sees
@@ -94,17 +94,16 @@ class NativeStep:
         batch, t, kv_heads, group, d = self.shape
         if not all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (_data(k_pages), _data(v_pages))):
             return None  # a layer's pools with a strided last axis: the kernel reads rows as contiguous memory
-        q_rows = (q if q.dtype == torch.float32 else q.float()).view(batch, t, kv_heads, group, d).permute(
-            0, 2, 3, 1, 4).reshape(batch, kv_heads, group * t, d)  # [B, Hkv, G*T, D] (a view for T = 1)
+        q_rows = fold_groups((q if q.dtype == torch.float32 else q.float()).view(batch, t, -1, d).transpose(1, 2),
+                             kv_heads)  # [B, Hkv, G*T, D] (a view for T = 1)
         if q_rows.stride(-1) != 1 and d > 1:
             q_rows = q_rows.contiguous()
         out = torch.empty(batch, kv_heads, group * t, self.dv)  # [B, Hkv, G*T, Dv], written whole
         lse = torch.empty(batch, kv_heads, group * t)  # [B, Hkv, G*T]
         if paged_run(self.library, self.template, q_rows, k_pages, v_pages, out, lse) == NON_FINITE_Q:
             return None
-        out = out.view(batch, kv_heads, group, t, self.dv).permute(0, 3, 1, 2, 4).reshape(batch * t, q.shape[1],
-                                                                                         self.dv)
-        lse = lse.view(batch, kv_heads, group, t).permute(0, 3, 1, 2).reshape(batch * t, q.shape[1])
+        out = unfold_groups(out, q.shape[1]).transpose(1, 2).reshape(batch * t, q.shape[1], self.dv)  # [Nq, Hq, Dv]
+        lse = unfold_groups(lse, q.shape[1]).transpose(1, 2).reshape(batch * t, q.shape[1])  # [Nq, Hq]
         return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, compute_dtype, group_rows, head_mask
+from engine.kernels.common import NEG_INF, compute_dtype, fold_groups, head_mask
 from engine.kernels.nonfinite import guard_non_finite
 from engine.kernels.scores import (
     add_bias_grad,
@@ -79,8 +79,8 @@ def tiled_backward(inputs: AttentionInputs, out: torch.Tensor, lse: torch.Tensor
         if not tiles:
             continue
         rows = (q_heads // kv_heads) * (i1 - i0)
-        q_rows = group_rows(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
-        do_rows = group_rows(grad_out[b, :, i0:i1].to(compute).contiguous(), kv_heads)  # [Hkv, G*tq, Dv]
+        q_rows = fold_groups(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+        do_rows = fold_groups(grad_out[b, :, i0:i1].to(compute).contiguous(), kv_heads)  # [Hkv, G*tq, Dv]
         lse_rows = lse_use[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
         delta_rows = delta[b, :, i0:i1].reshape(kv_heads, rows, 1)  # [Hkv, G*tq, 1]
         dq_rows = torch.zeros_like(q_rows)  # [Hkv, G*tq, D]

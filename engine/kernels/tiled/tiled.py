@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import NEG_INF, compute_dtype, differentiable, group_rows, head_mask
+from engine.kernels.common import NEG_INF, compute_dtype, differentiable, fold_groups, head_mask
 from engine.kernels.nonfinite import all_finite, guard_non_finite
 from engine.kernels.overflow import with_headroom
 from engine.kernels.scores import dropout_tile, modified_tile
@@ -77,7 +77,7 @@ def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int 
         for b, i0, i1, tiles in batch_query_tiles(mask, batch, t, s, block_q, block_k):
             if not tiles:
                 continue  # no visible key: out 0, lse -inf
-            q_rows = group_rows(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
+            q_rows = fold_groups(q[b, :, i0:i1].to(compute) * inputs.scale, kv_heads)  # [Hkv, G*tq, D]
             o, part_lse = _query_tile(inputs, q_rows, kc[b], x.v[b], tiles, mask, b, i0, i1, guard)
             out[b, :, i0:i1] = o.view(q_heads, i1 - i0, dv).to(q.dtype)
             lse[b, :, i0:i1] = part_lse.view(q_heads, i1 - i0)

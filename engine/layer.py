@@ -29,7 +29,7 @@ from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
 from engine.paged import PagedKVCache
 from engine.paged.step import PagedStep, begin_step, check_step
-from engine.planning import plan
+from engine.planning import plan, reuse
 from engine.quantized import QuantizedKV
 from engine.rope import apply_rope
 
@@ -112,32 +112,27 @@ class MultiHeadAttention(nn.Module):
                 layer resolves positions, builds the mask and plans the attention call (engine.plan); every
                 other layer with the same configuration reuses the plan. Start a new dict for each step.
         """
-        plan_key = None if plans is None else self._plan_key(x, cache)  # before this layer's write to its cache
-        shared = None if plans is None else plans.get(plan_key)
+        context = None if plans is None else self._plan_key(x, cache)  # before this layer's write to its cache
+        shared = None if plans is None else plans.get(("positions", context))  # [B, T], resolved by the first layer
         if shared is None:
             self._check_call(x, positions, cache, valid, allowed)
         batch, t, _ = x.shape
         if t == 0:  # nothing to attend; the cache is unchanged
             return x.new_zeros(batch, 0, self.o_proj.out_features)  # [B, 0, E]
-        if shared is None:
-            positions = self._resolve_positions(positions, cache, batch, t, x.device)  # [B, T]
-        else:
-            positions = shared[0]  # [B, T], resolved by the step's first layer
+        positions = self._resolve_positions(positions, cache, batch, t, x.device) if shared is None else shared
+        if plans is not None:
+            plans[("positions", context)] = positions
         q, k, v = self._project(x, positions)  # [B, Hq, T, D], [B, Hkv, T, D] x 2
         if cache is not None:
             k, v, key_positions, key_valid = cache.update(k, v, positions, valid)  # [B, Hkv, S, D], [B, S]
         else:
             key_positions, key_valid = positions, valid  # [B, T], [B, T] or None
-        if shared is not None and not shared[1].matches(q, k, v):  # e.g. this layer's tensors need gradients
-            shared = None
-        if shared is None:
+
+        def make():
             mask = self._mask(positions, key_positions, valid, key_valid, allowed)  # [B, 1, T, S] or None
-            step_plan = plan(q, k, v, positions, key_positions, mask, self.scale, causal=self.causal,
-                             softcap=self.softcap)
-            if plans is not None:
-                plans[plan_key] = (positions, step_plan)
-        else:
-            step_plan = shared[1]
+            return plan(q, k, v, positions, key_positions, mask, self.scale, causal=self.causal, softcap=self.softcap)
+
+        step_plan = make() if plans is None else reuse(plans, context, (q, k, v), make)  # (engine.planning's key)
         out = step_plan.run(q, k, v)  # [B, Hq, T, D]
         return self.o_proj(merge_heads(out))  # [B, T, E]
 

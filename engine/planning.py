@@ -33,7 +33,8 @@ from engine.kernels.dispatch import KernelChoice, check_kernel_name, choose, env
 from engine.modifiers import NONE
 from engine.quantized import QuantizedKV
 
-__all__ = ["AttentionPlan", "Signature", "TensorSignature", "plan", "plan_for_call", "explain", "signature_of"]
+__all__ = ["AttentionPlan", "Signature", "TensorSignature", "plan", "plan_for_call", "explain", "signature_of",
+           "reuse", "Same"]
 
 TENSORS = (torch.Tensor, QuantizedKV)  # what q, k, v may be
 
@@ -180,6 +181,39 @@ PLAN_CACHE_SIZE = 256
 _plans: dict[tuple, AttentionPlan] = {}
 
 
+def reuse(plans: dict, context, tensors: tuple, make, *, size: int | None = None, current=None):
+    """The plan in ``plans`` for ``context`` and these tensors, or ``make()``'s, kept there: the one key under which
+    every plan is reused (the plain-call cache here, a forward's layers, a transformers mask's step, a ring's steps, a
+    paged step, a continuous-batching forward). The key is ``(context, the tensors' Signature, the grad mode and
+    need)``: ``context`` names what the call decides on besides its tensors (tensors in it as ``Same(x)``), and a
+    plan is never found for tensors it was not made for. ``current(plan)``: False when a kept plan is stale (made
+    from a tensor since written); ``size``: at most this many kept (the store is emptied when full)."""
+    key = (context, signature_of(*tensors), torch.is_grad_enabled(), needs_grad(*tensors))
+    found = plans.get(key)
+    if found is None or (current is not None and not current(found)):
+        found = make()
+        if size is not None and len(plans) >= size:
+            plans.clear()
+        plans[key] = found
+    return found
+
+
+class Same:
+    """A tensor (or any object) as part of a plan's context, by identity: equal only to itself, kept alive while the
+    plan is (so no other object takes its ``id``)."""
+
+    __slots__ = ("x",)
+
+    def __init__(self, x) -> None:
+        self.x = x
+
+    def __hash__(self) -> int:
+        return id(self.x)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Same) and other.x is self.x
+
+
 def plan_for_shapes(q, k, v, scale=None, causal: bool = True, softcap: float | None = None,
                     kernel: str = "auto") -> AttentionPlan:
     """The plan of a call with default positions and no mask or modifier, where shapes decide everything: made on
@@ -187,14 +221,9 @@ def plan_for_shapes(q, k, v, scale=None, causal: bool = True, softcap: float | N
     if not (_plain_number(scale) and _plain_number(softcap) and isinstance(causal, bool) and isinstance(kernel, str)):
         return plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap,
                              kernel=kernel)  # validates
-    key = (signature_of(q, k, v), needs_grad(q, k, v), scale, causal, softcap, kernel, environment())
-    found = _plans.get(key)
-    if found is None:
-        found = plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap, kernel=kernel)
-        if len(_plans) >= PLAN_CACHE_SIZE:
-            _plans.clear()
-        _plans[key] = found
-    return found
+    return reuse(_plans, (scale, causal, softcap, kernel, environment()), (q, k, v),
+                 lambda: plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap,
+                                       kernel=kernel), size=PLAN_CACHE_SIZE)
 
 
 def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, scale=None, *, causal: bool = True,

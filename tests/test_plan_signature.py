@@ -162,3 +162,26 @@ def test_a_plan_owns_its_positions_and_mask_whatever_kernel_runs(dtype, change):
         qpos -= 5
     for step in plans:
         torch.testing.assert_close(step.run(q, k, v).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_reuse_keys_every_kept_plan_on_its_tensors_whole_and_the_grad_mode():
+    # the one key of every kept plan: (context, Signature, grad mode, grad need); never a plan of other tensors
+    from engine.planning import Same, reuse
+    q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    store, made = {}, []
+
+    def get(*tensors, context="step", current=None):
+        return reuse(store, context, tensors, lambda: made.append(1) or engine.plan(*tensors), current=current)
+
+    first = get(q, k, v)
+    assert get(q.clone(), k.clone(), v.clone()) is first and len(made) == 1  # same signature: reused
+    for other in [(q.half(), k.half(), v.half()), (q, k, v[..., :4]), (q[:, :, :2], k, v),
+                  (q, k[:, :, :4], v[:, :, :4]), (q.requires_grad_(True), k, v)]:
+        assert get(*other) is not first  # each part of each tensor, and the gradient need, is in the key
+    q.requires_grad_(False)
+    with torch.no_grad():
+        assert get(q, k, v) is not first
+    assert get(q, k, v, context="another") is not first
+    assert get(q, k, v, current=lambda plan: False) is not first  # a stale plan is made again
+    bias = torch.zeros(1)
+    assert Same(bias) == Same(bias) and Same(bias) != Same(torch.zeros(1)) and hash(Same(bias)) == id(bias)

@@ -17,7 +17,7 @@ from engine.masks.causal import CausalMask
 from engine.masks.documents import document_mask
 from engine.masks.structured import StructuredMask
 from engine.masks.window import window_mask
-from engine.planning import AttentionPlan, plan
+from engine.planning import AttentionPlan, plan, reuse
 
 SEE_BLOCK = 256  # tile size of the skip decision
 
@@ -99,18 +99,16 @@ class Queries:
 
     def plan_for(self, shard: KeyShard) -> AttentionPlan:
         """The plan of these queries against ``shard``, made once per ring step (not kept outside a ring)."""
-        step = self.step
-        found = None if step is None else self.plans.get(step)
-        if found is None or found.signature.k.shape != shard.k.shape:
-            found = plan(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard), self.scale,
-                         causal=self.causal, softcap=self.softcap, **self.modifiers_for(shard),
-                         **({} if self.dropout is None else {"dropout_p": self.dropout[0],
-                                                             "generator": torch.Generator()}))
+        def make() -> AttentionPlan:
+            made = plan(self.q, shard.k, shard.v, self.positions, shard.positions, self.allowed(shard), self.scale,
+                        causal=self.causal, softcap=self.softcap, **self.modifiers_for(shard),
+                        **({} if self.dropout is None else {"dropout_p": self.dropout[0],
+                                                            "generator": torch.Generator()}))
             if self.dropout is not None:  # the call's seed, and its global positions as the pattern's indices
-                found = with_dropout_pattern(found, self.dropout[1], self.positions[0], shard.positions[0])
-            if step is not None:
-                self.plans[step] = found
-        return found
+                made = with_dropout_pattern(made, self.dropout[1], self.positions[0], shard.positions[0])
+            return made
+
+        return make() if self.step is None else reuse(self.plans, self.step, (self.q, shard.k, shard.v), make)
 
     def modifiers_for(self, shard: KeyShard) -> dict:
         """The modifiers of a call on ``shard``: a dense bias ``[.., T_r, S_total]`` (columns = global key positions)

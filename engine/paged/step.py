@@ -19,6 +19,7 @@ import torch
 
 from engine.paged.cache import PagedKVCache, Slots
 from engine.paged.plan import PagedPlan, plan_paged
+from engine.planning import reuse
 
 __all__ = ["PagedStep", "begin_step", "check_step"]
 
@@ -41,13 +42,9 @@ class PagedStep:
     def plan_for(self, q: torch.Tensor, k_pages, v_pages, *, window=None, softcap=None, scale=None) -> PagedPlan:
         """The step's plan for a layer of this configuration: made by the first layer that asks, reused by every
         other (a layer whose tensors differ, in dtype or gradient need, gets its own)."""
-        key = (window, softcap, scale, q.shape, q.dtype, torch.is_grad_enabled())
-        found = self.plans.get(key)
-        if found is None or not found.matches(q, k_pages, v_pages):
-            found = plan_paged(q, k_pages, v_pages, self.page_table, self.kv_lens, self.indptr, window=window,
-                               softcap=softcap, scale=scale)
-            self.plans[key] = found
-        return found
+        return reuse(self.plans, (window, softcap, scale), (q, k_pages, v_pages),
+                     lambda: plan_paged(q, k_pages, v_pages, self.page_table, self.kv_lens, self.indptr, window=window,
+                                        softcap=softcap, scale=scale))
 
 
 def begin_step(cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor, rows: int | None = None) -> PagedStep:

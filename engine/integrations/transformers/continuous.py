@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from engine.kernels.decode.decode_native import MAX_QUERIES
 from engine.masks.window import window_mask
 from engine.paged.plan import PagedPlan, plan_paged
-from engine.planning import plan
+from engine.planning import Same, plan, reuse
 
 __all__ = ["CONTINUOUS_NAMES", "continuous_batching", "continuous_batch_attention", "is_continuous_batch_call"]
 
@@ -71,12 +71,9 @@ def continuous_batch_attention(module: torch.nn.Module, query: torch.Tensor, key
     window = int(sliding_window) if sliding_window is not None else None
     cu_k = kwargs["cu_seq_lens_k"]
     plans = _steps.plans_of(kwargs["cu_seq_lens_q"])
-    plan_key = (id(cu_k), window, softcap, scaling, id(sinks), query.shape, query.dtype, key.shape, value.shape,
-                key.dtype, value.dtype, key.device)
-    found = plans.get(plan_key)
-    if found is None or not _unchanged(cu_k, found.keep[1], found.key_offsets):
-        found = plans[plan_key] = plan_batch(query, key, value, kwargs["cu_seq_lens_q"], cu_k, window, scaling,
-                                             softcap, sinks)
+    found = reuse(plans, (Same(cu_k), window, softcap, scaling, Same(sinks)), (query, key, value),
+                  lambda: plan_batch(query, key, value, kwargs["cu_seq_lens_q"], cu_k, window, scaling, softcap, sinks),
+                  current=lambda made: _unchanged(cu_k, made.keep[1], made.key_offsets))
     return found.run(query, key, value), None
 
 

@@ -14,7 +14,7 @@ from transformers.masking_utils import bidirectional_mask_function, causal_mask_
 
 from engine.masks.padding import PaddingMask
 from engine.masks.window import window_mask
-from engine.planning import AttentionPlan, plan
+from engine.planning import AttentionPlan, Same, plan, reuse
 
 __all__ = ["EngineMask", "engine_mask"]
 
@@ -52,13 +52,10 @@ class EngineMask:
         """The plan of this step's attention calls with these shapes and arguments: made by the first layer that
         asks (positions resolved, mask and kernel decided once), reused by every other layer of the forward.
         A layer's own sinks or bias (a tensor per layer) gets a plan of its own."""
-        plan_key = (scale, softcap, id(sinks), id(bias))
-        found = self.plans.get(plan_key)
-        if found is None or not found.matches(query, key, value):  # first layer (or other shapes: a plan of their own)
-            found = plan(query, key, value, self.query_positions, self.key_positions, self.allowed(), scale,
-                         causal=self.causal, softcap=softcap, sinks=sinks, bias=bias)
-            self.plans[plan_key] = found
-        return found
+        context = (scale, softcap, Same(sinks), Same(bias), getattr(bias, "requires_grad", False))
+        return reuse(self.plans, context, (query, key, value),
+                     lambda: plan(query, key, value, self.query_positions, self.key_positions, self.allowed(), scale,
+                                  causal=self.causal, softcap=softcap, sinks=sinks, bias=bias))
 
     def allowed(self) -> torch.Tensor | None:
         """Bool mask broadcastable to ``[B, Hq, T, S]`` for causal_attention, or None (position rule only)."""

@@ -66,3 +66,15 @@ def test_the_step_and_continuous_groups_time_the_planned_paths_against_contiguou
         "contiguous plan.run", "continuous batching layer") for t in (1, 2)}
     assert all(r["max |diff|"] < 1e-5 for r in continuous)
     assert all(r["met"] in ("yes", "no") for r in rows if r["target"])
+
+
+def test_the_mixed_group_times_a_step_planned_once_against_the_same_calls_contiguous(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench_paged.add_arguments(parser)
+    args = parser.parse_args(["--groups", "mixed", "--quick", "--out", str(tmp_path), "--quiet"])
+    assert bench_paged.main(args) == 0
+    rows = json.loads((tmp_path / "paged.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"contiguous plan.run", "paged plan.run", "paged_attention"}
+    assert {r["kernel"] for r in rows} == {"per sequence"}  # a mixed step: each sequence's own planned call
+    assert all(r["max |diff|"] < 1e-5 for r in rows)
+    assert all(r["met"] in ("yes", "no") for r in rows if r["target"])

@@ -124,3 +124,46 @@ def continuous_rows(args) -> list[dict[str, Any]]:
     finally:
         torch.set_num_threads(saved)
     return rows
+
+
+MIXED_TARGET = 1.2
+
+
+def mixed_rows(args) -> list[dict[str, Any]]:
+    """A mixed step (two prefill chunks and decodes, SmolLM2's shape, pages of 16): its calls, planned once per step
+    (``engine.plan_paged``: each sequence's own call, gathered), beside the same calls on contiguous keys each
+    planned once and the unplanned ``paged_attention`` (what every layer ran before the step was planned)."""
+    g = torch.Generator().manual_seed(args.seed)
+    rounds, calls = (3, 3) if args.quick else (15, 10)
+    query_counts = [64, 64] + [1] * (2 if args.quick else 6)  # two chunks of a prefill, then decodes
+    lengths = torch.randint(256, 769, (len(query_counts),), generator=g)  # [B] keys, the new ones included
+    longest = -(-int(lengths.max()) // 16) * 16
+    k, v = (torch.randn(len(query_counts), HKV, longest, D, generator=g) for _ in range(2))  # [B, Hkv, S, D]
+    k_pages, v_pages, table = pools(k, v, 16, g, True)
+    indptr = torch.tensor([0, *query_counts]).cumsum(0)  # [B + 1]
+    packed = torch.randn(int(indptr[-1]), HQ, D, generator=g)  # [Nq, Hq, D]
+    per_request = []  # (rows, q [1, Hq, T, D], k, v, plan): each request's call on its contiguous keys
+    for b, (count, length) in enumerate(zip(query_counts, lengths.tolist())):
+        rows = slice(int(indptr[b]), int(indptr[b + 1]))
+        q_b, pos = packed[rows].transpose(0, 1)[None], torch.arange(length - count, length)
+        k_b, v_b = k[b:b + 1, :, :length], v[b:b + 1, :, :length]
+        per_request.append((rows, q_b, k_b, v_b, engine.plan(q_b, k_b, v_b, pos, torch.arange(length))))
+    step = plan_paged(packed, k_pages, v_pages, table, lengths, indptr)
+
+    def contiguous():
+        out = packed.new_empty(packed.shape)
+        for rows, q_b, k_b, v_b, plan in per_request:
+            out[rows] = plan.run(q_b, k_b, v_b)[0].transpose(0, 1)
+        return out
+
+    impls = {"contiguous plan.run": contiguous, "paged plan.run": lambda: step.run(packed, k_pages, v_pages),
+             "paged_attention": lambda: paged_attention(packed, k_pages, v_pages, table, lengths, indptr)}
+    want = contiguous()
+    diff = max((impls[name]() - want).abs().max().item() for name in ("paged plan.run", "paged_attention"))
+    us = interleaved_us(impls, rounds, calls, warmup=3)
+    case = f"{query_counts.count(64)} chunks of 64 + {query_counts.count(1)} decodes, S=256-768, page 16"
+    return [{"group": "mixed", "case": case, "impl": name, "us": us[name],
+             "time/contiguous": us[name] / us["contiguous plan.run"], "kernel": step.path,
+             "target": f"<= {MIXED_TARGET}x" if name == "paged plan.run" else None,
+             "met": (("yes" if us[name] / us["contiguous plan.run"] <= MIXED_TARGET else "no")
+                     if name == "paged plan.run" else None), "max |diff|": diff} for name in impls]

@@ -196,10 +196,10 @@ def _call(library, q_rows, scale, keys, values, visible, out, lse) -> int:
 def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pages: torch.Tensor,
                    lengths: torch.Tensor, page_size: int, visible: torch.Tensor | None) -> DecodeCall:
     """The ``DecodeCall`` of a paged decode step with everything but the tensors' addresses filled (made once per
-    step: engine.paged.native): q rows ``[B, Hkv, R, D]`` of shape ``q_shape``, pools of element dtype ``kind``,
-    pages int64 ``[B, max_pages]`` and lengths int64 ``[B]`` (contiguous, on the CPU; they must outlive every run),
-    visible bool ``[B, Hkv|1, R, S]`` or None (every key up to each sequence's length). DoesNotFit for a dtype the
-    kernel does not read."""
+    step: engine.kernels.decode.native_paged): q rows ``[B, Hkv, R, D]`` of shape ``q_shape``, pools of element
+    dtype ``kind``, pages int64 ``[B, max_pages]`` and lengths int64 ``[B]`` (contiguous, on the CPU; they must
+    outlive every run), visible bool ``[B, Hkv|1, R, S]`` or None (every key up to each sequence's length).
+    DoesNotFit for a dtype the kernel does not read."""
     if kind not in KINDS:
         raise DoesNotFit(f"page dtype {kind}: not read in place by the native kernel")
     batch, kv_heads, rows, d = q_shape

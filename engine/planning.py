@@ -172,7 +172,7 @@ def _planned(q, k, v, query_positions, key_positions, allowed, scale, causal, so
                             **modifiers)
     inputs = inputs.owning() if own else inputs
     choice = choose(inputs, kernel)
-    template = inputs.with_tensors(*(_placeholder(x) for x in (q, k, v)))
+    template = inputs.with_tensors(*(placeholder(x) for x in (q, k, v)))
     signature = Signature(*(TensorSignature(*part) for part in signature_of(q, k, v)))
     return AttentionPlan(template, choice, _wants_grad(inputs, q, k, v), signature)
 
@@ -274,9 +274,9 @@ def _kind(quantized: bool) -> str:
     return "QuantizedKV" if quantized else "tensor"
 
 
-def _placeholder(x):
+def placeholder(x):
     """A meta tensor (or QuantizedKV of meta tensors) standing for ``x`` in a plan: its shape, dtype and strides,
     no memory, so a plan never keeps a call's tensors alive."""
     if isinstance(x, QuantizedKV):
-        return QuantizedKV(_placeholder(x.data), _placeholder(x.scale))
+        return QuantizedKV(placeholder(x.data), placeholder(x.scale))
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")

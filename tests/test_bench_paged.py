@@ -51,12 +51,17 @@ def test_the_cascade_group_compares_one_prefix_pass_with_reading_it_per_sequence
     assert all(r["met"] in ("yes", "no") for r in rows if r["impl"] == "cascade")
 
 
-def test_the_step_and_continuous_groups_time_the_planned_paths_against_contiguous(tmp_path):
+def quick_rows(tmp_path, groups: str) -> list[dict]:
+    """The rows ``bench paged --groups <groups> --quick`` saves."""
     parser = argparse.ArgumentParser()
     bench_paged.add_arguments(parser)
-    args = parser.parse_args(["--groups", "step,continuous", "--quick", "--out", str(tmp_path), "--quiet"])
+    args = parser.parse_args(["--groups", groups, "--quick", "--out", str(tmp_path), "--quiet"])
     assert bench_paged.main(args) == 0
-    rows = json.loads((tmp_path / "paged.json").read_text())["rows"]
+    return json.loads((tmp_path / "paged.json").read_text())["rows"]
+
+
+def test_the_step_and_continuous_groups_time_the_planned_paths_against_contiguous(tmp_path):
+    rows = quick_rows(tmp_path, "step,continuous")
     step = [r for r in rows if r["group"] == "step"]
     assert {r["impl"] for r in step} == {"contiguous plan.run", "paged plan.run", "paged_attention"}
     assert {r["kernel"] for r in step if r["impl"] != "contiguous plan.run"} <= {"native in place", "per sequence"}
@@ -69,11 +74,7 @@ def test_the_step_and_continuous_groups_time_the_planned_paths_against_contiguou
 
 
 def test_the_mixed_group_times_a_step_planned_once_against_the_same_calls_contiguous(tmp_path):
-    parser = argparse.ArgumentParser()
-    bench_paged.add_arguments(parser)
-    args = parser.parse_args(["--groups", "mixed", "--quick", "--out", str(tmp_path), "--quiet"])
-    assert bench_paged.main(args) == 0
-    rows = json.loads((tmp_path / "paged.json").read_text())["rows"]
+    rows = quick_rows(tmp_path, "mixed")
     assert {r["impl"] for r in rows} == {"contiguous plan.run", "paged plan.run", "paged_attention"}
     assert {r["kernel"] for r in rows} == {"per sequence"}  # a mixed step: each sequence's own planned call
     assert all(r["max |diff|"] < 1e-5 for r in rows)

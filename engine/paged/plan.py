@@ -22,7 +22,7 @@ engine.paged.sequences). A plan owns what it decided: the tables and positions a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -35,8 +35,7 @@ from engine.paged.cascade import merge_prefix, prefix_inputs, shared_prefixes, s
 from engine.paged.explain import describe
 from engine.paged.inputs import PagedInputs, paged_inputs
 from engine.paged.sequences import SequencePlans, plan_sequences
-from engine.paged.tables import PagedBatch
-from engine.planning import Signature, TensorSignature, signature_of
+from engine.planning import Signature, TensorSignature, placeholder, signature_of
 
 __all__ = ["PagedPlan", "plan_paged"]
 
@@ -88,21 +87,16 @@ class PrefixPass(NamedTuple):
 class PagedPlan:
     """A paged step with its kernel chosen: ``run(q, k_pages, v_pages)`` for tensors of the planned signature.
 
-    tables: the validated tables (host ints and the page table); positions: int64 ``[Nq]``; choice: the kernel that
-    reads the pools in place and why (``GATHERED``: none; each sequence's own planned call, ``sequences``); path: one
-    of PATHS; in_place: that kernel's prepared run; prefixes: the shared prefixes' passes and suffix: the plan of
-    the suffixes' call (path ``cascade``); kernel: the kernel asked for (``"auto"`` or a name)."""
+    call: the validated call (engine.paged.inputs.PagedInputs: the tables, positions int64 ``[Nq]``, window and
+    modifiers; q and the pools as meta placeholders, so a plan keeps no tensor of the call alive; its fields read as
+    the plan's: ``plan.tables``, ``plan.positions``, ...); choice: the kernel that reads the pools in place and why
+    (``GATHERED``: none; each sequence's own planned call, ``sequences``); path: one of PATHS; in_place: that
+    kernel's prepared run; prefixes: the shared prefixes' passes and suffix: the plan of the suffixes' call (path
+    ``cascade``); kernel: the kernel asked for (``"auto"`` or a name)."""
 
     signature: Signature
-    grad: bool
-    tables: PagedBatch
+    call: PagedInputs
     query_indptr: torch.Tensor
-    positions: torch.Tensor
-    window: int | None
-    softcap: float | None
-    scale: float
-    sinks: torch.Tensor | None
-    alibi_slopes: torch.Tensor | None
     kernel: str
     path: str
     choice: KernelChoice
@@ -111,6 +105,11 @@ class PagedPlan:
     prefixes: tuple = ()
     suffix: PagedPlan | None = None
     fallback: dict = field(default_factory=dict, compare=False, repr=False)  # the readable twin, planned if needed
+
+    def __getattr__(self, name: str):  # the call's fields: tables, positions, window, softcap, scale, sinks, ...
+        if name in PagedInputs.__dataclass_fields__ and name not in ("q", "k_pages", "v_pages"):
+            return getattr(self.call, name)
+        raise AttributeError(f"'PagedPlan' object has no attribute {name!r}")
 
     @property
     def reason(self) -> str:
@@ -134,7 +133,7 @@ class PagedPlan:
             given = signature_of(q, k_pages, v_pages)
         except AttributeError:  # not a tensor
             return False
-        return given == self.signature and needs_grad(q, k_pages, v_pages) == self.grad
+        return given == self.signature and needs_grad(q, k_pages, v_pages) == self.call.grad
 
     def _refuse(self, q, k_pages, v_pages) -> None:
         for name, x in (("q", q), ("k_pages", k_pages), ("v_pages", v_pages)):
@@ -148,7 +147,7 @@ class PagedPlan:
                     want, have = (list(x) if isinstance(x, torch.Size) else x for x in (want, have))
                     raise ValueError(f"this paged plan was made for {name}'s {what} {want}, got {have}: plan the "
                                      f"step for these tensors (engine.plan_paged)")
-        state = "need" if self.grad else "do not need"
+        state = "need" if self.call.grad else "do not need"
         raise ValueError(f"this paged plan was made for tensors that {state} gradients, got the other kind: plan "
                          f"the step under the same grad mode")
 
@@ -164,8 +163,8 @@ class PagedPlan:
             out, lse = merge_prefix(out, lse, [self._prefix_part(p, q, k_pages, v_pages) for p in self.prefixes])
         else:
             out, lse = self._sequences(q, k_pages, v_pages).run(q, k_pages, v_pages)
-        if self.sinks is not None:  # once per row, after every part: [Nq, Hq, 1, Dv] and [Nq, Hq, 1] as [B, Hq, T, ..]
-            out, lse = (x[:, :, 0] for x in apply_sinks(out[:, :, None], lse[:, :, None], self.sinks))
+        if self.call.sinks is not None:  # once per row, after every part ([Nq, Hq, 1, ..] as [B, Hq, T, ..])
+            out, lse = (x[:, :, 0] for x in apply_sinks(out[:, :, None], lse[:, :, None], self.call.sinks))
         return out, lse
 
     def _sequences(self, q, k_pages, v_pages) -> SequencePlans:
@@ -197,8 +196,7 @@ class PagedPlan:
         return self.kernel if self.kernel not in IN_PLACE or self.in_place is None else "auto"
 
     def _inputs(self, q, k_pages, v_pages) -> PagedInputs:
-        return PagedInputs(q, k_pages, v_pages, self.tables, self.positions, self.window, self.softcap, self.scale,
-                           self.sinks, self.alibi_slopes, self.grad)
+        return replace(self.call, q=q, k_pages=k_pages, v_pages=v_pages)
 
     def __str__(self) -> str:
         return describe(self)
@@ -222,9 +220,8 @@ def plan_paged(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv_l
 def _plan(inputs: PagedInputs, query_indptr: torch.Tensor, kernel: str, cascade: bool | None) -> PagedPlan:
     i = inputs
     signature = Signature(*(TensorSignature(*part) for part in signature_of(i.q, i.k_pages, i.v_pages)))
-    common = dict(signature=signature, grad=i.grad, tables=i.tables, query_indptr=query_indptr,
-                  positions=i.positions, window=i.window, softcap=i.softcap, scale=i.scale, sinks=i.sinks,
-                  alibi_slopes=i.alibi_slopes, kernel=kernel)
+    call = replace(i, **{name: placeholder(getattr(i, name)) for name in ("q", "k_pages", "v_pages")})
+    common = dict(signature=signature, call=call, query_indptr=query_indptr, kernel=kernel)
     groups = [] if cascade is False else shared_prefixes(i.tables, min_keys=1 if cascade else None)
     if groups:  # the shared prefixes once, then one paged call on the suffixes (planned here too)
         table, lens, shifted = suffix_tables(i.tables, groups, i.positions)

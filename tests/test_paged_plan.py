@@ -130,7 +130,7 @@ def test_each_sequences_call_is_planned_once_per_step_not_per_layer(monkeypatch,
     indptr = torch.tensor([0, 5, 6, 10, 11])  # 5, 1, 4, 1 new queries
     q = torch.randn(11, 6, 16, generator=g)
     step = plan_paged(q, k_pages, v_pages, table, lens, indptr, window=window, kernel=kernel)
-    assert step.path == "per sequence" and step.sequences is not None, str(step)
+    assert step.path == ("mixed" if kernel == "auto" else "per sequence") and step.sequences is not None, str(step)
     planned = []  # every plan (engine.plan, causal_attention's) chooses its kernel through planning's ``choose``
     real_choose = planning.choose
     monkeypatch.setattr(planning, "choose", lambda *a, **k: planned.append(1) or real_choose(*a, **k))
@@ -141,3 +141,24 @@ def test_each_sequences_call_is_planned_once_per_step_not_per_layer(monkeypatch,
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     assert planned == []
     assert f"kernel {kernel if kernel != 'auto' else ''}" in str(step)
+    if kernel == "auto":  # the decodes (sequences 1 and 3: one query each) read in place as one call
+        assert step.decodes[1] == [1, 3] and "sequence 1 (1 queries, 5 keys): read in place" in str(step)
+
+
+def test_a_mixed_steps_decodes_with_nan_in_q_keep_it_to_their_rows():
+    # the decodes of a mixed step are read in place; NaN in one decode's q sends them to their own calls, which keep
+    # it to that row (as the oracle does)
+    if native_unavailable() is not None:
+        pytest.skip(native_unavailable())
+    q, k_pages, v_pages, table, lens, _ = decode_step()
+    indptr = torch.tensor([0, 5, 6, 10, 11])  # a prefill of 5, a decode, a chunk of 4, a decode
+    q = torch.randn(11, 6, 16, generator=torch.Generator().manual_seed(4))
+    step = plan_paged(q, k_pages, v_pages, table, lens, indptr)
+    assert step.path == "mixed", str(step)
+    for bad_row in (5, 10, 2):  # each decode's row, then a prefill's
+        q_bad = q.clone()
+        q_bad[bad_row, 1, 3] = float("nan")
+        out, lse = step.run(q_bad, k_pages, v_pages, return_lse=True)
+        want, want_lse = oracle(q_bad, k_pages, v_pages, table, lens, indptr)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)
+        assert out.isnan().any(dim=(1, 2)).nonzero().flatten().tolist() == [bad_row]

@@ -17,11 +17,13 @@ every layer). The paths, which ``explain_paged`` (or ``print(plan)``) names with
                     each sequence's pages (engine.kernels.flex.paged)
     in place        a decode step (every sequence the same 1..16 new queries, CPU, no gradients, softcap or ALiBi):
                     the native decode kernel reads K/V through the page table (engine.kernels.decode.native_paged)
-    runs of pages   a sequence with more than RUN_KEYS keys: one causal_attention call per run of its pages, merged by
-                    lse, no copy of the whole sequence (engine.paged.runs)
-    gathered        the readable path: the sequence's keys gathered from its pages, then causal_attention with its
-                    positions, its kernel chosen as for any call; the oracle of the others (``kernel="reference"``
-                    always takes it; engine.paged.sequences)
+    mixed step      decodes beside prefills or chunks: the largest group of sequences with the same 1..16 new queries
+                    read in place as one call, every other sequence its own planned call (below)
+    runs of pages   a sequence with more than RUN_KEYS keys: one planned call per run of its pages, merged by lse, no
+                    copy of the whole sequence (engine.paged.runs)
+    gathered        the readable path: the sequence's keys gathered from its pages, then its own call with its
+                    positions, planned once per step, its kernel chosen as for any call; the oracle of the others
+                    (``kernel="reference"`` always takes it; engine.paged.sequences)
 
 Only the slots a sequence owns are read, so a NaN in a slot no sequence owns never reaches an output. Sinks join
 once per row, after every part. Pools may be int8 / fp8 ``QuantizedKV`` pools (a quantized cache's): every path reads

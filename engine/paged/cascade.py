@@ -23,16 +23,21 @@ which reads the prefix once per sequence; the tests compare the two.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
+from engine.kernels.common import DoesNotFit
+from engine.kernels.decode.native_paged import NativeStep, native_pass_fits
 from engine.kernels.merge import merge_attention_states
 from engine.paged.inputs import PagedInputs
+from engine.paged.sequences import SequencePlans, plan_sequences
 from engine.paged.tables import RELEASED, PagedBatch
 
 CASCADE_MIN_KEYS = 256  # a shared prefix shorter than this is read per sequence (a separate pass costs more)
 
-__all__ = ["CASCADE_MIN_KEYS", "shared_prefixes", "prefix_inputs", "suffix_tables", "merge_prefix"]
+__all__ = ["CASCADE_MIN_KEYS", "shared_prefixes", "prefix_inputs", "PrefixPass", "plan_prefix", "prefix_part",
+           "suffix_tables", "merge_prefix"]
 
 
 def shared_prefixes(tables: PagedBatch, min_keys: int | None = None) -> list[tuple[list[int], int]]:
@@ -90,3 +95,49 @@ def merge_prefix(out: torch.Tensor, lse: torch.Tensor, parts) -> tuple[torch.Ten
                                                         [lse[rows].to(part_lse.dtype), part_lse])
         out[rows], lse[rows] = merged_out.to(out.dtype), merged_lse.to(lse.dtype)
     return out, lse
+
+
+class PrefixPass(NamedTuple):
+    """A shared prefix read once for every member's queries (``rows``): in place by the native kernel, or by runs of
+    pages (``sequences``: the prefix as one sequence holding all those rows)."""
+
+    members: list[int]
+    pages: int
+    rows: torch.Tensor
+    native: NativeStep | None
+    sequences: SequencePlans | None
+    why_not_native: str | None
+
+
+def plan_prefix(inputs: PagedInputs, members: list[int], pages: int, kernel: str) -> PrefixPass:
+    """The pass of one shared prefix: in place by the native kernel where it reads it, else by runs of pages."""
+    rows, prefix = prefix_inputs(inputs, members, pages)
+    untaken = inputs.softcap is not None or inputs.alibi_slopes is not None
+    why_not = (None if kernel in ("auto", "decode_native") else f"kernel={kernel!r} forced") or \
+        ("softcap / ALiBi: not computed by the native kernel" if untaken else native_pass_fits(prefix))
+    native = None
+    if why_not is None:
+        try:
+            native = NativeStep(prefix)
+        except DoesNotFit as error:
+            why_not = str(error)
+    sequences = plan_sequences(prefix, kernel, runs=True) if native is None else None
+    return PrefixPass(members, pages, rows, native, sequences, why_not)
+
+
+def prefix_part(prefix: PrefixPass, q, k_pages, v_pages, fallback: dict, inputs_now, kernel: str):
+    """``(rows, out [n, Hq, Dv], lse [n, Hq])`` of one shared prefix's pass (fp32 / fp64). Where the native pass
+    finds NaN/inf in q, the runs keep it to its rows: planned at the first such run (``inputs_now()``: the call
+    with this run's tensors) and kept in ``fallback``."""
+    q_rows = q[prefix.rows]
+    result = None if prefix.native is None else prefix.native.run(q_rows, k_pages, v_pages)
+    if result is None:
+        runs = prefix.sequences
+        if runs is None:
+            key = ("prefix", prefix.members[0])
+            if key not in fallback:
+                fallback[key] = plan_sequences(prefix_inputs(inputs_now(), prefix.members, prefix.pages)[1], kernel,
+                                               runs=True)
+            runs = fallback[key]
+        result = runs.run(q_rows, k_pages, v_pages)
+    return (prefix.rows, *result)

@@ -27,13 +27,16 @@ def describe(plan) -> str:
     passed = [f"  not {name} in place: {why}" for name, why in plan.choice.passed_over.items()]
     if plan.sequences is None:
         return "\n".join([f"paged: {plan.reason}", *passed])
-    lines = [f"paged: each sequence's own call; {plan.reason}", *passed]
+    lines = [f"paged: {plan.reason}" if plan.path == "mixed" else f"paged: each sequence's own call; {plan.reason}",
+             *passed]
     planned = {s.b: s for s in plan.sequences.sequences}
     for b in range(tables.batch):
         s, keys = planned.get(b), tables.kv_lens[b]
         queries = tables.starts[b + 1] - tables.starts[b]
         if queries == 0:
             lines.append(f"  sequence {b}: no queries")
+        elif s is None:  # a mixed step's decode
+            lines.append(f"  sequence {b} ({queries} queries, {keys} keys): read in place by {plan.choice.kernel}")
         elif not s.runs:
             lines.append(f"  sequence {b} ({queries} queries, {keys} keys): no query sees a key")
         elif s.by_runs:

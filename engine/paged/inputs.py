@@ -12,7 +12,7 @@ readable path plans each sequence's call from it (engine.paged.sequences)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,7 +23,7 @@ from engine.modifiers import prepare_modifiers
 from engine.paged.tables import PagedBatch, check_released, paged_batch
 from engine.quantized import QuantizedKV
 
-__all__ = ["PagedInputs", "paged_inputs"]
+__all__ = ["PagedInputs", "paged_inputs", "select"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,19 @@ def paged_inputs(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv
         sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks
     return PagedInputs(q, k_pages, v_pages, tables, positions, window, softcap, scale, sinks, alibi_slopes,
                        needs_grad(q, k_pages, v_pages))
+
+
+def select(inputs: PagedInputs, members: list[int]) -> tuple[torch.Tensor, PagedInputs]:
+    """``(rows [n] int64, call)``: the call of sequences ``members`` alone (their query rows of q, positions, tables;
+    sinks left to the whole call's caller, which applies them once per row)."""
+    tables = inputs.tables
+    rows = torch.cat([torch.arange(tables.starts[b], tables.starts[b + 1]) for b in members])
+    counts = [tables.starts[b + 1] - tables.starts[b] for b in members]
+    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    chosen = PagedBatch(starts, [tables.kv_lens[b] for b in members], tables.page_table[members],
+                        tables.page_size, tables.released)
+    rows = rows.to(inputs.q.device)
+    return rows, replace(inputs, q=inputs.q[rows], tables=chosen, positions=inputs.positions[rows], sinks=None)
 
 
 def _query_positions(query_positions, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor:

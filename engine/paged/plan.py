@@ -15,25 +15,24 @@ to the host on the in-place path::
 How it is decided, the contiguous call's way: the call is validated once (engine.paged.inputs.PagedInputs), a prefix
 several sequences share is split off and read once (``cascade``, merged by lse), and the kernel table is walked for
 a kernel that reads the pools in place (``choose_paged``: the rows whose ``takes`` has ``paged``, engine.kernels
-.paged_rows: ``native in place`` for a decode step, ``flex`` forced or on CUDA); where none does, the readable twin
-runs (``per sequence``: each sequence's keys gathered, or a run of pages at a time, and its own call planned here,
+.paged_rows: ``native in place`` for a decode step, ``flex`` forced or on CUDA); where none does, a mixed step reads
+its decodes in place as one call beside each other sequence's own (``mixed``), and otherwise the readable twin runs
+(``per sequence``: each sequence's keys gathered, or a run of pages at a time, and its own call planned here,
 engine.paged.sequences). A plan owns what it decided: the tables and positions are copies.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
 
 import torch
 
-from engine.kernels.common import DoesNotFit, needs_grad
-from engine.kernels.decode.native_paged import NativeStep, native_pass_fits
+from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, needs_grad
 from engine.kernels.dispatch import KERNELS, KernelChoice, check_kernel_name, untaken
 from engine.kernels.sinks import apply_sinks
-from engine.paged.cascade import merge_prefix, prefix_inputs, shared_prefixes, suffix_tables
+from engine.paged.cascade import merge_prefix, plan_prefix, prefix_part, shared_prefixes, suffix_tables
 from engine.paged.explain import describe
-from engine.paged.inputs import PagedInputs, paged_inputs
+from engine.paged.inputs import PagedInputs, paged_inputs, select
 from engine.paged.sequences import SequencePlans, plan_sequences
 from engine.planning import Signature, TensorSignature, placeholder, signature_of
 
@@ -67,20 +66,8 @@ def choose_paged(inputs, kernel: str = "auto") -> KernelChoice:
     return KernelChoice(GATHERED, reason, passed_over)
 
 
-PATHS = ("flex", "cascade", "native in place", "per sequence")
+PATHS = ("flex", "cascade", "native in place", "mixed", "per sequence")
 IN_PLACE = {"decode_native": "native in place", "flex": "flex"}  # the path of each kernel that reads pools in place
-
-
-class PrefixPass(NamedTuple):
-    """A shared prefix read once for every member's queries (``rows``): in place by the native kernel, or by runs of
-    pages (``sequences``: the prefix as one sequence holding all those rows)."""
-
-    members: list[int]
-    pages: int
-    rows: torch.Tensor
-    native: NativeStep | None
-    sequences: SequencePlans | None
-    why_not_native: str | None
 
 
 @dataclass(frozen=True)
@@ -104,6 +91,7 @@ class PagedPlan:
     sequences: SequencePlans | None = None
     prefixes: tuple = ()
     suffix: PagedPlan | None = None
+    decodes: tuple = ()  # path mixed: (rows [n] int64, sequences) read in place by ``in_place``
     fallback: dict = field(default_factory=dict, compare=False, repr=False)  # the readable twin, planned if needed
 
     def __getattr__(self, name: str):  # the call's fields: tables, positions, window, softcap, scale, sinks, ...
@@ -154,15 +142,19 @@ class PagedPlan:
     def _attend(self, q, k_pages, v_pages, return_lse: bool):
         """``(out, lse)`` on the planned path; an in-place run that finds it cannot be exact (NaN/inf in q, other
         strides) falls back to the readable twin, which keeps NaN to its rows."""
-        if self.in_place is not None:
+        if self.in_place is not None and self.path != "mixed":
             result = self.in_place.run(q, k_pages, v_pages, return_lse)
             if result is not None:
                 return result  # (sinks applied)
         if self.path == "cascade":
             out, lse = self.suffix.run(q, k_pages, v_pages, return_lse=True)
-            out, lse = merge_prefix(out, lse, [self._prefix_part(p, q, k_pages, v_pages) for p in self.prefixes])
+            parts = [prefix_part(p, q, k_pages, v_pages, self.fallback, lambda: self._inputs(q, k_pages, v_pages),
+                                 self.kernel) for p in self.prefixes]
+            out, lse = merge_prefix(out, lse, parts)
         else:
             out, lse = self._sequences(q, k_pages, v_pages).run(q, k_pages, v_pages)
+            if self.path == "mixed":
+                self._read_decodes(out, lse, q, k_pages, v_pages)
         if self.call.sinks is not None:  # once per row, after every part ([Nq, Hq, 1, ..] as [B, Hq, T, ..])
             out, lse = (x[:, :, 0] for x in apply_sinks(out[:, :, None], lse[:, :, None], self.call.sinks))
         return out, lse
@@ -175,20 +167,18 @@ class PagedPlan:
             self.fallback["sequences"] = plan_sequences(self._inputs(q, k_pages, v_pages), self._twin_kernel())
         return self.fallback["sequences"]
 
-    def _prefix_part(self, prefix: PrefixPass, q, k_pages, v_pages):
-        """``(rows, out [n, Hq, Dv], lse [n, Hq])`` of one shared prefix's pass (fp32 / fp64)."""
-        q_rows = q[prefix.rows]
-        result = None if prefix.native is None else prefix.native.run(q_rows, k_pages, v_pages)
-        if result is None:  # (or NaN/inf in q: the runs keep it to its rows, planned at the first such run)
-            runs = prefix.sequences
-            if runs is None:
-                key = ("prefix", prefix.members[0])
-                if key not in self.fallback:
-                    _, inputs = prefix_inputs(self._inputs(q, k_pages, v_pages), prefix.members, prefix.pages)
-                    self.fallback[key] = plan_sequences(inputs, self.kernel, runs=True)
-                runs = self.fallback[key]
-            result = runs.run(q_rows, k_pages, v_pages)
-        return (prefix.rows, *result)
+    def _read_decodes(self, out, lse, q, k_pages, v_pages) -> None:
+        """A mixed step's decodes into their rows of ``out`` and ``lse``: in place, or (NaN/inf in q) each one's own
+        call, planned at the first such run."""
+        rows, members = self.decodes
+        result = self.in_place.run(q[rows], k_pages, v_pages, True)
+        if result is None:
+            if "decodes" not in self.fallback:
+                self.fallback["decodes"] = plan_sequences(self._inputs(q, k_pages, v_pages), self._twin_kernel(),
+                                                          only=members)
+            result = (x[rows] for x in self.fallback["decodes"].run(q, k_pages, v_pages))
+        part_out, part_lse = result
+        out[rows], lse[rows] = part_out.to(out.dtype), part_lse.to(lse.dtype)
 
     def _twin_kernel(self) -> str:
         """The kernel each sequence's call is planned with: the one asked for, unless it is the in-place reader that
@@ -228,7 +218,7 @@ def _plan(inputs: PagedInputs, query_indptr: torch.Tensor, kernel: str, cascade:
         suffix = plan_paged(i.q, i.k_pages, i.v_pages, table, lens, query_indptr, shifted, window=i.window,
                             softcap=i.softcap, scale=i.scale, alibi_slopes=i.alibi_slopes, kernel=kernel,
                             cascade=False)
-        prefixes = tuple(_plan_prefix(i, members, pages, kernel) for members, pages in groups)
+        prefixes = tuple(plan_prefix(i, members, pages, kernel) for members, pages in groups)
         choice = KernelChoice("cascade", "shared prefixes read once for every sequence that holds them")
         return PagedPlan(**common, path="cascade", choice=choice, prefixes=prefixes, suffix=suffix)
     choice = choose_paged(i, kernel)
@@ -238,22 +228,33 @@ def _plan(inputs: PagedInputs, query_indptr: torch.Tensor, kernel: str, cascade:
                              in_place=KERNELS[choice.kernel].paged.prepare(i))
         except DoesNotFit as error:  # found while preparing (the library cannot be built, a dtype it cannot read)
             choice = KernelChoice(GATHERED, f"not {choice.kernel} in place: {error}", choice.passed_over)
-    return PagedPlan(**common, path="per sequence", choice=choice, sequences=plan_sequences(i, kernel))
+    return _plan_mixed(i, common, choice, kernel) or PagedPlan(**common, path="per sequence", choice=choice,
+                                                               sequences=plan_sequences(i, kernel))
 
 
-def _plan_prefix(inputs: PagedInputs, members: list[int], pages: int, kernel: str) -> PrefixPass:
-    """The pass of one shared prefix: in place by the native kernel where it reads it, else by runs of pages."""
-    rows, prefix = prefix_inputs(inputs, members, pages)
-    untaken = inputs.softcap is not None or inputs.alibi_slopes is not None
-    why_not = (None if kernel in ("auto", "decode_native") else f"kernel={kernel!r} forced") or \
-        ("softcap / ALiBi: not computed by the native kernel" if untaken else native_pass_fits(prefix))
-    native = None
-    if why_not is None:
-        try:
-            native = NativeStep(prefix)
-        except DoesNotFit as error:
-            why_not = str(error)
-    sequences = plan_sequences(prefix, kernel, runs=True) if native is None else None
-    return PrefixPass(members, pages, rows, native, sequences, why_not)
-
-
+def _plan_mixed(inputs: PagedInputs, common: dict, choice: KernelChoice, kernel: str) -> PagedPlan | None:
+    """A mixed step (decodes beside prefills or chunks): the largest group of sequences with the same 1..16 new
+    queries read in place as one call where a kernel reads it so, every other sequence its own planned call; None
+    where there is no such split."""
+    tables, by_count = inputs.tables, {}
+    for b in range(tables.batch):
+        count = tables.starts[b + 1] - tables.starts[b]
+        if count:
+            by_count.setdefault(count, []).append(b)
+    members = max((group for count, group in by_count.items() if count <= MAX_DECODE_QUERIES), key=len, default=[])
+    rest = [b for count, group in by_count.items() for b in group if b not in members]
+    if not members or not rest:
+        return None
+    rows, decodes = select(inputs, members)
+    found = choose_paged(decodes, kernel)
+    if found.kernel == GATHERED:
+        return None
+    try:
+        in_place = KERNELS[found.kernel].paged.prepare(decodes)
+    except DoesNotFit:
+        return None
+    count = tables.starts[members[0] + 1] - tables.starts[members[0]]
+    reason = (f"a mixed step: the {len(members)} sequences of {count} new queries read in place as one call "
+              f"({found.reason}), each other sequence its own planned call")
+    return PagedPlan(**common, path="mixed", choice=KernelChoice(found.kernel, reason, choice.passed_over),
+                     in_place=in_place, sequences=plan_sequences(inputs, kernel, only=rest), decodes=(rows, members))

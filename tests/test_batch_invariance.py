@@ -111,3 +111,15 @@ def test_an_int8_request_is_bitwise_the_same_in_any_batch_and_page_size():
                 for page_size in (1, 16, 256):
                     assert torch.equal(paged(batch, page_size, quantized=True)[at], alone)
     torch.testing.assert_close(alone, contiguous([quantized_request(mine)])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("length", [17, 18, 19, 2049, 3003], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_a_request_whose_last_block_is_ragged_is_the_same_beside_a_longer_one(length, dtype):
+    # its last block of keys holds 1-3 keys past a multiple of 4: alone they are the block's end, beside a longer
+    # request they sit before masked padding, read by the kernel's 4-key pass instead of its 1- or 2-key pass
+    mine, longer = requests([length, length + 5], dtype, seed=length)
+    alone = contiguous([mine])[0]
+    for at, batch in ((0, [mine, longer]), (1, [longer, mine])):
+        assert torch.equal(contiguous(batch)[at], alone)
+        assert torch.equal(paged(batch, 16)[at], alone)

@@ -469,3 +469,26 @@ def test_the_dequantized_twin_merges_many_small_chunks_exactly(dtype, monkeypatc
                             visibility(qpos, torch.arange(300).expand(2, 300), allowed), 16 ** -0.5)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "plain_cpp"])
+def test_a_rows_result_is_bitwise_the_same_with_masked_keys_after_its_last_on_each_vector_path(variant,
+                                                                                           variant_library):
+    # batch invariance: a row's keys end a block alone (1-3 keys past a multiple of 4: the 2- and 1-key passes), but
+    # sit before masked padding in a batch (the 4-key pass); each key's score must be summed in one order
+    from engine.kernels.decode.decode_native import _call
+
+    library = variant_library(variant)
+    g = torch.Generator().manual_seed(9)
+    for rows in (4, 3, 8):  # the row groups of 4 and the 3-row remainder
+        for n in (17, 18, 19, 66, 131):
+            q_rows = torch.randn(1, 2, rows, 32, generator=g)
+            k, v = torch.randn(1, 2, n + 3, 32, generator=g), torch.randn(1, 2, n + 3, 32, generator=g)
+            alone = torch.zeros(1, 2, rows, 32), torch.zeros(1, 2, rows)
+            _call(library, q_rows, 1.0, (k[:, :, :n], None), (v[:, :, :n], None), None, *alone)
+            visible = (torch.arange(n + 3) < n).expand(1, 1, rows, n + 3).contiguous()  # [1, 1, R, S]
+            padded = torch.zeros(1, 2, rows, 32), torch.zeros(1, 2, rows)
+            _call(library, q_rows, 1.0, (k, None), (v, None), visible, *padded)
+            assert torch.equal(alone[0], padded[0]) and torch.equal(alone[1], padded[1]), (rows, n)

@@ -211,6 +211,13 @@ inline __m256 to_ymm(vec x) {
     return x;
 #endif
 }
+// The sum of one vector in hsum8's order, so a key's score is bitwise the same whichever pass computes it (the 4-key
+// pass, or the 2- and 1-key passes at a block's end: batch invariance when padding follows a row's last key).
+inline float hsum1(vec v) {
+    __m256 h = _mm256_hadd_ps(to_ymm(v), to_ymm(v));
+    h = _mm256_hadd_ps(h, h);  // [(x0+x1)+(x2+x3), .., .., .., (x4+x5)+(x6+x7), ..]
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
 inline void hsum8(vec v0, vec v1, vec v2, vec v3, vec v4, vec v5, vec v6, vec v7, float* out) {
     const __m256 h01 = _mm256_hadd_ps(to_ymm(v0), to_ymm(v1)), h23 = _mm256_hadd_ps(to_ymm(v2), to_ymm(v3));
     const __m256 h45 = _mm256_hadd_ps(to_ymm(v4), to_ymm(v5)), h67 = _mm256_hadd_ps(to_ymm(v6), to_ymm(v7));
@@ -441,8 +448,8 @@ struct Item {
                     }
                 } else {
                     for (int r = 0; r < N; ++r) {
-                        s[(r0 + r) * BLOCK + jj] = vsum(a0[r]) * u0;
-                        s[(r0 + r) * BLOCK + jj + 1] = vsum(a1[r]) * u1;
+                        s[(r0 + r) * BLOCK + jj] = hsum1(a0[r]) * u0;
+                        s[(r0 + r) * BLOCK + jj + 1] = hsum1(a1[r]) * u1;
                     }
                 }
             }
@@ -455,7 +462,7 @@ struct Item {
                     for (int r = 0; r < N; ++r) a0[r] = vfma(vloadf(qb + (r0 + r) * D + d), x0, a0[r]);
                 }
                 const float u0 = kunit[jj];
-                for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = vsum(a0[r]) * u0;
+                for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = hsum1(a0[r]) * u0;
             }
 #endif
         } else {

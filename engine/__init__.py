@@ -13,6 +13,7 @@ The transformers backend is opt-in: ``import engine.integrations.transformers`` 
 """
 
 from engine.attention import causal_attention, merge_heads, split_heads, window_mask
+from engine.invariance import is_batch_invariant, set_batch_invariant
 from engine.kernels import KernelChoice, SlowPathWarning, merge_attention_states
 from engine.kv_cache import KVCache, kv_cache_bytes
 from engine.layer import MultiHeadAttention
@@ -36,6 +37,8 @@ __all__ = [
     "plan",
     "AttentionPlan",
     "explain",
+    "set_batch_invariant",
+    "is_batch_invariant",
     "paged_attention",
     "plan_paged",
     "PagedPlan",

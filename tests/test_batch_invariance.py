@@ -123,3 +123,82 @@ def test_a_request_whose_last_block_is_ragged_is_the_same_beside_a_longer_one(le
     for at, batch in ((0, [mine, longer]), (1, [longer, mine])):
         assert torch.equal(contiguous(batch)[at], alone)
         assert torch.equal(paged(batch, 16)[at], alone)
+
+
+@pytest.fixture
+def invariant_mode():
+    previous = engine.set_batch_invariant(True)
+    yield
+    engine.set_batch_invariant(previous)
+
+
+def prefill_chunks(q, k, v, chunk, window=None):
+    """A prompt prefilled ``chunk`` queries at a time, each chunk against the keys so far (as a server runs it)."""
+    s, outs = q.shape[2], []
+    pos = torch.arange(s)
+    for i0 in range(0, s, chunk):
+        i1 = min(s, i0 + chunk)
+        allowed = None if window is None else engine.window_mask(pos[i0:i1], pos[:i1], window)
+        outs.append(engine.causal_attention(q[:, :, i0:i1], k[:, :, :i1], v[:, :, :i1], pos[i0:i1], pos[:i1], allowed))
+    return torch.cat(outs, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 700], ids=["full", "window"])
+def test_in_batch_invariant_mode_a_prefill_is_bitwise_the_same_chunked_or_whole_alone_or_batched(
+        invariant_mode, dtype, window):
+    g = torch.Generator().manual_seed(11)
+    s = 1100
+    q, k, v = (torch.randn(1, h, s, D, generator=g).to(dtype) for h in (HQ, HKV, HKV))
+    with threads(1):
+        whole = prefill_chunks(q, k, v, s, window)
+    with threads(2):
+        assert torch.equal(prefill_chunks(q, k, v, s, window), whole)  # on any thread count
+    assert "batch-invariant mode: decode_native" in str(engine.explain(q, k, v, torch.arange(s), torch.arange(s)))
+    for chunk in (1, 16, 100, 513):
+        assert torch.equal(prefill_chunks(q, k, v, chunk, window), whole), chunk
+    # beside a longer prompt in one padded call: the same rows
+    other = [torch.randn(1, h, s + 37, D, generator=g).to(dtype) for h in (HQ, HKV, HKV)]
+    pad = [torch.nn.functional.pad(x, (0, 0, 0, 37)) for x in (q, k, v)]
+    both = [torch.cat([p, o]) for p, o in zip(pad, other)]  # [2, H, s + 37, D]
+    slots = torch.arange(s + 37)
+    kpos = torch.stack([torch.where(slots < s, slots, PAD), slots])
+    allowed = None if window is None else engine.window_mask(kpos, kpos, window)
+    batched = engine.causal_attention(*both, kpos, kpos, allowed)
+    assert torch.equal(batched[:1, :, :s], whole)
+    # and as one sequence of a paged mixed step (its keys gathered from pages of 16)
+    table = torch.randperm(-(-s // 16) + 3, generator=g)[None, : -(-s // 16)]
+    pools = [torch.zeros(table.max() + 1, 16, HKV, D, dtype=dtype) for _ in "kv"]
+    for j in range(s):
+        pools[0][table[0, j // 16], j % 16], pools[1][table[0, j // 16], j % 16] = k[0, :, j], v[0, :, j]
+    out = engine.paged_attention(q[0].transpose(0, 1), *pools, table, torch.tensor([s]), torch.tensor([0, s]),
+                                 window=window)
+    assert torch.equal(out, whole[0].transpose(0, 1))
+
+
+def test_batch_invariant_mode_stays_within_the_oracle_and_says_where_it_does_not_hold(invariant_mode):
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(2, h, 300, D, generator=g) for h in (HQ, HKV, HKV))
+    want = engine.causal_attention(q.double(), k.double(), v.double(), kernel="reference")
+    torch.testing.assert_close(engine.causal_attention(q, k, v).double(), want, rtol=1e-5, atol=1e-5)
+    assert engine.explain(q, k, v).kernel == "decode_native"
+    text = str(engine.explain(q.requires_grad_(), k, v))
+    assert "NOT batch-invariant, decode_native does not run it (gradients are needed" in text
+    with pytest.raises(ValueError, match="True or False"):
+        engine.set_batch_invariant("yes")
+
+
+def test_a_plan_made_in_one_mode_is_not_reused_in_the_other():
+    q, k, v = (torch.randn(1, h, 64, D) for h in (HQ, HKV, HKV))
+    plain = engine.causal_attention(q, k, v)
+    previous = engine.set_batch_invariant(True)
+    try:
+        fresh = engine.plan(q, k, v)  # (engine.plan never looks in the plain-call cache)
+        assert fresh.kernel == "decode_native"
+        invariant = engine.causal_attention(q, k, v)  # a cached plain-call plan of the other mode is not found
+        assert torch.equal(invariant, fresh.run(q, k, v)) and not torch.equal(invariant, plain)
+    finally:
+        engine.set_batch_invariant(previous)
+    assert engine.explain(q, k, v).kernel != "decode_native"
+    torch.testing.assert_close(invariant, plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(engine.causal_attention(q, k, v), plain)

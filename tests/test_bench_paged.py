@@ -7,6 +7,7 @@ import json
 
 import torch
 
+import engine
 from engine import paged_attention
 from lab.bench import paged as bench_paged
 
@@ -79,3 +80,11 @@ def test_the_mixed_group_times_a_step_planned_once_against_the_same_calls_contig
     assert {r["kernel"] for r in rows} == {"mixed"}  # the decodes in place as one call, each prefill chunk its own
     assert all(r["max |diff|"] < 1e-5 for r in rows)
     assert all(r["met"] in ("yes", "no") for r in rows if r["target"])
+
+
+def test_the_invariant_group_times_both_modes_and_leaves_the_default_on(tmp_path):
+    rows = quick_rows(tmp_path, "invariant")
+    assert {(r["impl"], r["kernel"]) for r in rows if r["case"].startswith("prefill")} == {
+        ("default", "sdpa"), ("batch-invariant", "decode_native")}
+    assert all(r["max |diff|"] < 2e-2 for r in rows)
+    assert not engine.is_batch_invariant()

@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 
 from engine.inputs import AttentionInputs
+from engine.invariance import is_batch_invariant
 from engine.kernels.common import DoesNotFit, empty_result
 from engine.kernels.cuda.sdpa_cuda import sdpa_cuda_attention, sdpa_cuda_fits
 from engine.kernels.decode import decode_native
@@ -222,13 +223,18 @@ def _with_modifiers(choice: KernelChoice, inputs: AttentionInputs) -> KernelChoi
         choice.modifiers.append(f"{', '.join(options)}: computed by {choice.kernel}")
     if inputs.modifiers.sinks is not None:
         choice.modifiers.append(f"sinks: applied to {choice.kernel}'s out and lse after it runs (any kernel)")
+    if is_batch_invariant():
+        why_not = choice.passed_over.get("decode_native")
+        choice.modifiers.append("batch-invariant mode: " + (
+            "decode_native, 16 queries at a time" if choice.kernel == "decode_native" else
+            f"NOT batch-invariant, decode_native does not run it ({why_not or 'forced away from it'})"))
     return choice
 
 
 def environment() -> tuple:
     """What kernel choices depend on besides a call's inputs (the native library's availability): part of the key
     under which plans are reused."""
-    return (decode_native.native_unavailable(),)
+    return (decode_native.native_unavailable(), is_batch_invariant())
 
 
 def check_kernel_name(kernel: str) -> None:

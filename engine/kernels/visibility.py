@@ -113,11 +113,30 @@ def visible_span(mask, batch: int, t: int, s: int) -> tuple[int, int]:
     return int(hits[0]) * block, min(int(hits[-1] + 1) * block, s)
 
 
-def row_visibility(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: int) -> torch.Tensor:
-    """Bool ``[B|1, Hkv|1, G*T, j1-j0]``: which keys each query row sees."""
+def chunk_rows(inputs, i0: int, i1: int) -> tuple[int, int, torch.Tensor | None]:
+    """``decode_rows`` for query rows i0 .. i1-1 alone (a chunk of a prefill in batch-invariant mode): the span of
+    keys they see, in whole blocks of 256 as ``visible_span`` cuts it, and their visibility
+    ``[B|1, Hkv|1, G*T_c, j1-j0]`` (None: every key)."""
+    batch, q_heads, t, _ = inputs.q.shape
+    kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
+    mask = visibility_mask(inputs)
+    if mask is None:
+        return 0, s, None
+    visible = row_visibility(mask, batch, kv_heads, q_heads // kv_heads, i1 - i0, 0, s, first=i0)  # [.., G*T_c, S]
+    seen = visible.reshape(-1, s).any(0).nonzero()
+    if seen.numel() == 0:
+        return 0, 0, None
+    block = 256
+    j0, j1 = int(seen[0]) // block * block, min(-(-(int(seen[-1]) + 1) // block) * block, s)
+    return j0, j1, visible[..., j0:j1].contiguous()
+
+
+def row_visibility(mask, batch: int, kv_heads: int, group: int, t: int, j0: int, j1: int,
+                   first: int = 0) -> torch.Tensor:
+    """Bool ``[B|1, Hkv|1, G*T, j1-j0]``: which keys each query row sees (query rows ``first .. first+T-1``)."""
     blocks = []
     for b in range(batch if mask.batched() else 1):
-        visible = mask.block(b, 0, t, j0, j1)  # [T, n] or [Hq|1, T|1, n|1]
+        visible = mask.block(b, first, first + t, j0, j1)  # [T, n] or [Hq|1, T|1, n|1]
         visible = visible.expand(*visible.shape[:-2], t, j1 - j0)
         if visible.dim() == 3 and visible.shape[0] > 1:  # per head: [Hq, T, n] -> [Hkv, G*T, n]
             visible = visible.reshape(kv_heads, group * t, j1 - j0)

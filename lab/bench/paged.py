@@ -13,6 +13,9 @@
 - ``mixed``: a mixed step (two prefill chunks of 64 queries and decodes, SmolLM2's shape, pages of 16): the calls
   planned once per step (each sequence's own call), beside the same calls on contiguous keys and the unplanned
   ``paged_attention`` (a layer's cost before the step was planned); target <= 1.2x contiguous.
+- ``invariant``: what batch-invariant mode costs: a causal prefill of S = 512 / 2048 queries and a decode step
+  against S keys (SmolLM2's shape, fp32 / bf16), planned in the default mode and in batch-invariant mode
+  (``time/contiguous`` is then the time over the default mode's).
 - ``continuous``: one layer of a continuous-batching decode step of 32 requests (transformers' packed keys through
   the engine's adapter, its step planned by the first layer) beside the same keys contiguous; target <= 1.2x.
 - ``cascade``: 32 sequences sharing an 8k-token prefix (forked from one prompt: the same pages) plus 64 tokens of
@@ -40,14 +43,14 @@ from engine import PagedKVCache, paged_attention, plan_paged
 from engine.quantized import quantize
 from lab import plots
 from lab.bench.paged_pools import pools, quantized_pool
-from lab.bench.paged_step import continuous_rows, mixed_rows, step_rows
+from lab.bench.paged_step import continuous_rows, invariant_rows, mixed_rows, step_rows
 from lab.measure import format_table, interleaved_us, machine_info, progress, save_results
 from lab.options import add_common, apply_threads
 
 B, HQ, HKV, D = 8, 32, 8, 128
 TARGET = 1.1
 CASCADE_TARGET = 4.0
-GROUPS = ("decode", "step", "mixed", "continuous", "cascade", "memory")
+GROUPS = ("decode", "step", "mixed", "continuous", "invariant", "cascade", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,14 +177,14 @@ def main(args: argparse.Namespace) -> int:
         print(f"unknown --groups {unknown}: choose from {', '.join(GROUPS)}")
         return 2
     rows = ((decode_rows(args) if "decode" in groups else []) + (step_rows(args) if "step" in groups else [])
-            + (mixed_rows(args) if "mixed" in groups else [])
+            + (mixed_rows(args) if "mixed" in groups else []) + (invariant_rows(args) if "invariant" in groups else [])
             + (continuous_rows(args) if "continuous" in groups else [])
             + (cascade_rows(args) if "cascade" in groups else []) + (memory_rows(args) if "memory" in groups else []))
     decode = [r for r in rows if r["group"] == "decode"]
     if decode:
         print(format_table(decode, ["case", "impl", "ms", "time/contiguous", "K/V GB/s", "of copy", "target", "met",
                                     "max |diff|"]))
-    step = [r for r in rows if r["group"] in ("step", "mixed", "continuous")]
+    step = [r for r in rows if r["group"] in ("step", "mixed", "continuous", "invariant")]
     if step:
         print("\n" + format_table(step, ["case", "impl", "kernel", "us", "time/contiguous", "target", "met",
                                          "max |diff|"]))

@@ -167,3 +167,33 @@ def mixed_rows(args) -> list[dict[str, Any]]:
              "target": f"<= {MIXED_TARGET}x" if name == "paged plan.run" else None,
              "met": (("yes" if us[name] / us["contiguous plan.run"] <= MIXED_TARGET else "no")
                      if name == "paged plan.run" else None), "max |diff|": diff} for name in impls]
+
+
+def invariant_rows(args) -> list[dict[str, Any]]:
+    """What batch-invariant mode costs (``engine.set_batch_invariant``): a causal prefill of S queries (and a decode
+    step against S keys) planned in the default mode and in batch-invariant mode, timed interleaved."""
+    g = torch.Generator().manual_seed(args.seed)
+    rounds, calls = (3, 2) if args.quick else (7, 3)
+    cases = [(t, s, dtype) for s in ((512,) if args.quick else (512, 2048)) for t in (1, s)
+             for dtype in (torch.float32, torch.bfloat16)]
+    rows = []
+    for t, s, dtype in progress(cases, "bench paged: invariant", quiet=args.quiet):
+        q = torch.randn(1, HQ, t, D, generator=g).to(dtype)
+        k, v = (torch.randn(1, HKV, s, D, generator=g).to(dtype) for _ in range(2))
+        qpos, kpos = torch.arange(s - t, s), torch.arange(s)
+        default = engine.plan(q, k, v, qpos, kpos)
+        previous = engine.set_batch_invariant(True)
+        try:
+            invariant = engine.plan(q, k, v, qpos, kpos)
+        finally:
+            engine.set_batch_invariant(previous)
+        impls = {name: (lambda p=p, q=q, k=k, v=v: p.run(q, k, v))
+                 for name, p in (("default", default), ("batch-invariant", invariant))}
+        diff = (impls["default"]().float() - impls["batch-invariant"]().float()).abs().max().item()
+        us = interleaved_us(impls, rounds, calls, warmup=1)
+        for name, plan in (("default", default), ("batch-invariant", invariant)):
+            rows.append({"group": "invariant", "case": f"{'decode' if t == 1 else 'prefill'} T={t} S={s} "
+                         f"{str(dtype)[6:]}", "impl": name, "kernel": plan.kernel, "us": us[name],
+                         "time/contiguous": us[name] / us["default"], "target": None, "met": None,
+                         "max |diff|": diff})
+    return rows

@@ -27,9 +27,10 @@ import ctypes
 import torch
 
 from engine.inputs import AttentionInputs
+from engine.invariance import is_batch_invariant
 from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, needs_grad, unfold_groups
 from engine.kernels.decode.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
-from engine.kernels.visibility import decode_rows
+from engine.kernels.visibility import chunk_rows, decode_rows
 from engine.quantized import QuantizedKV
 
 MAX_QUERIES = MAX_DECODE_QUERIES  # (engine.kernels.common: one limit for every decode path)
@@ -46,8 +47,8 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
     if why_not is not None:
         return why_not
     q, k = inputs.q, inputs.k
-    if q.shape[2] > MAX_QUERIES:
-        return f"T = {q.shape[2]} queries: decode serves T <= {MAX_QUERIES}"
+    if q.shape[2] > MAX_QUERIES and not is_batch_invariant():
+        return f"T = {q.shape[2]} queries: decode serves T <= {MAX_QUERIES} (any T in batch-invariant mode)"
     if q.device.type != "cpu":
         return f"the native kernel runs on the CPU, got device {q.device}"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -86,27 +87,37 @@ def _runner(inputs: AttentionInputs):
         raise DoesNotFit(library)
     batch, q_heads, t, d = inputs.q.shape
     kv_heads, dv = inputs.k.shape[1], inputs.v.shape[3]
-    rows = (q_heads // kv_heads) * t
-    j0, j1, visible = decode_rows(inputs)
     resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles NaN in q
-    scale, planned = inputs.scale, []  # the DecodeCall, made by the first run (from its strides)
+    if t <= MAX_QUERIES:
+        chunks = [(0, t, *decode_rows(inputs))]
+    else:  # batch-invariant mode: MAX_QUERIES queries at a time, each chunk its own span and visibility
+        chunks = [(i0, min(t, i0 + MAX_QUERIES), *chunk_rows(inputs, i0, min(t, i0 + MAX_QUERIES)))
+                  for i0 in range(0, t, MAX_QUERIES)]
+    planned: dict[int, tuple] = {}  # each chunk's DecodeCall, made by the first run (from its strides)
 
-    def run(q, k, v, return_lse: bool):
-        out = torch.empty(batch, kv_heads, rows, dv)  # [B, Hkv, G*T, Dv] fp32, written whole by the kernel
-        lse = torch.empty(batch, kv_heads, rows)  # [B, Hkv, G*T]
+    def chunk(q, k, v, i0: int, i1: int, j0: int, j1: int, visible):
+        """``(out [B, Hq, T_c, Dv] fp32, lse [B, Hq, T_c])`` of queries i0 .. i1-1 (a view of the kernel's rows)."""
+        rows = (q_heads // kv_heads) * (i1 - i0)
+        out = torch.empty(batch, kv_heads, rows, dv)  # [B, Hkv, G*T_c, Dv] fp32, written whole by the kernel
+        lse = torch.empty(batch, kv_heads, rows)  # [B, Hkv, G*T_c]
         if j1 > j0:
-            q_rows = fold_groups(q if q.dtype == torch.float32 else q.float(), kv_heads)  # [B, Hkv, G*T, D]
+            q_rows = fold_groups((q if q.dtype == torch.float32 else q.float())[:, :, i0:i1], kv_heads)  # scaled in C++
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
-            if not planned:
-                planned.append(_template(scale, q_rows, keys, values, visible, key_offset=j0))
-            if _run(library, planned[0], q_rows, keys, values, out, lse) == NON_FINITE_Q:
+            if i0 not in planned:
+                planned[i0] = _template(inputs.scale, q_rows, keys, values, visible, key_offset=j0)
+            if _run(library, planned[i0], q_rows, keys, values, out, lse) == NON_FINITE_Q:
                 raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
         else:  # no row sees any key
             out.zero_()
             lse.fill_(float("-inf"))
-        out = unfold_groups(out, q_heads)  # [B, Hq, T, Dv]
+        return unfold_groups(out, q_heads), unfold_groups(lse, q_heads)  # rows g*T + i -> head h*G + g, query i
+
+    def run(q, k, v, return_lse: bool):
+        parts = [chunk(q, k, v, *c) for c in chunks]
+        out, lse = parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts], 2),
+                                                      torch.cat([x for _, x in parts], 2))
         out = out if q.dtype == torch.float32 else out.to(q.dtype)
-        return out, (unfold_groups(lse, q_heads) if return_lse else None)
+        return out, (lse if return_lse else None)
 
     return run
 

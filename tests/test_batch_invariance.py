@@ -1,9 +1,10 @@
-"""Batch invariance of a decode step (issue 26): a request's output is bitwise the same whatever else shares its
-batch, whether its keys are contiguous or paged (pages of 1, 16, 256 in any placement), with 1 or 2 threads.
+"""Batch invariance (issue 26): a request's decode output is bitwise the same whatever else shares its batch, whether
+its keys are contiguous or paged (pages of 1, 16, 256 in any placement), with 1 or 2 threads; in batch-invariant
+mode (engine.set_batch_invariant) a prefill's too, chunked or whole.
 
 The native decode kernel cuts each sequence's keys into work items at fixed multiples of its SPLIT positions and
-merges them in order, so a row's result depends on its own keys alone. (Prefill kernels and the model's matrix
-products are not covered: see docs/CONVENTIONS.md.)"""
+merges them in order, so a row's result depends on its own keys alone. (The model's matrix products are not
+covered: see docs/CONVENTIONS.md.)"""
 
 from __future__ import annotations
 

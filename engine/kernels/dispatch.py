@@ -21,11 +21,11 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 |              |                                                             | decode_native also reads)       |
 | reference    | dense scores ``[B, Hq, T, S]`` (the oracle)                 | everything, small sizes only    |
 
-Paged K/V is a third source beside dense and quantized K/V: a paged call (engine.paged.inputs) walks the same table,
-and the kernels whose ``takes`` has ``paged`` (decode_native: a decode step through the page table; flex: forced, or
-auto on CUDA) read its pools in place through their ``paged`` row (engine.kernels.paged_rows); engine.paged.plan's
-``choose_paged`` says which and why. Where none does, the readable twin runs: each sequence's keys gathered and its
-own call planned (engine.paged.sequences), the oracle of the rows.
+Paged K/V is a third source beside dense and quantized K/V: a paged call walks the same table, and the kernels whose
+``takes`` has ``paged`` (decode_native, flex) read its pools in place through their ``paged`` row (engine.kernels
+.paged_rows; engine.paged.plan's ``choose_paged``). Where none does, each sequence's keys are gathered and its own
+call planned (engine.paged.sequences), the readable twin. Batch-invariant mode (engine.invariance): decode_native
+takes any T, 16 queries at a time.
 
 Score modifiers (engine.modifiers) are options a kernel takes or not; sinks are none: they act on each row's
 lse after whichever kernel ran (engine.kernels.sinks), and ``explain`` says so.
@@ -224,10 +224,9 @@ def _with_modifiers(choice: KernelChoice, inputs: AttentionInputs) -> KernelChoi
     if inputs.modifiers.sinks is not None:
         choice.modifiers.append(f"sinks: applied to {choice.kernel}'s out and lse after it runs (any kernel)")
     if is_batch_invariant():
-        why_not = choice.passed_over.get("decode_native")
-        choice.modifiers.append("batch-invariant mode: " + (
-            "decode_native, 16 queries at a time" if choice.kernel == "decode_native" else
-            f"NOT batch-invariant, decode_native does not run it ({why_not or 'forced away from it'})"))
+        why_not = choice.passed_over.get("decode_native", "forced away from it")
+        choice.modifiers.append("batch-invariant mode: " + ("decode_native, 16 queries at a time" if choice.kernel ==
+                                "decode_native" else f"NOT batch-invariant, decode_native does not run it ({why_not})"))
     return choice
 
 

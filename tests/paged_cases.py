@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 
 def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions=None, window=None, softcap=None,
-           scale=None, sinks=None, alibi=None):
+           scale=None, sinks=None, alibi=None, allowed=None):
     """float64 ``(out [Nq, Hq, Dv], lse [Nq, Hq])``, one query and head at a time, each key read at
     ``pool[page_table[b, j // P], j % P]``."""
     nq, hq, d = q.shape
@@ -24,7 +24,8 @@ def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positio
         start, stop, length = int(query_indptr[b]), int(query_indptr[b + 1]), int(kv_lens[b])
         for row in range(start, stop):
             pos = int(query_positions[row]) if query_positions is not None else length - (stop - row)
-            keys = [j for j in range(length) if j <= pos and (window is None or pos - j < window)]
+            keys = [j for j in range(length) if j <= pos and (window is None or pos - j < window)
+                    and (allowed is None or bool(allowed[row, j]))]
             for h in range(hq):
                 slots = [(int(page_table[b, j // page_size]), j % page_size) for j in keys]
                 k = torch.stack([k_pages[p, s, h // (hq // hkv)] for p, s in slots]).double() if slots else None

@@ -107,7 +107,7 @@ class Kernel(NamedTuple):
 KERNELS: dict[str, Kernel] = {
     "decode_native": Kernel(native_decode_attention, native_decode_fits, native_decode_pays_off,
                             "few queries against a long cache, in C++: each K/V row read once for its query group, "
-                            "converted in registers", takes=frozenset({"quantized_kv", "paged"}),
+                            "converted in registers", takes=frozenset({"quantized_kv", "paged", "allowed"}),
                             prepare=native_decode_runner, paged=NATIVE_PAGED),
     "decode": Kernel(decode_attention, decode_fits, decode_pays_off,
                      "few queries against a long cache: reads each K/V byte once, split across chunks",

@@ -7,7 +7,11 @@ they read the pools in place (their ``Kernel.paged`` row, engine.kernels.dispatc
 readable path plans each sequence's call from it (engine.paged.sequences)::
 
     options()    what a kernel must compute besides the position rule: {"paged"} always, and "softcap",
-                 "alibi", "quantized_kv" (int8 / fp8 pools) where given (``Kernel.takes`` says which it does)
+                 "alibi", "allowed" (a mask), "quantized_kv" (int8 / fp8 pools) where given (``Kernel.takes``)
+
+``allowed`` (bool ``[Nq, K]``, K at least every sequence's key count) says which keys of its sequence each query row
+may see, column j for key j: the engine's ``allowed``, ANDed with the position rule and the window (a speculative
+tree's ancestors, a document's bounds, padding).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class PagedInputs:
     sinks: torch.Tensor | None
     alibi_slopes: torch.Tensor | None
     grad: bool
+    allowed: torch.Tensor | None = None
 
     def options(self) -> frozenset[str]:
         """What a kernel must compute for this call besides the position rule (``Kernel.takes`` lists what it does)."""
@@ -51,6 +56,8 @@ class PagedInputs:
             options.add("softcap")
         if self.alibi_slopes is not None:
             options.add("alibi")
+        if self.allowed is not None:
+            options.add("allowed")
         if isinstance(self.k_pages, QuantizedKV) or isinstance(self.v_pages, QuantizedKV):
             options.add("quantized_kv")
         return frozenset(options)
@@ -64,7 +71,7 @@ class PagedInputs:
 def paged_inputs(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv_lens: torch.Tensor,
                  query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None, *, window: int | None = None,
                  softcap: float | None = None, scale: float | None = None, sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None) -> PagedInputs:
+                 alibi_slopes: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> PagedInputs:
     """Validate a paged call (``paged_attention``'s arguments); a ValueError names what was expected and given."""
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
@@ -77,7 +84,22 @@ def paged_inputs(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv
     if sinks is not None:
         sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks
     return PagedInputs(q, k_pages, v_pages, tables, positions, window, softcap, scale, sinks, alibi_slopes,
-                       needs_grad(q, k_pages, v_pages))
+                       needs_grad(q, k_pages, v_pages), _allowed(allowed, tables, q))
+
+
+def _allowed(allowed, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor | None:
+    """The call's own copy of ``allowed`` (bool ``[Nq, K]``), checked; None for None."""
+    if allowed is None:
+        return None
+    longest = max(tables.kv_lens, default=0)
+    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool or allowed.dim() != 2 or \
+            allowed.shape[0] != q.shape[0] or allowed.shape[1] < longest:
+        raise ValueError(f"allowed of a paged call must be a bool tensor [Nq, K] = [{q.shape[0]}, >= {longest}] (row: "
+                         f"a query, column j: key j of its sequence), got "
+                         f"{getattr(allowed, 'dtype', type(allowed).__name__)} {list(getattr(allowed, 'shape', []))}")
+    if allowed.device != q.device:
+        raise ValueError(f"allowed must be on q's device {q.device}, got {allowed.device}")
+    return allowed[:, :longest].clone()
 
 
 def select(inputs: PagedInputs, members: list[int]) -> tuple[torch.Tensor, PagedInputs]:
@@ -90,7 +112,8 @@ def select(inputs: PagedInputs, members: list[int]) -> tuple[torch.Tensor, Paged
     chosen = PagedBatch(starts, [tables.kv_lens[b] for b in members], tables.page_table[members],
                         tables.page_size, tables.released)
     rows = rows.to(inputs.q.device)
-    return rows, replace(inputs, q=inputs.q[rows], tables=chosen, positions=inputs.positions[rows], sinks=None)
+    return rows, replace(inputs, q=inputs.q[rows], tables=chosen, positions=inputs.positions[rows], sinks=None,
+                         allowed=None if inputs.allowed is None else inputs.allowed[rows])
 
 
 def _query_positions(query_positions, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor:

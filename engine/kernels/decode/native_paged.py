@@ -2,7 +2,8 @@
 
 It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
 plain decoding), on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in
-registers), without gradients, softcap or ALiBi (sinks act on its out and lse afterwards, engine.paged.attention).
+registers), without gradients, softcap or ALiBi (sinks act on its out and lse afterwards, engine.paged.attention);
+a call's ``allowed`` joins each row's visibility.
 The kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
 the sequence's own length, and takes each query row's visibility from positions (and the window) unless every
 key up to that length is visible (one query per sequence at its default position, no window)::
@@ -80,9 +81,10 @@ class NativeStep:
         self.lengths = torch.tensor(tables.kv_lens, dtype=torch.long)  # [B]
         per_row = inputs.positions.view(batch, t).cpu()  # [B, T]
         self.visible = None  # every query at or after its sequence's last key, the window covering all: no mask
-        if not (bool((per_row >= self.lengths[:, None] - 1).all())
-                and (window is None or bool((per_row < window).all()))):
-            self.visible = _row_visibility(per_row, self.lengths, window, group)  # [B, 1, G*T, S]
+        allowed = None if inputs.allowed is None else inputs.allowed.cpu().view(batch, t, -1)  # [B, T, S]
+        if allowed is not None or not (bool((per_row >= self.lengths[:, None] - 1).all())
+                                       and (window is None or bool((per_row < window).all()))):
+            self.visible = _row_visibility(per_row, self.lengths, window, group, allowed)  # [B, 1, G*T, S]
         rows = (batch, kv_heads, group * t, d)
         self.template = paged_template(_data(inputs.k_pages).dtype, rows, dv, inputs.scale, self.pages, self.lengths,
                                        tables.page_size, self.visible)
@@ -112,11 +114,15 @@ def _data(pool):
     return pool.data if isinstance(pool, QuantizedKV) else pool
 
 
-def _row_visibility(positions: torch.Tensor, lengths: torch.Tensor, window: int | None, group: int) -> torch.Tensor:
-    """Bool ``[B, 1, G*T, S]``: key j visible to query i of sequence b iff ``j <= pos[b, i]``, ``j < length[b]`` and
-    (with a window) ``pos[b, i] - j < window``; rows g*T + i repeat query i for each head of the group."""
+def _row_visibility(positions: torch.Tensor, lengths: torch.Tensor, window: int | None, group: int,
+                    allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool ``[B, 1, G*T, S]``: key j visible to query i of sequence b iff ``j <= pos[b, i]``, ``j < length[b]``,
+    (with a window) ``pos[b, i] - j < window`` and (with a mask) ``allowed[b, i, j]``; rows g*T + i repeat query i
+    for each head of the group."""
     longest = int(lengths.max())
     keys = torch.arange(longest)  # [S]
     visible = sees(positions[:, :, None], keys, window) & (keys < lengths[:, None, None])  # [B, T, S]
+    if allowed is not None:
+        visible &= allowed[:, :, :longest]
     batch, t, s = visible.shape
     return visible[:, None].expand(batch, group, t, s).reshape(batch, 1, group * t, s)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 
 def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions=None, window=None, softcap=None,
-           scale=None, sinks=None, alibi=None, allowed=None):
+           scale=None, sinks=None, alibi=None, allowed=None, score_mod=None):
     """float64 ``(out [Nq, Hq, Dv], lse [Nq, Hq])``, one query and head at a time, each key read at
     ``pool[page_table[b, j // P], j % P]``."""
     nq, hq, d = q.shape
@@ -35,6 +35,8 @@ def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positio
                     scores = softcap * torch.tanh(scores / softcap)
                 if alibi is not None:
                     scores = scores - float(alibi[h]) * torch.tensor([pos - j for j in keys], dtype=torch.float64)
+                if score_mod is not None and keys:
+                    scores = score_mod(scores, torch.tensor(b), torch.tensor(h), torch.tensor(pos), torch.tensor(keys))
                 logits = scores if sinks is None else torch.cat([scores, sinks[h].double().reshape(1)])
                 if logits.numel() == 0:
                     continue

@@ -47,8 +47,8 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
                     query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None, *,
                     window: int | None = None, softcap: float | None = None, scale: float | None = None,
                     sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-                    allowed: torch.Tensor | None = None, return_lse: bool = False, kernel: str = "auto",
-                    cascade: bool | None = None):
+                    allowed: torch.Tensor | None = None, score_mod=None, return_lse: bool = False,
+                    kernel: str = "auto", cascade: bool | None = None):
     """Attention of packed queries to their sequences' paged keys.
 
     Args:
@@ -61,6 +61,8 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
         window: keys seen per query, its own included (sliding-window attention), or None.
         allowed: bool ``[Nq, K]`` (K >= every kv_len): key j of its sequence visible to query row i only where
             ``allowed[i, j]`` (ANDed with the position rule and the window: a speculative tree's ancestors), or None.
+        score_mod: ``(score, sequence, head, query_pos, key_pos) -> score`` as in ``causal_attention`` (its batch
+            index the sequence's), or None: each sequence's own call computes it.
         softcap, scale, sinks ``[Hq]``, alibi_slopes ``[Hq]``: as in ``causal_attention``; kernel: ``"auto"`` or a
             kernel name, for each sequence's call.
         cascade: read a prefix shared by several sequences once for all of them (engine.paged.cascade); None: when
@@ -72,7 +74,7 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
     """
     step = plan_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions, window=window,
                       softcap=softcap, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, allowed=allowed,
-                      kernel=kernel, cascade=cascade)
+                      score_mod=score_mod, kernel=kernel, cascade=cascade)
     return step.run(q, k_pages, v_pages, return_lse=return_lse)
 
 
@@ -83,5 +85,6 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
     modifiers.pop("return_lse", None)
     step = plan_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions, window=window,
                       softcap=softcap, scale=scale, kernel=kernel, cascade=cascade, sinks=modifiers.get("sinks"),
-                      alibi_slopes=modifiers.get("alibi_slopes"), allowed=modifiers.get("allowed"))
+                      alibi_slopes=modifiers.get("alibi_slopes"), allowed=modifiers.get("allowed"),
+                      score_mod=modifiers.get("score_mod"))
     return describe(step)

@@ -11,7 +11,8 @@ readable path plans each sequence's call from it (engine.paged.sequences)::
 
 ``allowed`` (bool ``[Nq, K]``, K at least every sequence's key count) says which keys of its sequence each query row
 may see, column j for key j: the engine's ``allowed``, ANDed with the position rule and the window (a speculative
-tree's ancestors, a document's bounds, padding).
+tree's ancestors, a document's bounds, padding). ``score_mod(score, sequence, head, query_pos, key_pos)`` is
+causal_attention's, its batch index the sequence's.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class PagedInputs:
     alibi_slopes: torch.Tensor | None
     grad: bool
     allowed: torch.Tensor | None = None
+    score_mod: object = None  # (score, sequence, head, query_pos, key_pos) -> score, as causal_attention's
 
     def options(self) -> frozenset[str]:
         """What a kernel must compute for this call besides the position rule (``Kernel.takes`` lists what it does)."""
@@ -58,6 +60,8 @@ class PagedInputs:
             options.add("alibi")
         if self.allowed is not None:
             options.add("allowed")
+        if self.score_mod is not None:
+            options.add("score_mod")
         if isinstance(self.k_pages, QuantizedKV) or isinstance(self.v_pages, QuantizedKV):
             options.add("quantized_kv")
         return frozenset(options)
@@ -71,7 +75,8 @@ class PagedInputs:
 def paged_inputs(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv_lens: torch.Tensor,
                  query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None, *, window: int | None = None,
                  softcap: float | None = None, scale: float | None = None, sinks: torch.Tensor | None = None,
-                 alibi_slopes: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> PagedInputs:
+                 alibi_slopes: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
+                 score_mod=None) -> PagedInputs:
     """Validate a paged call (``paged_attention``'s arguments); a ValueError names what was expected and given."""
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
@@ -80,11 +85,14 @@ def paged_inputs(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv
         raise ValueError(f"alibi_slopes of a paged call must be [Hq] = [{q.shape[1]}] (one slope per query head), got "
                          f"{getattr(alibi_slopes, 'shape', type(alibi_slopes).__name__)}")
     scale = resolve_scale(scale, q.shape[2])  # one float for every path (a bad scale refused on each alike)
+    if score_mod is not None and not callable(score_mod):
+        raise ValueError(f"score_mod must be a callable (score, sequence, head, query_pos, key_pos) -> score, got "
+                         f"{type(score_mod).__name__}")
     check_released(tables, positions, window)
     if sinks is not None:
         sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks
     return PagedInputs(q, k_pages, v_pages, tables, positions, window, softcap, scale, sinks, alibi_slopes,
-                       needs_grad(q, k_pages, v_pages), _allowed(allowed, tables, q))
+                       needs_grad(q, k_pages, v_pages), _allowed(allowed, tables, q), score_mod)
 
 
 def _allowed(allowed, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor | None:

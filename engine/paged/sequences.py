@@ -72,13 +72,16 @@ def plan_sequences(inputs: PagedInputs, kernel: str, *, only: list[int] | None =
     tables, q = inputs.tables, inputs.q
     modifiers = {name: x for name, x in (("softcap", inputs.softcap), ("alibi_slopes", inputs.alibi_slopes))
                  if x is not None}
+    per_head = inputs.alibi_slopes is not None or inputs.score_mod is not None  # (no GQA fold: heads stay heads)
     pages, sequences = tables.pages, []
     for b in range(tables.batch) if only is None else only:
         rows = tables.query_rows(b)
         if rows.stop == rows.start:
             continue
         split = by_runs(tables, b, kernel) if runs is None else runs
-        group = q.shape[1] // inputs.k_pages.shape[2] if split and inputs.alibi_slopes is None else 1
+        group = q.shape[1] // inputs.k_pages.shape[2] if split and not per_head else 1
+        if inputs.score_mod is not None:  # its batch index: the sequence's
+            modifiers["score_mod"] = _in_sequence(inputs.score_mod, b)
         s = SequencePlan(b, rows, pages[b], (), split, group)
         q_b, query_pos = _queries(q, s), inputs.positions[rows].repeat(group)  # [1, H, R, D], [R]
         mask = None if inputs.allowed is None else inputs.allowed[rows].repeat(group, 1)  # [R, K] or None
@@ -100,6 +103,11 @@ def _plan_call(q_b, inputs: PagedInputs, query_pos, j0: int, j1: int, kernel: st
         allowed = mask[:, j0:j1] if allowed is None else allowed & mask[:, j0:j1]
     k, v = (_stand_in(pool, j1 - j0) for pool in (inputs.k_pages, inputs.v_pages))
     return plan(q_b, k, v, query_pos, key_pos, allowed, inputs.scale, kernel=kernel, **modifiers)
+
+
+def _in_sequence(score_mod, b: int):
+    """``score_mod`` called from sequence b's own call (batch index 0) with the sequence's index."""
+    return lambda score, batch, head, query_pos, key_pos: score_mod(score, batch + b, head, query_pos, key_pos)
 
 
 def _stand_in(pool, n: int):

@@ -1,5 +1,6 @@
-"""A paged call's ``allowed`` (bool ``[Nq, K]``: key j of its sequence visible to query row i where allowed[i, j]),
-ANDed with the position rule and the window, on every path: the native kernel in place (a decode step and a mixed
+"""A paged call's options beyond the window: ``score_mod`` (its batch index the sequence's) and ``allowed`` (bool
+``[Nq, K]``: key j of its sequence visible to query row i where allowed[i, j]), ANDed with the position rule and the
+window, on every path: the native kernel in place (a decode step and a mixed
 step's decodes), each sequence's own call (gathered, by runs), against the float64 oracle; masked keys' NaN never
 leaks; a fully masked row gives 0 and lse -inf; a bad mask gets a clear error."""
 
@@ -94,7 +95,7 @@ def test_allowed_is_refused_with_what_was_expected_and_given():
             paged_attention(*args, allowed=bad)
         with pytest.raises(ValueError, match=text.replace("[", r"\[")):
             paged_attention(*args, allowed=bad)
-    with pytest.raises(ValueError, match="cascade=True with allowed"):
+    with pytest.raises(ValueError, match="cascade=True with allowed or score_mod"):
         paged_attention(*args, allowed=allowed, cascade=True)
 
 
@@ -106,3 +107,44 @@ def test_a_plan_owns_its_mask_and_explain_names_who_computes_it():
     assert torch.equal(step.run(*args[:3]), before)
     text = engine.explain_paged(*args, allowed=allowed, kernel="flex")
     assert "not flex in place: allowed: not computed by this kernel" in text
+
+
+def tilt(score, sequence, head, query_pos, key_pos):
+    """A score_mod that reads every index it is given, each one against the key (a constant per row would cancel)."""
+    return score + 0.02 * (sequence + 1) * key_pos - 0.1 * head * (query_pos - key_pos).abs()
+
+
+@settings(max_examples=30, deadline=None)
+@given(paged_batches(), st.sampled_from(["auto", "reference", "tiled"]), st.booleans())
+def test_a_paged_call_with_a_score_mod_equals_the_oracle_on_every_path(problem, kernel, masked):
+    args, options = problem
+    ours = {("alibi_slopes" if name == "alibi" else name): x for name, x in options.items()}
+    allowed = random_mask(args, 7) if masked else None
+    out, lse = paged_attention(*args, score_mod=tilt, allowed=allowed, return_lse=True, kernel=kernel, **ours)
+    want, want_lse = oracle(*args, score_mod=tilt, allowed=allowed, **options)
+    torch.testing.assert_close(out, want, rtol=1e-9, atol=1e-9)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    step = plan_paged(*args, score_mod=tilt, **ours)
+    assert step.path in ("per sequence", "flex"), str(step)  # the native kernel does not compute a score_mod
+
+
+def test_a_score_mod_that_is_not_callable_is_refused():
+    args, _ = mixed_step(nan_masked=False)
+    with pytest.raises(ValueError, match="score_mod must be a callable"):
+        paged_attention(*args, score_mod=3.0)
+    with pytest.raises(ValueError, match="cascade=True with allowed or score_mod"):
+        paged_attention(*args, score_mod=tilt, cascade=True)
+
+
+def test_a_score_mod_and_a_mask_read_by_runs_of_pages_see_each_head_and_key_position(monkeypatch):
+    # runs of one page (4 keys): each run its own call, merged by lse; with a score_mod the group's heads stay heads
+    import engine.paged.runs as runs
+    monkeypatch.setattr(runs, "RUN_KEYS", 4)
+    args, allowed = mixed_step(nan_masked=False)
+    step = plan_paged(*args, score_mod=tilt, allowed=allowed, kernel="tiled")
+    assert "by runs of 4 keys" in str(step), str(step)
+    out, lse = step.run(*args[:3], return_lse=True)
+    want, want_lse = oracle(*args, score_mod=tilt, allowed=allowed)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    seen = ~torch.isneginf(want_lse)
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)

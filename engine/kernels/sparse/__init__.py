@@ -1,0 +1,1 @@
+"""Top-k sparse attention: each query reads only the keys listed for it (engine.masks.key_indices)."""

@@ -61,7 +61,7 @@ def _keys_the_mask_describes(mask: EngineMask, key: torch.Tensor, value: torch.T
 
 
 # Keywords some models pass to their attention function that change the result; the engine refuses them.
-UNSUPPORTED_ATTENTION_KWARGS = ("indices", "block_indices")
+UNSUPPORTED_ATTENTION_KWARGS = ("block_indices",)
 
 
 def _bias_of(position_bias: torch.Tensor | None, s: int) -> torch.Tensor | None:
@@ -101,7 +101,8 @@ def engine_attention_forward(
         dropout: attention dropout probability (training).
         scaling: score multiplier; softcap: Gemma-2 score cap.
         kwargs: ``s_aux`` or ``sinks`` ``[Hq]`` (gpt-oss attention sinks), ``position_bias`` (T5's relative
-            bias ``[1|B, Hq, T, S]``).
+            bias ``[1|B, Hq, T, S]``), ``indices`` int ``[B, T, topk]`` (DeepSeek V3.2's / GLM-MoE-DSA's top-k keys
+            per query: the engine's ``key_indices``, never a dense mask).
 
     Returns:
         ``(out [B, T, Hq, Dv], None)``: attention weights are never materialised for the caller
@@ -119,6 +120,8 @@ def engine_attention_forward(
     t = query.shape[2]
     query_positions = key_positions = allowed = mask_bias = None
     sinks = kwargs.get("s_aux") if kwargs.get("s_aux") is not None else kwargs.get("sinks")
+    key_indices = kwargs.get("indices")  # [B, T, topk] (DeepSeek V3.2's indexer): one list for every head
+    key_indices = None if key_indices is None else key_indices[:, None]  # [B, 1, T, topk]
     if isinstance(attention_mask, EngineMask):
         key, value = _keys_the_mask_describes(attention_mask, key, value, t)  # [B, Hkv, S, D]
         query_positions, key_positions = attention_mask.query_positions, attention_mask.key_positions
@@ -144,9 +147,10 @@ def engine_attention_forward(
     if mask_bias is not None:
         bias = mask_bias if bias is None else bias + mask_bias
     if isinstance(attention_mask, EngineMask) and not dropout:  # planned once per forward, run by every layer
-        step_plan = attention_mask.plan_for(query, key, value, scaling, softcap, sinks, bias)
+        step_plan = attention_mask.plan_for(query, key, value, scaling, softcap, sinks, bias, key_indices)
         out = step_plan.run(query, key, value)  # [B, Hq, T, Dv]
     else:  # a dropout call draws its own pattern per layer; a dense or absent mask is planned per call
         out = causal_attention(query, key, value, query_positions, key_positions, allowed, scaling, causal=causal,
-                               softcap=softcap, sinks=sinks, bias=bias, dropout_p=dropout)  # [B, Hq, T, Dv]
+                               softcap=softcap, sinks=sinks, bias=bias, dropout_p=dropout,
+                               key_indices=key_indices)  # [B, Hq, T, Dv]
     return out.transpose(1, 2).contiguous(), None  # [B, T, Hq, Dv]

@@ -48,14 +48,33 @@ class EngineMask:
         return (batch, 1, self.query_positions.shape[0], self.key_positions.shape[0])
 
     def plan_for(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None,
-                 softcap: float | None, sinks: torch.Tensor | None, bias: torch.Tensor | None) -> AttentionPlan:
+                 softcap: float | None, sinks: torch.Tensor | None, bias: torch.Tensor | None,
+                 key_indices: torch.Tensor | None = None) -> AttentionPlan:
         """The plan of this step's attention calls with these shapes and arguments: made by the first layer that
         asks (positions resolved, mask and kernel decided once), reused by every other layer of the forward.
-        A layer's own sinks or bias (a tensor per layer) gets a plan of its own."""
-        context = (scale, softcap, Same(sinks), Same(bias), getattr(bias, "requires_grad", False))
+        A layer's own sinks, bias or top-k key indices (a tensor per layer) gets a plan of its own."""
+        context = (scale, softcap, Same(sinks), Same(bias), getattr(bias, "requires_grad", False), Same(key_indices))
+        indices = {} if key_indices is None else {"key_indices": key_indices}
         return reuse(self.plans, context, (query, key, value),
                      lambda: plan(query, key, value, self.query_positions, self.key_positions, self.allowed(), scale,
-                                  causal=self.causal, softcap=softcap, sinks=sinks, bias=bias))
+                                  causal=self.causal, softcap=softcap, sinks=sinks, bias=bias, **indices))
+
+    def to_dense(self) -> torch.Tensor:
+        """The rule as the bool ``[B|1, 1, T, S]`` tensor it stands for (True: visible), materialised: what a model
+        that reads its mask (DeepSeek V3.2's indexer: ``attention_mask[:, 0]``) gets by indexing this object."""
+        if self.dense is not None:
+            return self.dense
+        visible = torch.ones(self.query_positions.shape[0], self.key_positions.shape[0], dtype=torch.bool,
+                             device=self.query_positions.device)  # [T, S]
+        if self.causal:
+            visible = self.key_positions[None, :] <= self.query_positions[:, None]
+        allowed = self.allowed()
+        if allowed is not None:
+            visible = visible & (allowed.to_dense() if hasattr(allowed, "to_dense") else allowed)
+        return visible.reshape((1,) * (4 - visible.dim()) + tuple(visible.shape))  # [B|1, 1, T, S]
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.to_dense()[index]
 
     def allowed(self) -> torch.Tensor | None:
         """Bool mask broadcastable to ``[B, Hq, T, S]`` for causal_attention, or None (position rule only)."""

@@ -1,0 +1,152 @@
+"""``run.py bench sparse``: top-k sparse attention (``key_indices``) beside SDPA with the dense top-k mask that
+transformers builds for eager / sdpa, measured interleaved in one run.
+
+Each query of a causal prefill lists K keys drawn among those at or before it (as DeepSeek V3.2's indexer picks
+them), one list shared by every head. Rows:
+
+- ``engine sparse``: ``engine.plan(..., key_indices=...)`` forced to the ``sparse`` kernel (only the listed keys
+  gathered); ``engine auto``: what auto picks (and why not, in ``kernel``);
+- ``sdpa dense mask``: ``F.scaled_dot_product_attention`` with the bool ``[1, 1, T, S]`` mask of the indices and the
+  rule (the peer; its mask costs T x S bytes, in ``mask MiB``);
+- a decode step (T = 1) against S keys beside a dense decode over K keys (``engine plan.run`` on K contiguous
+  keys): the target is a decode time set by K, not S.
+
+    python run.py bench sparse --quick      # S = 4k, T = 512, K = 256: seconds
+    python run.py bench sparse              # S = 8k / 32k, T = 1k / 4k, K = 512 / 2048: minutes, ~5 GiB
+
+Targets: a prefill >= 8x faster than the dense mask, a decode <= 1.5x a dense decode over K keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import engine
+from lab import plots
+from lab.measure import format_table, machine_info, progress, save_results
+from lab.options import add_common, apply_threads
+
+PREFILL_TARGET, DECODE_TARGET = 8.0, 1.5
+D = 64
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser, "bench_sparse", impl_help="ignored (every row runs)", threads=2)
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def prefill_rows(args, g) -> list[dict[str, Any]]:
+    sizes = [(4096, 512, 256)] if args.quick else [(8192, 1024, 512), (32768, 4096, 2048)]
+    heads = [(16, 1), (8, 8)]
+    rows = []
+    for (s, t, k), (hq, hkv) in progress([(z, h) for z in sizes for h in heads], "bench sparse: prefill",
+                                         quiet=args.quiet):
+        rows += _prefill_case(s, t, k, hq, hkv, g, args)
+    return rows
+
+
+def _prefill_case(s: int, t: int, k: int, hq: int, hkv: int, g, args) -> list[dict[str, Any]]:
+    rows = []
+    q = torch.randn(1, hq, t, D, generator=g)
+    keys, values = (torch.randn(1, hkv, s, D, generator=g) for _ in range(2))
+    qpos, kpos = torch.arange(s - t, s), torch.arange(s)
+    listed = (torch.rand(1, 1, t, k, generator=g) * (qpos[None, None, :, None] + 1)).long()  # at or before
+    forced = engine.plan(q, keys, values, qpos, kpos, key_indices=listed, kernel="sparse")
+    auto = engine.plan(q, keys, values, qpos, kpos, key_indices=listed)
+    mask = torch.zeros(1, 1, t, s, dtype=torch.bool).scatter_(3, listed, True)  # [1, 1, T, S]: the peer's
+    mask &= kpos[None, None, None, :] <= qpos[None, None, :, None]
+    group = hq // hkv
+    peer = (lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=group > 1))
+    repeats = 1 if args.quick or s > 8192 else args.repeats
+    ms = {"engine sparse": _median_ms(lambda: forced.run(q, keys, values), repeats),
+          "engine auto": _median_ms(lambda: auto.run(q, keys, values), repeats),
+          "sdpa dense mask": _median_ms(peer, repeats)}
+    diff = (forced.run(q, keys, values) - peer()).abs().max().item()
+    case = f"prefill T={t} S={s} K={k} Hq {hq} / Hkv {hkv}"
+    for name, kernel in (("engine sparse", "sparse"), ("engine auto", auto.kernel), ("sdpa dense mask", "-")):
+        speedup = ms["sdpa dense mask"] / ms[name]
+        target = name == "engine sparse"
+        rows.append({"group": "prefill", "case": case, "impl": name, "kernel": kernel, "ms": ms[name],
+                     "speedup vs dense mask": speedup, "mask MiB": mask.numel() / 2**20 if name.startswith(
+                         "sdpa") else 0.0, "target": f">= {PREFILL_TARGET}x" if target else None,
+                     "met": ("yes" if speedup >= PREFILL_TARGET else "no") if target else None,
+                     "max |diff|": diff})
+    return rows
+
+
+def decode_rows(args, g) -> list[dict[str, Any]]:
+    sizes = [(4096, 256)] if args.quick else [(8192, 512), (32768, 2048)]
+    rows = []
+    for (s, k), (hq, hkv) in progress([(z, h) for z in sizes for h in [(16, 1), (8, 8)]], "bench sparse: decode",
+                                      quiet=args.quiet):
+        rows += _decode_case(s, k, hq, hkv, g, args)
+    return rows
+
+
+def _decode_case(s: int, k: int, hq: int, hkv: int, g, args) -> list[dict[str, Any]]:
+    rows = []
+    q = torch.randn(1, hq, 1, D, generator=g)
+    keys, values = (torch.randn(1, hkv, s, D, generator=g) for _ in range(2))
+    listed = torch.randint(0, s, (1, 1, 1, k), generator=g)
+    forced = engine.plan(q, keys, values, key_indices=listed, kernel="sparse")
+    auto = engine.plan(q, keys, values, key_indices=listed)
+    few_k, few_v = keys[:, :, :k].contiguous(), values[:, :, :k].contiguous()
+    dense = engine.plan(q, few_k, few_v)
+    repeats = 5 if args.quick else 21
+    ms = {"engine sparse": _median_ms(lambda: forced.run(q, keys, values), repeats),
+          "engine auto": _median_ms(lambda: auto.run(q, keys, values), repeats),
+          "dense decode over K keys": _median_ms(lambda: dense.run(q, few_k, few_v), repeats)}
+    case = f"decode S={s} K={k} Hq {hq} / Hkv {hkv}"
+    for name, kernel in (("engine sparse", "sparse"), ("engine auto", auto.kernel),
+                         ("dense decode over K keys", dense.kernel)):
+        ratio = ms[name] / ms["dense decode over K keys"]
+        target = name == "engine sparse"
+        rows.append({"group": "decode", "case": case, "impl": name, "kernel": kernel, "ms": ms[name],
+                     "time / dense over K": ratio, "target": f"<= {DECODE_TARGET}x" if target else None,
+                     "met": ("yes" if ratio <= DECODE_TARGET else "no") if target else None})
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], path) -> None:
+    fig, axes = plots.figure(ncols=2, width=6.0)
+    panels = ((axes[0], "prefill", "speedup vs dense mask"), (axes[1], "decode", "time / dense over K"))
+    for ax, group, column in panels:
+        mine = [r for r in rows if r["group"] == group and r["impl"] == "engine sparse"]
+        ax.bar(range(len(mine)), [r[column] for r in mine])
+        ax.axhline(PREFILL_TARGET if group == "prefill" else DECODE_TARGET, color="gray", linestyle="--",
+                   label="target")
+        ax.set_xticks(range(len(mine)), [r["case"].removeprefix(group + " ") for r in mine], rotation=25, ha="right",
+                      fontsize=7)
+        ax.set_ylabel(column)
+        ax.set_title(f"sparse {group}")
+        ax.legend()
+    plots.save(fig, path)
+
+
+def main(args: argparse.Namespace) -> int:
+    apply_threads(args)
+    g = torch.Generator().manual_seed(args.seed)
+    rows = prefill_rows(args, g) + decode_rows(args, g)
+    print(format_table([r for r in rows if r["group"] == "prefill"],
+                       ["case", "impl", "kernel", "ms", "speedup vs dense mask", "mask MiB", "target", "met",
+                        "max |diff|"]))
+    print("\n" + format_table([r for r in rows if r["group"] == "decode"],
+                              ["case", "impl", "kernel", "ms", "time / dense over K", "target", "met"]))
+    paths = save_results(args.out, "sparse", rows, {**machine_info(), "command": "bench sparse", "args": vars(args)})
+    plot(rows, f"{args.out}/sparse.png")
+    print("\nwrote " + ", ".join(str(p) for p in paths) + f", {args.out}/sparse.png")
+    return 0

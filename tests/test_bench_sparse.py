@@ -1,0 +1,22 @@
+"""``run.py bench sparse --quick``: the sparse kernel, auto and the dense-mask peer on the same calls, a table, JSON,
+CSV and a plot."""
+
+import argparse
+import json
+
+from lab.bench import sparse as bench_sparse
+
+
+def test_the_quick_run_times_sparse_against_the_dense_mask_and_writes_its_files(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench_sparse.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--out", str(tmp_path), "--quiet"])
+    assert bench_sparse.main(args) == 0
+    rows = json.loads((tmp_path / "sparse.json").read_text())["rows"]
+    prefill = [r for r in rows if r["group"] == "prefill"]
+    assert {r["impl"] for r in prefill} == {"engine sparse", "engine auto", "sdpa dense mask"}
+    assert all(r["max |diff|"] < 1e-4 for r in prefill)  # the same attention both ways
+    assert {r["impl"] for r in rows if r["group"] == "decode"} == {"engine sparse", "engine auto",
+                                                                    "dense decode over K keys"}
+    assert all(r["met"] in ("yes", "no") for r in rows if r["target"])
+    assert (tmp_path / "sparse.csv").exists() and (tmp_path / "sparse.png").exists()

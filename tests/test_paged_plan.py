@@ -24,7 +24,7 @@ def other_layer(args, seed):
     return (*new, *tables)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(paged_batches())
 def test_a_plan_run_on_three_layers_equals_paged_attention_and_the_oracle(problem):
     args, options = problem

@@ -11,7 +11,7 @@ them), one list shared by every head. Rows:
 - a decode step (T = 1) against S keys beside a dense decode over K keys (``engine plan.run`` on K contiguous
   keys): the target is a decode time set by K, not S.
 
-    python run.py bench sparse --quick      # S = 4k, T = 512, K = 256: seconds
+    python run.py bench sparse --quick      # S = 2k, T = 256, K = 128: seconds
     python run.py bench sparse              # S = 8k / 32k, T = 1k / 4k, K = 512 / 2048: minutes, ~5 GiB
 
 Targets: a prefill >= 8x faster than the dense mask, a decode <= 1.5x a dense decode over K keys.
@@ -50,7 +50,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def prefill_rows(args, g) -> list[dict[str, Any]]:
-    sizes = [(4096, 512, 256)] if args.quick else [(8192, 1024, 512), (32768, 4096, 2048)]
+    sizes = [(2048, 256, 128)] if args.quick else [(8192, 1024, 512), (32768, 4096, 2048)]
     heads = [(16, 1), (8, 8)]
     rows = []
     for (s, t, k), (hq, hkv) in progress([(z, h) for z in sizes for h in heads], "bench sparse: prefill",
@@ -89,7 +89,7 @@ def _prefill_case(s: int, t: int, k: int, hq: int, hkv: int, g, args) -> list[di
 
 
 def decode_rows(args, g) -> list[dict[str, Any]]:
-    sizes = [(4096, 256)] if args.quick else [(8192, 512), (32768, 2048)]
+    sizes = [(2048, 128)] if args.quick else [(8192, 512), (32768, 2048)]
     rows = []
     for (s, k), (hq, hkv) in progress([(z, h) for z in sizes for h in [(16, 1), (8, 8)]], "bench sparse: decode",
                                       quiet=args.quiet):

@@ -6,7 +6,7 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
-| sparse       | top-k sparse: each query's listed keys gathered, O(T K D)   | key_indices (S >= K(10 + 27/G)) |
+| sparse       | top-k sparse: each query's listed keys gathered, O(T K D)   | key_indices; S >= K(10 + 27/G)  |
 | decode_native| few queries against a cache in C++: each K/V row read once, | T <= 16, no gradients, CPU, a   |
 |              | converted in registers; reads int8 / fp8 caches too         | compiler (built on first run)   |
 | decode       | split-KV over a long cache, merged by lse (ALiBi, biases)   | T <= 16, no grad, S >= 512      |

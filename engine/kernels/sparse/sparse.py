@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
-from engine.kernels.common import compute_dtype
+from engine.kernels.common import MAX_DECODE_QUERIES, compute_dtype
 from engine.masks.key_indices import KeyIndexMask
 from engine.masks.structured import AllOf
 from engine.quantized import QuantizedKV
@@ -51,14 +51,16 @@ def sparse_fits(inputs: AttentionInputs) -> str | None:
 def sparse_pays_off(inputs: AttentionInputs) -> str | None:
     """Auto takes it where gathering the listed keys costs less than the dense kernels on the index mask: each
     query's K rows are gathered once per KV head and shared by its G query heads, against S keys at GEMM speed
-    (measured on 2 Zen 4 cores, Hq 8-16, Hkv 1-8, D 64: sparse ~ K (0.1 Hkv + 0.04 Hq), dense ~ 0.0036 S Hq, so
-    sparse from S >= K (10 + 27 / G), and S >= 512)."""
+    (measured on 2 Zen 4 cores, Hq 8-16, Hkv 1-8, D 64: a prefill's sparse ~ K (0.1 Hkv + 0.04 Hq), dense ~
+    0.0036 S Hq, so sparse from S >= K (10 + 27 / G); a decode step's (T <= 16) dense kernel reads all S keys, so
+    sparse from S >= 8 K; and S >= 512, ``bench sparse``)."""
     listed, _ = listed_keys(inputs)
-    k, s = listed.indices.shape[3], inputs.k.shape[2]
+    k, s, t = listed.indices.shape[3], inputs.k.shape[2], inputs.q.shape[2]
     group = inputs.q.shape[1] // inputs.k.shape[1]
-    if s < 512 or s < k * (10 + 27 / group):
-        return (f"K = {k} of S = {s} keys, {group} query heads per KV head: the dense kernels on the index mask "
-                f"are faster (sparse from S >= K (10 + 27 / G) = {k * (10 + 27 / group):.0f}, S >= 512)")
+    least = 8 * k if t <= MAX_DECODE_QUERIES else k * (10 + 27 / group)
+    if s < 512 or s < least:
+        return (f"K = {k} of S = {s} keys, {group} query heads per KV head, T = {t}: the dense kernels on the index "
+                f"mask are faster (sparse from S >= {least:.0f}, S >= 512)")
     return None
 
 

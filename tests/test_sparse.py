@@ -157,3 +157,16 @@ def test_a_visible_non_finite_key_or_value_poisons_as_the_reference_does():
     want, want_lse = causal_attention(q, k, v, allowed=mask, return_lse=True, kernel="reference")
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10, equal_nan=True)
     assert torch.equal(lse.isneginf(), want_lse.isneginf()) and out.isnan().any()
+
+
+def test_strided_and_expanded_inputs_give_the_contiguous_result():
+    q, k, v, indices = case(s=600, dtype=torch.float64)
+    want = causal_attention(q, k, v, key_indices=indices, kernel="sparse")
+    k_t = k.transpose(2, 3).contiguous().transpose(2, 3)  # the same values, S as the innermost axis
+    v_wide = torch.cat([v, v], dim=-1)[..., :16]  # a strided last-but-one axis
+    assert not k_t.is_contiguous() and not v_wide.is_contiguous()
+    torch.testing.assert_close(causal_attention(q, k_t, v_wide, key_indices=indices, kernel="sparse"), want,
+                               rtol=0, atol=1e-12)
+    shared = causal_attention(q, k, v, key_indices=indices[:1, :1].expand(2, 2, 5, 32), kernel="sparse")
+    torch.testing.assert_close(shared, causal_attention(q, k, v, key_indices=indices[:1, :1], kernel="sparse"),
+                               rtol=0, atol=0)

@@ -82,7 +82,9 @@ def key_index_mask(key_indices: torch.Tensor, num_keys: int, q_heads: int) -> Ke
     heads = key_indices.shape[1]
     if heads != 1 and q_heads % heads != 0:
         raise ValueError(f"key_indices must have 1 head or one per KV head (a divisor of Hq = {q_heads}), got {heads}")
-    if key_indices.numel() and (int(key_indices.min()) < -1 or int(key_indices.max()) >= num_keys):
-        raise ValueError(f"key_indices must lie in [-1, S) = [-1, {num_keys}) (-1: no key), got values in "
-                         f"[{int(key_indices.min())}, {int(key_indices.max())}]")
+    if key_indices.numel():
+        low, high = (int(x) for x in torch.aminmax(key_indices))  # (one pass, read back once)
+        if low < -1 or high >= num_keys:
+            raise ValueError(f"key_indices must lie in [-1, S) = [-1, {num_keys}) (-1: no key), got values in "
+                             f"[{low}, {high}]")
     return KeyIndexMask(key_indices.long(), num_keys, q_heads)

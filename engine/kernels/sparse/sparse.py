@@ -73,20 +73,19 @@ def sparse_attention(inputs: AttentionInputs, return_lse: bool = False):
     top = listed.indices.shape[3]
     chunk = max(1, GATHERED_NUMBERS // max(1, batch * kv_heads * top * max(q.shape[3], dv)))
     compute = compute_dtype(q.dtype)
-    kf, vf = k.to(compute), v.to(compute)
     outs, lses = [], []
     for i0 in range(0, t, chunk):
-        out, lse = _chunk(inputs, kf, vf, listed, others, i0, min(t, i0 + chunk), compute)
+        out, lse = _chunk(inputs, k, v, listed, others, i0, min(t, i0 + chunk), compute)
         outs.append(out)
         lses.append(lse)
     out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, 2), torch.cat(lses, 2))
     return out.to(q.dtype), (lse if return_lse else None)
 
 
-def _chunk(inputs: AttentionInputs, kf, vf, listed: KeyIndexMask, others: list, i0: int, i1: int, compute):
+def _chunk(inputs: AttentionInputs, k, v, listed: KeyIndexMask, others: list, i0: int, i1: int, compute):
     q = inputs.q
     batch, q_heads, _, d = q.shape
-    kv_heads, s, dv = kf.shape[1], kf.shape[2], vf.shape[3]
+    kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[3]
     group, tc = q_heads // kv_heads, i1 - i0
     idx = listed.indices[:, :, i0:i1].expand(batch, kv_heads, tc, -1)  # [B, Hkv, tc, K]
     idx, _ = idx.sort(dim=-1)
@@ -97,9 +96,11 @@ def _chunk(inputs: AttentionInputs, kf, vf, listed: KeyIndexMask, others: list, 
     if inputs.causal:  # the position rule on the gathered keys' positions
         key_pos = inputs.key_positions.gather(1, safe.reshape(batch, -1)).view(idx.shape)
         valid = valid & (key_pos <= inputs.query_positions[:, None, i0:i1, None])
-    rows = (safe + torch.arange(batch * kv_heads, device=safe.device).view(batch, kv_heads, 1, 1) * s).view(-1)
-    k_sel = kf.reshape(-1, d).index_select(0, rows).view(*idx.shape, d)  # [B, Hkv, tc, K, D]: whole rows
-    v_sel = vf.reshape(-1, dv).index_select(0, rows).view(*idx.shape, dv)  # [B, Hkv, tc, K, Dv]
+    b_of = torch.arange(batch, device=safe.device).view(batch, 1, 1, 1)
+    h_of = torch.arange(kv_heads, device=safe.device).view(1, kv_heads, 1, 1)
+    # whole rows of the listed keys only, in the inputs' dtype and strides (no copy or conversion of all S keys)
+    k_sel = k[b_of, h_of, safe].to(compute)  # [B, Hkv, tc, K, D]
+    v_sel = v[b_of, h_of, safe].to(compute)  # [B, Hkv, tc, K, Dv]
     visible = valid[:, :, None].expand(batch, kv_heads, group, tc, idx.shape[3])  # [B, Hkv, G, tc, K]
     for part in others:  # any other part of the mask, read on the gathered columns
         visible = visible & _gathered(part, safe, batch, kv_heads, group, i0, i1, s)

@@ -214,9 +214,10 @@ inline __m256 to_ymm(vec x) {
 // The sum of one vector in hsum8's order, so a key's score is bitwise the same whichever pass computes it (the 4-key
 // pass, or the 2- and 1-key passes at a block's end: batch invariance when padding follows a row's last key).
 inline float hsum1(vec v) {
-    __m256 h = _mm256_hadd_ps(to_ymm(v), to_ymm(v));
-    h = _mm256_hadd_ps(h, h);  // [(x0+x1)+(x2+x3), .., .., .., (x4+x5)+(x6+x7), ..]
-    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+    __m256 y = to_ymm(v);
+    y = _mm256_add_ps(y, _mm256_permute_ps(y, 0xB1));  // lanes 0, 2: x0+x1, x2+x3 (in-lane swaps, not hadd's uops)
+    y = _mm256_add_ps(y, _mm256_permute_ps(y, 0x4E));  // lane 0: (x0+x1)+(x2+x3), lane 4: (x4+x5)+(x6+x7)
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)));
 }
 inline void hsum8(vec v0, vec v1, vec v2, vec v3, vec v4, vec v5, vec v6, vec v7, float* out) {
     const __m256 h01 = _mm256_hadd_ps(to_ymm(v0), to_ymm(v1)), h23 = _mm256_hadd_ps(to_ymm(v2), to_ymm(v3));

@@ -96,12 +96,13 @@ def _runner(inputs: AttentionInputs):
     planned: dict[int, tuple] = {}  # each chunk's DecodeCall, made by the first run (from its strides)
 
     def chunk(q, k, v, i0: int, i1: int, j0: int, j1: int, visible):
-        """``(out [B, Hq, T_c, Dv] fp32, lse [B, Hq, T_c])`` of queries i0 .. i1-1 (a view of the kernel's rows)."""
+        """``(out [B, Hkv, G*T_c, Dv] fp32, lse [B, Hkv, G*T_c])`` of queries i0 .. i1-1, the kernel's rows."""
         rows = (q_heads // kv_heads) * (i1 - i0)
         out = torch.empty(batch, kv_heads, rows, dv)  # [B, Hkv, G*T_c, Dv] fp32, written whole by the kernel
         lse = torch.empty(batch, kv_heads, rows)  # [B, Hkv, G*T_c]
         if j1 > j0:
-            q_rows = fold_groups((q if q.dtype == torch.float32 else q.float())[:, :, i0:i1], kv_heads)  # scaled in C++
+            q32 = q if q.dtype == torch.float32 else q.float()
+            q_rows = fold_groups(q32 if i1 - i0 == t else q32[:, :, i0:i1], kv_heads)  # (scaled in C++)
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
             if i0 not in planned:
                 planned[i0] = _template(inputs.scale, q_rows, keys, values, visible, key_offset=j0)
@@ -110,14 +111,17 @@ def _runner(inputs: AttentionInputs):
         else:  # no row sees any key
             out.zero_()
             lse.fill_(float("-inf"))
-        return unfold_groups(out, q_heads), unfold_groups(lse, q_heads)  # rows g*T + i -> head h*G + g, query i
+        return out, lse
 
     def run(q, k, v, return_lse: bool):
-        parts = [chunk(q, k, v, *c) for c in chunks]
-        out, lse = parts[0] if len(parts) == 1 else (torch.cat([o for o, _ in parts], 2),
-                                                      torch.cat([x for _, x in parts], 2))
-        out = out if q.dtype == torch.float32 else out.to(q.dtype)
-        return out, (lse if return_lse else None)
+        if len(chunks) == 1:  # (the decode step's hot path: one call, views only)
+            out, lse = chunk(q, k, v, *chunks[0])
+            out, lse = unfold_groups(out, q_heads), (unfold_groups(lse, q_heads) if return_lse else None)
+        else:  # rows g*T_c + i of KV head h -> query head h*G + g, query i0 + i
+            parts = [chunk(q, k, v, *c) for c in chunks]
+            out = torch.cat([unfold_groups(o, q_heads) for o, _ in parts], 2)
+            lse = torch.cat([unfold_groups(x, q_heads) for _, x in parts], 2) if return_lse else None
+        return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
     return run
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import huge_pages
 from engine.inputs import SUPPORTED_DTYPES
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
 
@@ -89,8 +90,8 @@ class KVCache:
                                  f"got {device!r}: {error}") from error
         self.capacity = capacity
         storage = dict(dtype=dtype, device=device)
-        self.keys = torch.zeros(batch_size, kv_heads, capacity, head_dim, **storage)  # [B, Hkv, capacity, D]
-        self.values = torch.zeros(batch_size, kv_heads, capacity, value_dim, **storage)  # [B, Hkv, capacity, Dv]
+        self.keys = huge_pages.zeros(batch_size, kv_heads, capacity, head_dim, **storage)  # [B, Hkv, capacity, D]
+        self.values = huge_pages.zeros(batch_size, kv_heads, capacity, value_dim, **storage)  # [B, Hkv, capacity, Dv]
         if self.quantized:  # one scale per token and head
             self.key_scales = torch.ones(batch_size, kv_heads, capacity, device=device)  # [B, Hkv, capacity]
             self.value_scales = torch.ones(batch_size, kv_heads, capacity, device=device)  # [B, Hkv, capacity]

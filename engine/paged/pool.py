@@ -21,6 +21,7 @@ from collections import Counter
 
 import torch
 
+from engine import huge_pages
 from engine.inputs import SUPPORTED_DTYPES
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
 
@@ -41,7 +42,7 @@ def check_pool_dtype(dtype) -> bool:
 
 def _pool(num_pages: int, page_size: int, heads: int, width: int, dtype: torch.dtype, device, quantized: bool):
     """Zeroed ``[num_pages, page_size, Hkv, E]`` (a ``QuantizedKV`` with scales 1 when quantized)."""
-    data = torch.zeros(num_pages, heads, page_size, width, dtype=dtype, device=device).permute(0, 2, 1, 3)
+    data = huge_pages.zeros(num_pages, heads, page_size, width, dtype=dtype, device=device).permute(0, 2, 1, 3)
     if not quantized:
         return data  # [num_pages, page_size, Hkv, E]
     scale = torch.ones(num_pages, heads, page_size, device=device).permute(0, 2, 1)  # [num_pages, page_size, Hkv]

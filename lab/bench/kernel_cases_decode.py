@@ -56,3 +56,54 @@ def decode_cache_view(batch: int, q_heads: int, kv_heads: int, s: int, capacity:
     kv_bytes = 2.0 * batch * kv_heads * s * d * 4
     name = f"B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} of {capacity} float32"
     return Case("cache", name, {"S": s}, build, 4.0 * d * q_heads * batch * s, kv_bytes)
+
+
+def _on_huge_pages(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` in the kind of buffer the engine's KV caches hold (``engine.huge_pages.zeros``)."""
+    from engine import huge_pages
+
+    return huge_pages.zeros(*x.shape, dtype=x.dtype).copy_(x)
+
+
+def _threads(n: int, run):
+    """``run`` with torch's intra-op threads set to ``n`` for the call (the kernel runs on torch's OpenMP workers)."""
+    def call():
+        before = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            return run()
+        finally:
+            torch.set_num_threads(before)
+    return call
+
+
+def decode_bandwidth(batch: int, s: int, dtype: torch.dtype) -> Case:
+    """Group "bandwidth" (Hq 32 / Hkv 8 / D 128, one new query per sequence): the native kernel reading K/V from the
+    buffers the engine's caches hold (2 MiB pages where Linux gives them), the same on the caller's plain tensors
+    (4 KiB pages), on 2 threads, int8 / fp8 caches (bf16 cases), SDPA, and the copy bandwidth, all in one run."""
+    def build() -> list[Impl]:
+        from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
+
+        q, k, v = _qkv(batch, 32, 8, 1, s, 128, dtype)
+        kc, vc = _on_huge_pages(k), _on_huge_pages(v)
+        impls = [Impl(f"engine ({_auto(q, kc, vc)}), cache buffers", lambda: causal_attention(q, kc, vc),
+                      note="K/V in engine.huge_pages buffers, as KVCache / PagedKVCache hold them"),
+                 Impl("engine, 2 threads", _threads(2, lambda: causal_attention(q, kc, vc))),
+                 Impl("engine, caller's tensors", lambda: causal_attention(q, k, v), note="torch.randn's buffers")]
+        for kind in QUANTIZED_DTYPES if dtype == torch.bfloat16 else ():
+            kq, vq = (QuantizedKV(_on_huge_pages(x.data), _on_huge_pages(x.scale)) for x in (quantize(k, kind),
+                                                                                           quantize(v, kind)))
+            name = "int8" if kind == torch.int8 else "fp8"
+            impls.append(Impl(f"engine {name} cache", lambda kq=kq, vq=vq: causal_attention(q, kq, vq),
+                              kv_bytes=float(kq.data.nbytes + kq.scale.nbytes + vq.data.nbytes + vq.scale.nbytes),
+                              note="K/V bytes: 1 per entry + fp32 scales"))
+        impls.append(Impl("sdpa enable_gqa", _sdpa(q, kc, vc, False), "peer"))
+        src = k.reshape(-1)[: COPY_BYTES // k.element_size()]
+        dst = torch.zeros_like(src)
+        impls.append(Impl("copy", lambda: dst.copy_(src), "bandwidth",
+                          note=f"copy bandwidth = (bytes read + written) / s, {src.nbytes >> 20} MiB buffer"))
+        return impls
+    kv_bytes = 2.0 * batch * 8 * s * 128 * (torch.finfo(dtype).bits // 8)
+    name = f"B={batch} Hq=32 Hkv=8 D=128 S={s} {str(dtype).replace('torch.', '')}"
+    return Case("bandwidth", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * 128 * 32 * batch * s,
+                kv_bytes)

@@ -14,7 +14,7 @@ from lab.bench.kernel_cases import (
     ragged,
     windowed,
 )
-from lab.bench.kernel_cases_decode import decode, decode_cache_view
+from lab.bench.kernel_cases_decode import decode, decode_bandwidth, decode_cache_view
 
 
 def training_cases(quick: bool, heads: int, d: int, flex: bool) -> list[Case]:
@@ -35,6 +35,7 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
         cases += [documents(4, 512, h, d, flex)]
         cases += [decode(2, 32, 8, 4096, 128, dt, dt != torch.float16, dt == torch.bfloat16)
                   for dt in (torch.float32, torch.bfloat16, torch.float16)]
+        cases += [decode_bandwidth(1, 4096, torch.bfloat16)]
         cases += [memory(4096, h, d)]
         cases += [chunked_bf16(256, 2048, h, d), chunked_bf16(256, 1024, h, d, train=True)]
         cases += [decode_cache_view(1, 32, 8, 4096, 8192, 128)]
@@ -46,6 +47,8 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
     cases += [documents(16, 1024, h, d, flex)]
     cases += [decode(b, 32, 8, s, 128, dt, b == 8 and s == 32768 and dt == torch.float32, dt == torch.bfloat16)
               for b in (1, 8) for s in (4096, 32768, 131072) for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    cases += [decode_bandwidth(b, s, dt) for b, s in ((1, 32768), (8, 8192))
+              for dt in (torch.float32, torch.bfloat16, torch.float16)]
     cases += [memory(65536, h, d)]
     cases += [chunked_bf16(512, 8192, h, d), chunked_bf16(512, 4096, h, d, train=True)]
     cases += [decode_cache_view(1, 32, 8, 32768, 65536, 128)]

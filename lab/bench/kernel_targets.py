@@ -57,6 +57,7 @@ def check_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "bytes of K and V read per second over the copy bandwidth")
     add("5 decode vs sdpa enable_gqa", _ratio_rows(rows, "decode", "sdpa enable_gqa"), 1.0, "speed-up")
     _decode_targets(rows, add)
+    _bandwidth_targets(rows, add)
     for r in find_rows(rows, "memory", "engine ("):
         targets.append({"target": "6 memory, peak extra GiB", "measured": r["peak MiB"] / 1024, "threshold": 1.0,
                         "met": r["peak MiB"] / 1024 < 1.0, "how": f"{r['case']}, {r['impl']}, below threshold"})
@@ -104,6 +105,20 @@ def _decode_targets(rows, add) -> None:
     add("13 fp16 decode vs bf16", [(r["case"], bf16[(r["B"], r["S"])]["ms"] / r["ms"])
                                    for r in find_rows(rows, "decode", "engine (") if r["dtype"] == "torch.float16"
                                    and (r["B"], r["S"]) in bf16], 1.0, "speed-up (>= 1: level or faster)")
+
+
+def _bandwidth_targets(rows, add) -> None:
+    """Issue 29's targets (group "bandwidth"): K/V read from the caches' buffers at >= 70 % of the copy bandwidth
+    in every dtype; 2 threads >= 1.6x one; an int8 / fp8 cache >= 1.6x bf16's keys per second."""
+    def of(prefix):
+        return {r["case"]: r for r in find_rows(rows, "bandwidth", prefix)}
+    one, two, copies = of("engine ("), of("engine, 2 threads"), of("copy")
+    add("29 decode K/V GB/s / copy", [(c, r["GB/s"] / copies[c]["GB/s"]) for c, r in one.items() if c in copies], 0.7,
+        "one thread, K/V in the caches' buffers (stretch 0.85)")
+    add("29 decode 2 threads vs 1", [(c, one[c]["ms"] / r["ms"]) for c, r in two.items() if c in one], 1.6, "speed-up")
+    for kind in ("int8", "fp8"):
+        add(f"29 {kind} cache vs bf16, keys/s", [(c, one[c]["ms"] / r["ms"]) for c, r in of(f"engine {kind}").items()
+                                                if c in one], 1.6, "speed-up over the bf16 cache")
 
 
 def _of_copy_bandwidth(rows) -> list[tuple[str, float]]:

@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure FlexAttention compiled for CPU (default: on, off with --quick; each "
                         "compile takes tens of seconds)")
     parser.add_argument("--groups", default="all",
-                        help="comma-separated case groups: prefill, chunked, window, documents, decode, memory, "
+                        help="comma-separated case groups: prefill, chunked, window, documents, decode, bandwidth "
+                        "(decode's K/V bytes per second: cache buffers, 2 threads, int8/fp8), memory, "
                         "bf16, cache, training, modifiers (default all; bf16, cache and modifiers are outside the "
                         "targets); on CUDA: prefill, chunked, window, documents, ragged, decode, training")
     parser.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",

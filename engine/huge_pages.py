@@ -1,0 +1,69 @@
+"""KV-cache buffers on transparent huge pages: ``zeros(*shape, dtype=..., device=...)``.
+
+A decode step streams the whole cache through one core per thread. With 4 KiB pages that stream crosses a page every
+16 rows of bf16 keys (every 8 of fp32), and each crossing costs a page walk, dearer still under a hypervisor's nested
+paging. On 2 MiB pages the same read pays 1/512 of those walks (the decode kernel's gain: docs/BENCHMARKS.md,
+"Decode at the bandwidth limit").
+
+Linux gives an anonymous mapping huge pages when ``/sys/kernel/mm/transparent_hugepage/enabled`` says ``always``, or
+``madvise`` and the range was marked with ``madvise(MADV_HUGEPAGE)`` before its pages were first touched. So a
+buffer of at least 2 MiB is allocated with 2 MiB of slack, its 2 MiB-aligned part is marked, and only then zeroed.
+The slack is never touched, so it costs address space, not memory. Anything else (another OS, a GPU, a small buffer,
+THP turned off) gets a plain ``torch.zeros``: huge pages change the speed only, never a value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = ["HUGE_PAGE", "mode", "zeros"]
+
+HUGE_PAGE = 2 << 20  # bytes: x86-64's and most aarch64 kernels' transparent huge page
+_MADV_HUGEPAGE = 14  # <sys/mman.h>
+_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@functools.cache
+def mode() -> str:
+    """This machine's transparent-huge-page setting: ``always``, ``madvise``, ``never``, or ``unavailable`` (not
+    Linux, or the setting cannot be read)."""
+    if not sys.platform.startswith("linux"):
+        return "unavailable"
+    try:
+        text = _SETTING.read_text()
+    except OSError:
+        return "unavailable"
+    chosen = [word[1:-1] for word in text.split() if word.startswith("[") and word.endswith("]")]
+    return chosen[0] if chosen else "unavailable"
+
+
+@functools.cache
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc.madvise
+
+
+def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
+    """``torch.zeros(*shape, dtype=dtype, device=device)``, contiguous; on a Linux CPU a buffer of 2 MiB or more
+    starts on a 2 MiB boundary and its pages are asked to be huge before they are touched."""
+    device = torch.device("cpu") if device is None else torch.device(device)
+    numel = 1
+    for n in shape:
+        numel *= n
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < HUGE_PAGE or mode() not in ("always", "madvise"):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: its pages are not mapped yet
+    start = -raw.data_ptr() % HUGE_PAGE
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE  # the huge pages inside the buffer (its tail stays on small pages)
+    if mode() == "madvise":
+        _madvise()(raw.data_ptr() + start, whole, _MADV_HUGEPAGE)  # -1 (e.g. EINVAL on an old kernel): small pages
+    out = raw[start:start + nbytes].view(dtype).view(*shape)
+    return out.zero_()  # the first touch: the kernel maps huge pages here

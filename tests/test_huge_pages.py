@@ -1,0 +1,75 @@
+"""engine.huge_pages.zeros: the KV caches' buffers (torch.zeros' contract, on 2 MiB pages where Linux gives them)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine import huge_pages
+from engine.kv_cache import KVCache
+from engine.paged.pool import PagePool
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8, torch.bool, torch.long]
+THP = huge_pages.mode() in ("always", "madvise")
+
+
+def _smaps_of(address: int) -> dict[str, int]:
+    """The numeric fields of /proc/self/smaps for the mapping holding ``address``."""
+    fields, inside = {}, False
+    for line in open("/proc/self/smaps"):
+        bounds = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if bounds:
+            inside = int(bounds.group(1), 16) <= address < int(bounds.group(2), 16)
+        elif inside:
+            name, _, value = line.partition(":")
+            number = re.match(r"\s*(\d+)", value)
+            if number:
+                fields[name.strip()] = int(number.group(1))
+    return fields
+
+
+@settings(max_examples=25, deadline=None)
+@given(shape=st.lists(st.integers(1, 9), min_size=1, max_size=4), dtype=st.sampled_from(DTYPES),
+       big=st.booleans())
+def test_zeros_is_torch_zeros(shape, dtype, big):
+    if big:  # 1-24 MiB: mostly past the 2 MiB threshold (the aligned, marked path)
+        shape = [shape[0] % 3 + 1, (1 << 20) + shape[-1]]
+    x = huge_pages.zeros(*shape, dtype=dtype)
+    assert x.shape == torch.Size(shape) and x.dtype == dtype and x.device.type == "cpu" and x.is_contiguous()
+    assert torch.equal(x, torch.zeros(*shape, dtype=dtype))
+    # a view of its own buffer: writes land where they are read back, and nowhere else
+    flat = x.view(-1)
+    flat[-1] = 1
+    assert int(x.view(-1)[-1]) == 1 and int(x.view(-1)[:-1].count_nonzero()) == 0
+
+
+def test_other_devices_get_plain_zeros():
+    x = huge_pages.zeros(4, 1 << 20, dtype=torch.float32, device="meta")
+    assert x.device.type == "meta" and x.shape == (4, 1 << 20)
+
+
+@pytest.mark.skipif(not THP, reason=f"transparent huge pages are {huge_pages.mode()} on this machine")
+def test_big_buffers_start_on_a_huge_page_and_are_eligible():
+    x = huge_pages.zeros(8, 4096, 128, dtype=torch.bfloat16)  # 8 MiB
+    assert x.data_ptr() % huge_pages.HUGE_PAGE == 0
+    fields = _smaps_of(x.data_ptr())
+    if "THPeligible" in fields:  # (kernels since 4.x report it)
+        assert fields["THPeligible"] == 1, fields
+    small = torch.zeros(8, 4096, 128, dtype=torch.bfloat16)  # the plain allocation, for contrast
+    assert torch.equal(x, small)
+
+
+@pytest.mark.skipif(not THP, reason=f"transparent huge pages are {huge_pages.mode()} on this machine")
+def test_caches_use_huge_pages():
+    cache = KVCache(1, 8, 4096, 128, dtype=torch.bfloat16)
+    assert cache.keys.data_ptr() % huge_pages.HUGE_PAGE == 0 and cache.values.data_ptr() % huge_pages.HUGE_PAGE == 0
+    k, v = torch.randn(1, 8, 5, 128).bfloat16(), torch.randn(1, 8, 5, 128).bfloat16()
+    keys, values, _, _ = cache.update(k, v)
+    assert torch.equal(keys[:, :, -5:], k) and torch.equal(values[:, :, -5:], v)
+    pool = PagePool(256, 16, 8, 128, 128, torch.float32, None)
+    assert pool.keys.data_ptr() % huge_pages.HUGE_PAGE == 0 and pool.keys.shape == (256, 16, 8, 128)
+    assert not pool.keys.any()

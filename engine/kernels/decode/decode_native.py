@@ -88,40 +88,46 @@ def _runner(inputs: AttentionInputs):
     batch, q_heads, t, d = inputs.q.shape
     kv_heads, dv = inputs.k.shape[1], inputs.v.shape[3]
     resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles NaN in q
-    if t <= MAX_QUERIES:
-        chunks = [(0, t, *decode_rows(inputs))]
-    else:  # batch-invariant mode: MAX_QUERIES queries at a time, each chunk its own span and visibility
-        chunks = [(i0, min(t, i0 + MAX_QUERIES), *chunk_rows(inputs, i0, min(t, i0 + MAX_QUERIES)))
-                  for i0 in range(0, t, MAX_QUERIES)]
-    planned: dict[int, tuple] = {}  # each chunk's DecodeCall, made by the first run (from its strides)
+    if t <= MAX_QUERIES:  # (every decode step: one kernel call, views only)
+        return _chunk_runner(library, inputs.scale, inputs.q.shape, kv_heads, dv, resume, *decode_rows(inputs))
+    # batch-invariant mode: MAX_QUERIES queries at a time, each chunk its own span and visibility
+    runs = [(i0, i1, _chunk_runner(library, inputs.scale, (batch, q_heads, i1 - i0, d), kv_heads, dv, resume,
+                                   *chunk_rows(inputs, i0, i1)))
+            for i0, i1 in ((i0, min(t, i0 + MAX_QUERIES)) for i0 in range(0, t, MAX_QUERIES))]
 
-    def chunk(q, k, v, i0: int, i1: int, j0: int, j1: int, visible):
-        """``(out [B, Hkv, G*T_c, Dv] fp32, lse [B, Hkv, G*T_c])`` of queries i0 .. i1-1, the kernel's rows."""
-        rows = (q_heads // kv_heads) * (i1 - i0)
-        out = torch.empty(batch, kv_heads, rows, dv)  # [B, Hkv, G*T_c, Dv] fp32, written whole by the kernel
-        lse = torch.empty(batch, kv_heads, rows)  # [B, Hkv, G*T_c]
+    def run(q, k, v, return_lse: bool):
+        parts = [chunk(q[:, :, i0:i1], k, v, return_lse) for i0, i1, chunk in runs]
+        out = torch.cat([o for o, _ in parts], 2)
+        return out, (torch.cat([x for _, x in parts], 2) if return_lse else None)
+
+    return run
+
+
+def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int, resume: str, j0: int, j1: int,
+                  visible):
+    """``run(q, k, v, return_lse)`` for queries ``q`` of shape ``q_shape`` (at most MAX_QUERIES of them) seeing keys
+    j0 .. j1-1 as ``visible`` says: one kernel call. Its shapes are read once off fold_groups / unfold_groups (the
+    one definition of the fold) applied to the plan's shapes, not per run."""
+    folded = tuple(fold_groups(torch.empty(q_shape, device="meta"), kv_heads).shape)  # [B, Hkv, G*T, D]
+    out_shape, lse_shape = (*folded[:3], dv), folded[:3]  # [B, Hkv, G*T, Dv], [B, Hkv, G*T]
+    unfolded = tuple(unfold_groups(torch.empty(out_shape, device="meta"), q_shape[1]).shape)  # [B, Hq, T, Dv]
+    planned = []  # the DecodeCall, made by the first run (from its strides)
+
+    def run(q, k, v, return_lse: bool):
+        out = torch.empty(*out_shape)  # fp32, written whole by the kernel
+        lse = torch.empty(*lse_shape)
         if j1 > j0:
-            q32 = q if q.dtype == torch.float32 else q.float()
-            q_rows = fold_groups(q32 if i1 - i0 == t else q32[:, :, i0:i1], kv_heads)  # (scaled in C++)
+            q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(*folded)  # (scaled in C++)
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
-            if i0 not in planned:
-                planned[i0] = _template(inputs.scale, q_rows, keys, values, visible, key_offset=j0)
-            if _run(library, planned[i0], q_rows, keys, values, out, lse) == NON_FINITE_Q:
+            if not planned:
+                planned.append(_template(scale, q_rows, keys, values, visible, key_offset=j0))
+            if _run(library, planned[0], q_rows, keys, values, out, lse) == NON_FINITE_Q:
                 raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
         else:  # no row sees any key
             out.zero_()
             lse.fill_(float("-inf"))
-        return out, lse
-
-    def run(q, k, v, return_lse: bool):
-        if len(chunks) == 1:  # (the decode step's hot path: one call, views only)
-            out, lse = chunk(q, k, v, *chunks[0])
-            out, lse = unfold_groups(out, q_heads), (unfold_groups(lse, q_heads) if return_lse else None)
-        else:  # rows g*T_c + i of KV head h -> query head h*G + g, query i0 + i
-            parts = [chunk(q, k, v, *c) for c in chunks]
-            out = torch.cat([unfold_groups(o, q_heads) for o, _ in parts], 2)
-            lse = torch.cat([unfold_groups(x, q_heads) for _, x in parts], 2) if return_lse else None
-        return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+        out = out.view(*unfolded)  # rows g*T + i of KV head h -> query head h*G + g
+        return (out if q.dtype == torch.float32 else out.to(q.dtype)), (lse.view(*unfolded[:3]) if return_lse else None)
 
     return run
 

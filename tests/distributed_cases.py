@@ -62,6 +62,19 @@ def run_ranks(fn, world: int, *args, deadline_s: float = 120.0) -> list:
         return results
 
 
+def in_turn(rank: int, world: int, calls: list) -> list:
+    """``[fn(rank, world, *args) for fn, args in calls]`` on one process group, in order (``run_ranks(in_turn, world,
+    calls)``: several tests' calls share one spawn of the ranks); a call that raises gives what ``_entry`` records
+    for it (``{"error", "traceback"}``) and the next call runs."""
+    results = []
+    for fn, args in calls:
+        try:
+            results.append(fn(rank, world, *args))
+        except BaseException as error:  # recorded for the parent, which asserts on it
+            results.append({"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()})
+    return results
+
+
 # --- the cases -------------------------------------------------------------------------------------------
 
 

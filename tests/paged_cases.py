@@ -26,22 +26,26 @@ def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positio
             pos = int(query_positions[row]) if query_positions is not None else length - (stop - row)
             keys = [j for j in range(length) if j <= pos and (window is None or pos - j < window)
                     and (allowed is None or bool(allowed[row, j]))]
+            # every head's rows of key j, read at pool[page_table[b, j // P], j % P]: [n, Hkv, D | Dv]
+            pages = page_table[b, [j // page_size for j in keys]]
+            slots = torch.tensor([j % page_size for j in keys], dtype=torch.long)
+            k_rows, v_rows = k_pages[pages, slots], v_pages[pages, slots]
+            distances = torch.tensor([pos - j for j in keys], dtype=torch.float64)
             for h in range(hq):
-                slots = [(int(page_table[b, j // page_size]), j % page_size) for j in keys]
-                k = torch.stack([k_pages[p, s, h // (hq // hkv)] for p, s in slots]).double() if slots else None
-                v = torch.stack([v_pages[p, s, h // (hq // hkv)] for p, s in slots]).double() if slots else None
-                scores = (k @ q[row, h].double()) * scale if slots else torch.zeros(0, dtype=torch.float64)
+                k = k_rows[:, h // (hq // hkv)].double() if keys else None
+                v = v_rows[:, h // (hq // hkv)].double() if keys else None
+                scores = (k @ q[row, h].double()) * scale if keys else torch.zeros(0, dtype=torch.float64)
                 if softcap is not None:
                     scores = softcap * torch.tanh(scores / softcap)
                 if alibi is not None:
-                    scores = scores - float(alibi[h]) * torch.tensor([pos - j for j in keys], dtype=torch.float64)
+                    scores = scores - float(alibi[h]) * distances
                 if score_mod is not None and keys:
                     scores = score_mod(scores, torch.tensor(b), torch.tensor(h), torch.tensor(pos), torch.tensor(keys))
                 logits = scores if sinks is None else torch.cat([scores, sinks[h].double().reshape(1)])
                 if logits.numel() == 0:
                     continue
                 lse[row, h] = torch.logsumexp(logits, 0)
-                if slots:
+                if keys:
                     out[row, h] = torch.exp(scores - lse[row, h]) @ v
     return out, lse
 

@@ -68,9 +68,9 @@ def paged(batch, page_size, quantized=False, window=None, seed=0):
     for b, ((_, k, v), n) in enumerate(zip(batch, owned)):
         table[b, :n] = order[taken:taken + n]
         taken += n
-        for j in range(k.shape[1]):
-            pools[0][table[b, j // page_size], j % page_size] = k[:, j]
-            pools[1][table[b, j // page_size], j % page_size] = v[:, j]
+        j = torch.arange(k.shape[1])  # key j at pool[table[b, j // P], j % P], every key of the request at once
+        pools[0][table[b, j // page_size], j % page_size] = k.transpose(0, 1)
+        pools[1][table[b, j // page_size], j % page_size] = v.transpose(0, 1)
     if quantized:
         pools = [quantize(pool.permute(0, 2, 1, 3)) for pool in pools]  # per token and head, as stored
         pools = [type(pool)(pool.data.permute(0, 2, 1, 3), pool.scale.permute(0, 2, 1)) for pool in pools]

@@ -7,7 +7,10 @@ the native kernel reported unavailable, as on a machine without a compiler.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -366,27 +369,58 @@ VARIANTS = {
 }
 
 
+def _missing(name):
+    return [flag for flag in VARIANTS[name][1] if flag not in cpu_key().split()]
+
+
+def _variant_path(native_build, cxx, name):
+    """Where variant ``name`` is built: beside the engine's cached library (``ATTENTION_ENGINE_CACHE``), named by a
+    digest of the source, the flags and the compiler, as native_build names its own (an edit of the source builds
+    it again; the same source is not compiled again by every run of the tests)."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    digest = hashlib.sha256()
+    for part in (native_build.SOURCE.read_bytes(), " ".join(PLAIN + VARIANTS[name][0]).encode(), version.encode()):
+        digest.update(part)
+    return native_build.library_path(cxx).parent / f"decode_native-{name}-{digest.hexdigest()[:16]}.so"
+
+
 @pytest.fixture(scope="module")
-def variant_library(tmp_path_factory):
-    """``variant_library(name)``: the native library built with that vector path's flags (once per module), or a
-    skip where this CPU lacks the instructions."""
+def variant_library():
+    """``variant_library(name)``: the native library built with that vector path's flags (once per module, or found
+    built from the same source), or a skip where this CPU lacks the instructions. The first call starts the builds of
+    every variant this CPU runs that is not built yet, side by side (one compiler process each, seconds apiece)."""
     from engine.kernels.decode import native_build
 
-    built = {}
+    built, builds = {}, {}
+
+    def start_builds():
+        cxx = native_build.compiler()
+        pool = ThreadPoolExecutor(len(VARIANTS))
+        for name, (flags, _, _) in VARIANTS.items():
+            if not _missing(name):
+                path = _variant_path(native_build, cxx, name)
+                builds[name] = path, (None if path.exists() else pool.submit(native_build._build, cxx, path,
+                                                                             PLAIN + flags))
+        pool.shutdown(wait=False)
 
     def build(name):
-        flags, needs, lanes = VARIANTS[name]
-        missing = [flag for flag in needs if flag not in cpu_key().split()]
+        missing = _missing(name)
         if missing:
             pytest.skip(f"this CPU has no {', '.join(missing)}")
+        if not builds:
+            start_builds()
         if name not in built:
-            path = tmp_path_factory.mktemp(name) / "decode_native_variant.so"
-            native_build._build(native_build.compiler(), path, PLAIN + flags)
+            path, done = builds[name]
+            if done is not None:
+                done.result()  # (a failed build raises here, in the test that needs it)
             built[name] = native_build.NativeLibrary(path, 0.0)
-            assert built[name].lanes == lanes
+            assert built[name].lanes == VARIANTS[name][2]
         return built[name]
 
-    return build
+    yield build
+    for _, done in builds.values():  # none left running past the module
+        if done is not None:
+            done.exception()
 
 
 @needs_native

@@ -94,3 +94,22 @@ def test_gpu_targets_compare_with_the_best_sdpa_backend_and_flex_called_directly
     assert targets["GPU 2 masks vs FlexAttention called directly"]["measured"] == 19.0 / 20.0
     assert targets["GPU 3 decode K/V GB/s / copy GB/s"]["measured"] == 0.75
     assert targets["GPU 3 decode K/V GB/s / copy GB/s"]["met"]
+
+
+def test_bandwidth_targets_read_the_caches_rows_two_threads_and_quantized_caches():
+    def row(case, impl, ms, gbs=None):
+        return {"group": "bandwidth", "case": case, "impl": impl, "ms": ms, "role": "engine",
+                **({"GB/s": gbs} if gbs is not None else {})}
+    rows = [row("a", "engine (decode_native), cache buffers", 10.0, 10.0), row("a", "engine, 2 threads", 5.0),
+            row("a", "engine, caller's tensors", 12.0, 8.0), row("a", "engine int8 cache", 5.0),
+            row("a", "copy", 1.0, 12.5),
+            row("b", "engine (decode_native), cache buffers", 10.0, 7.0), row("b", "engine, 2 threads", 8.0),
+            row("b", "copy", 1.0, 14.0)]
+    targets = {t["target"]: t for t in bench_kernels.check_targets(rows)}
+    copy = targets["29 decode K/V GB/s / copy"]
+    assert copy["measured"] == 0.5 and not copy["met"] and "worst: b" in copy["how"]  # b: 7 / 14
+    threads = targets["29 decode 2 threads vs 1"]
+    assert threads["measured"] == 1.25 and not threads["met"] and "worst: b" in threads["how"]
+    int8 = targets["29 int8 cache vs bf16, keys/s"]
+    assert int8["measured"] == 2.0 and int8["met"]
+    assert "29 fp8 cache vs bf16, keys/s" not in targets  # not measured: no row, no target

@@ -2,8 +2,8 @@
 
 A decode step streams the whole cache through one core per thread. With 4 KiB pages that stream crosses a page every
 16 rows of bf16 keys (every 8 of fp32), and each crossing costs a page walk, dearer still under a hypervisor's nested
-paging. On 2 MiB pages the same read pays 1/512 of those walks (the decode kernel's gain: docs/BENCHMARKS.md,
-"Decode at the bandwidth limit").
+paging. On 2 MiB pages the same read pays 1/512 of those walks (the gain: docs/BENCHMARKS.md, "Decode at the
+bandwidth limit, round 2", cache buffers against the caller's tensors).
 
 Linux gives an anonymous mapping huge pages when ``/sys/kernel/mm/transparent_hugepage/enabled`` says ``always``, or
 ``madvise`` and the range was marked with ``madvise(MADV_HUGEPAGE)`` before its pages were first touched. So a

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import sys
 from pathlib import Path
 
@@ -54,10 +55,7 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = N
     """``torch.zeros(*shape, dtype=dtype, device=device)``, contiguous; on a Linux CPU a buffer of 2 MiB or more
     starts on a 2 MiB boundary and its pages are asked to be huge before they are touched."""
     device = torch.device("cpu") if device is None else torch.device(device)
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < HUGE_PAGE or mode() not in ("always", "madvise"):
         return torch.zeros(*shape, dtype=dtype, device=device)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: its pages are not mapped yet

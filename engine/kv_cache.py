@@ -22,6 +22,11 @@ Quantized (``dtype=torch.int8`` or ``torch.float8_e4m3fn``): ``update`` takes ke
 dtype and stores them as 1-byte entries with one fp32 scale per token and head (engine.quantized), 1 + 4/D
 bytes per entry (Llama-3-8B at 128k: 8.6 GB + 0.27 GB of scales); ``view`` returns ``QuantizedKV`` keys and
 values, which ``causal_attention`` reads without a full-precision copy (kernel ``decode_native``).
+
+Shared rows (``shared_values=True``): the values are the first ``value_dim`` columns of the keys' own rows, one
+row per token stored once (a latent cache: MLA's ``[c_kv | k_rope]``, 512 + 64 numbers, whose first 512 are the
+values; DeepSeek V4's kv, ``value_dim = head_dim``). ``update`` takes the rows as ``keys`` (``values=None``) and
+``view`` returns ``values`` as ``keys[..., :value_dim]``, which the kernels read once (engine.shared_rows).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from engine import huge_pages
 from engine.inputs import SUPPORTED_DTYPES
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
+from engine.shared_rows import shares_rows
 
 __all__ = ["KVCache", "kv_cache_bytes"]
 
@@ -70,12 +76,19 @@ class KVCache:
         value_dim: int | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        shared_values: bool = False,
     ) -> None:
         value_dim = head_dim if value_dim is None else value_dim
         for name, n in (("batch_size", batch_size), ("kv_heads", kv_heads), ("capacity", capacity),
                         ("head_dim", head_dim), ("value_dim", value_dim)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
+        if shared_values not in (True, False):
+            raise ValueError(f"shared_values must be True or False, got {shared_values!r}")
+        if shared_values and value_dim > head_dim:
+            raise ValueError(f"shared values are the first value_dim columns of the keys' rows: value_dim must be "
+                             f"<= head_dim = {head_dim}, got {value_dim}")
+        self.shared_values = shared_values
         self.quantized = isinstance(dtype, torch.dtype) and dtype in QUANTIZED_DTYPES
         if not isinstance(dtype, torch.dtype) or not (dtype in SUPPORTED_DTYPES or self.quantized):
             plain = ", ".join(str(x) for x in SUPPORTED_DTYPES)
@@ -91,10 +104,12 @@ class KVCache:
         self.capacity = capacity
         storage = dict(dtype=dtype, device=device)
         self.keys = huge_pages.zeros(batch_size, kv_heads, capacity, head_dim, **storage)  # [B, Hkv, capacity, D]
-        self.values = huge_pages.zeros(batch_size, kv_heads, capacity, value_dim, **storage)  # [B, Hkv, capacity, Dv]
-        if self.quantized:  # one scale per token and head
+        self.values = self.keys[..., :value_dim] if shared_values else \
+            huge_pages.zeros(batch_size, kv_heads, capacity, value_dim, **storage)  # [B, Hkv, capacity, Dv]
+        if self.quantized:  # one scale per token and head (a shared row: one scale for its key and its value)
             self.key_scales = torch.ones(batch_size, kv_heads, capacity, device=device)  # [B, Hkv, capacity]
-            self.value_scales = torch.ones(batch_size, kv_heads, capacity, device=device)  # [B, Hkv, capacity]
+            self.value_scales = self.key_scales if shared_values else \
+                torch.ones(batch_size, kv_heads, capacity, device=device)  # [B, Hkv, capacity]
         self.positions = torch.zeros(batch_size, capacity, dtype=torch.long, device=device)  # [B, capacity]
         self.valid = torch.zeros(batch_size, capacity, dtype=torch.bool, device=device)  # [B, capacity]
         self.length = 0
@@ -111,6 +126,8 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes of the key and value storage (the KV-cache formula above at ``S = capacity``, one layer; a
         quantized cache adds its scales, 4 bytes per token and head for keys and for values)."""
+        if self.shared_values:  # one row per token: the values are the keys' first columns
+            return self.keys.nbytes + (self.key_scales.nbytes if self.quantized else 0)
         scales = self.key_scales.nbytes + self.value_scales.nbytes if self.quantized else 0
         return self.keys.nbytes + self.values.nbytes + scales
 
@@ -128,7 +145,7 @@ class KVCache:
     def update(
         self,
         keys: torch.Tensor,
-        values: torch.Tensor,
+        values: torch.Tensor | None,
         positions: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor | QuantizedKV, torch.Tensor | QuantizedKV, torch.Tensor, torch.Tensor]:
@@ -136,7 +153,8 @@ class KVCache:
 
         Args:
             keys: ``[B, Hkv, T, D]`` new keys (RoPE already applied).
-            values: ``[B, Hkv, T, Dv]`` new values.
+            values: ``[B, Hkv, T, Dv]`` new values; with ``shared_values`` None (or ``keys[..., :Dv]``): the
+                values are the keys' first Dv columns.
             positions: integer ``[T]`` or ``[B, T]`` positions of the new tokens; default
                 ``next_positions[:, None] + arange(T)`` (each row continues where it stopped).
             valid: bool ``[B, T]``, False at pad tokens; default all True.
@@ -148,6 +166,8 @@ class KVCache:
 
         Raises ValueError, leaving the cache unchanged, on bad shapes or when ``length + T > capacity``.
         """
+        if self.shared_values:
+            values = self._shared(keys, values)
         t = self._check_new(keys, values)
         batch = self.batch_size
         if self.length + t > self.capacity:
@@ -159,14 +179,17 @@ class KVCache:
         valid = torch.ones(batch, t, dtype=torch.bool, device=self.keys.device) if valid is None else \
             self._check_rows(valid, t, "valid", integer=False)  # [B, T]
         end = self.length + t
+        written = ((keys, self.keys, self.key_scales if self.quantized else None),)
+        if not self.shared_values:
+            written += ((values, self.values, self.value_scales if self.quantized else None),)
         if self.quantized:
-            for new, data, scales in ((keys, self.keys, self.key_scales), (values, self.values, self.value_scales)):
+            for new, data, scales in written:
                 stored = quantize(new, data.dtype)
                 data[:, :, self.length:end] = stored.data  # [B, Hkv, T, D]
                 scales[:, :, self.length:end] = stored.scale  # [B, Hkv, T]
         else:
-            self.keys[:, :, self.length:end] = keys  # [B, Hkv, T, D]
-            self.values[:, :, self.length:end] = values  # [B, Hkv, T, Dv]
+            for new, data, _ in written:
+                data[:, :, self.length:end] = new  # [B, Hkv, T, D | Dv]
         self.positions[:, self.length:end] = positions  # [B, T]
         self.valid[:, self.length:end] = valid  # [B, T]
         self.length = end
@@ -193,6 +216,15 @@ class KVCache:
     def reset(self) -> None:
         """Empty the cache (storage is kept; nothing is reallocated)."""
         self.length = 0
+
+    def _shared(self, keys, values) -> torch.Tensor:
+        """A shared-rows cache's new values: the new keys' first Dv columns (``values`` must be None or that)."""
+        if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+            raise ValueError(f"keys must be a tensor [B, Hkv, T, D], got {getattr(keys, 'shape', type(keys).__name__)}")
+        if values is not None and not shares_rows(keys, values):
+            raise ValueError("this cache stores its values as the first value_dim columns of its keys' rows "
+                             "(shared_values=True): pass values=None (or keys[..., :value_dim])")
+        return keys[..., : self.values.shape[-1]]  # [B, Hkv, T, Dv]
 
     def _check_new(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         batch, heads, _, d = self.keys.shape

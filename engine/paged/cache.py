@@ -64,18 +64,18 @@ class PagedKVCache:
     """Pools ``keys [num_pages, page_size, Hkv, D]`` and ``values [num_pages, page_size, Hkv, Dv]`` in ``dtype`` (the
     shape ``paged_attention`` reads; views of head-major storage; ``QuantizedKV`` for int8 / float8_e4m3fn);
     sequences are ids handed out by ``add`` or ``fork``. ``window``: keys a query sees, its own included (at least
-    the attention's window), or None to keep every page."""
+    the attention's window), or None to keep every page. ``shared_values``: values are the keys' first columns."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 window: int | None = None, layers: int = 1) -> None:
+                 window: int | None = None, layers: int = 1, shared_values: bool = False) -> None:
         value_dim = head_dim if value_dim is None else value_dim
         for name, n in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("value_dim", value_dim), ("layers", layers)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         check_window(window)
-        self._pool = PagePool(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, device, layers)
+        self._pool = PagePool(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, device, layers, shared_values)
         self.page_size, self.window, self.layers = page_size, window, layers
         self.keys, self.values = self._pool.keys, self._pool.values  # layer 0's pools
         self._sequences: dict[int, _Sequence] = {}
@@ -161,7 +161,7 @@ class PagedKVCache:
             raise ValueError(f"layer must be an int in [0, {self.layers}), got {index!r}")
         return self._pool.layer_keys[index], self._pool.layer_values[index]
 
-    def append(self, seqs: list[int], keys: torch.Tensor, values: torch.Tensor, indptr: torch.Tensor) -> None:
+    def append(self, seqs: list[int], keys: torch.Tensor, values: torch.Tensor | None, indptr: torch.Tensor) -> None:
         """Write packed new tokens: ``keys [N, Hkv, D]``, ``values [N, Hkv, Dv]`` (any float dtype), sequence
         ``seqs[i]`` gets rows ``indptr[i] .. indptr[i+1]-1`` at its next positions. With a window, each sequence's
         pages that this step's queries (at positions >= its length) cannot see are released first. A cache of
@@ -198,7 +198,7 @@ class PagedKVCache:
         device = self.keys.data.device if isinstance(self.keys, QuantizedKV) else self.keys.device
         return Slots(torch.cat(pages or [empty]).to(device), torch.cat(slots or [empty]).to(device))
 
-    def write(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor, layer: int = 0) -> None:
+    def write(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor | None, layer: int = 0) -> None:
         """Layer ``layer``'s new keys ``[N, Hkv, D]`` and values ``[N, Hkv, Dv]`` to the rows ``extend`` gave."""
         self._check_rows(keys, values)
         if keys.shape[0] != slots.pages.shape[0]:
@@ -263,6 +263,7 @@ class PagedKVCache:
 
     def _check_rows(self, keys, values) -> None:
         heads, d, dv = self.keys.shape[2], self.keys.shape[3], self.values.shape[3]
+        values = self._pool.shared_rows(keys, values) if self._pool.shared_values else values  # (keys' columns)
         for name, x, width in (("keys", keys, d), ("values", values, dv)):
             if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (heads, width):
                 raise ValueError(f"{name} must be [N, Hkv, E] = [N, {heads}, {width}], got "

@@ -13,6 +13,9 @@ token and head; ``keys`` and ``values`` are then ``QuantizedKV`` views::
 
 so a token costs ``Hkv * (D + 4)`` bytes for its keys (fp32: ``4 * Hkv * D``). Slots no token was written to hold
 0 (scale 1).
+
+With ``shared_values`` a layer has one pool of rows: ``values`` is ``keys[..., :Dv]`` (a latent cache's
+``[c_kv | k_rope]``, engine.shared_rows), written and copied once.
 """
 
 from __future__ import annotations
@@ -55,15 +58,21 @@ class PagePool:
     (count 1), ``hold`` adds a holder, ``drop`` removes one and returns the page to the free list at 0."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int,
-                 dtype: torch.dtype, device: torch.device | str | None, layers: int = 1) -> None:
+                 dtype: torch.dtype, device: torch.device | str | None, layers: int = 1,
+                 shared_values: bool = False) -> None:
         self.quantized = check_pool_dtype(dtype)
-        self.page_size = page_size
+        if shared_values not in (True, False) or (shared_values and value_dim > head_dim):
+            raise ValueError(f"shared_values (the values as the first value_dim columns of the keys' rows) must be "
+                             f"True or False, with value_dim <= head_dim = {head_dim}: got {shared_values!r}, "
+                             f"value_dim {value_dim}")
+        self.page_size, self.shared_values = page_size, shared_values
         # one pair of pools per layer, one page numbering and free list for all of them (page p of every layer
         # belongs to the same tokens)
         self.layer_keys = [_pool(num_pages, page_size, kv_heads, head_dim, dtype, device, self.quantized)
                            for _ in range(layers)]
-        self.layer_values = [_pool(num_pages, page_size, kv_heads, value_dim, dtype, device, self.quantized)
-                             for _ in range(layers)]
+        self.layer_values = [_value_rows(keys, value_dim) if shared_values else
+                             _pool(num_pages, page_size, kv_heads, value_dim, dtype, device, self.quantized)
+                             for keys in self.layer_keys]
         self.keys, self.values = self.layer_keys[0], self.layer_values[0]
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids first
         self._references = [0] * num_pages  # holders of each page
@@ -79,7 +88,7 @@ class PagePool:
     @property
     def nbytes(self) -> int:
         """Bytes of the pools (every page, used or not; a quantized pool's scales included)."""
-        return sum(pool.nbytes for pool in self.layer_keys + self.layer_values)
+        return sum(pool.nbytes for pool in self._stored())
 
     def references(self, page: int) -> int:
         return self._references[page]
@@ -103,7 +112,7 @@ class PagePool:
 
     def copy(self, source: int, target: int) -> None:
         """Page ``target`` becomes a copy of page ``source`` in every layer (keys and values; data and scales)."""
-        for pool in self.layer_keys + self.layer_values:
+        for pool in self._stored():
             if self.quantized:
                 pool.data[target], pool.scale[target] = pool.data[source], pool.scale[source]
             else:
@@ -112,11 +121,34 @@ class PagePool:
     def write(self, pages: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               layer: int = 0) -> None:
         """Row i of ``keys [N, Hkv, D]`` and ``values [N, Hkv, Dv]`` goes to slot ``slots[i]`` of page ``pages[i]``
-        (int64 ``[N]``, distinct pairs) of ``layer``'s pools; a quantized pool quantizes each row per head first."""
-        for new, pool in ((keys, self.layer_keys[layer]), (values, self.layer_values[layer])):
+        (int64 ``[N]``, distinct pairs) of ``layer``'s pools; a quantized pool quantizes each row per head first.
+        Shared rows: the keys' rows hold the values (``values`` is not read)."""
+        written = [(keys, self.layer_keys[layer])]
+        if not self.shared_values:
+            written.append((values, self.layer_values[layer]))
+        for new, pool in written:
             if self.quantized:
                 stored = quantize(new[None].to(pool.device), pool.data.dtype)  # [1, N, Hkv, E], scale per token, head
                 pool.data[pages, slots] = stored.data[0]  # [N, Hkv, E]
                 pool.scale[pages, slots] = stored.scale[0]  # [N, Hkv]
             else:
                 pool[pages, slots] = new.to(pool.device, pool.dtype)  # [N, Hkv, E]
+
+    def shared_rows(self, keys, values):
+        """A shared-rows pool's new values: ``keys [N, Hkv, D]``'s first Dv columns (``values`` must be None)."""
+        if values is not None:
+            raise ValueError("this cache's values are the first value_dim columns of its keys' rows "
+                             "(shared_values=True): pass values=None")
+        dv = self.values.shape[-1]
+        return keys[..., :dv] if isinstance(keys, torch.Tensor) and keys.dim() == 3 else keys
+
+    def _stored(self) -> list:
+        """The pools that own their storage (shared rows: the keys' alone)."""
+        return self.layer_keys if self.shared_values else self.layer_keys + self.layer_values
+
+
+def _value_rows(keys, value_dim: int):
+    """The first ``value_dim`` columns of a pool's rows (a view; a quantized pool's scales are the keys')."""
+    if isinstance(keys, QuantizedKV):
+        return QuantizedKV(keys.data[..., :value_dim], keys.scale)
+    return keys[..., :value_dim]  # [num_pages, page_size, Hkv, Dv]

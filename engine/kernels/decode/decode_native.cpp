@@ -281,6 +281,8 @@ struct Operands {
     const int64_t* pages;           // a paged cache's page table (DecodeCall), or null
     int64_t pages_stride, page_size;
     const int64_t* lengths;         // keys per sequence, or null: S each
+    bool shared;                    // V is a prefix of K's rows (same rows, Dv <= D: a latent cache): V's rows are
+                                    // K's, already asked for, so only K's are requested
 };
 
 struct Partial {                    // one work item's online-softmax state
@@ -350,18 +352,21 @@ struct Item {
         }
         if (j0 == part.j0) {  // the first block: nothing asked for it ahead
             for (int jj = 0; jj < n; ++jj) prefetch_row(krows[jj], o.D);
-            for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
+            if (!o.shared)
+                for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
         }
         const int ahead = (int)std::max<int64_t>(0, std::min<int64_t>(end, j0 + n + BLOCK) - (j0 + n));
         if (!table) {
             for (int jj = 0; jj < ahead; ++jj) prefetch_row(key_row(j0 + n + jj), o.D);
-            for (int jj = 0; jj < ahead; ++jj) prefetch_row(value_row(j0 + n + jj), o.Dv);
+            if (!o.shared)
+                for (int jj = 0; jj < ahead; ++jj) prefetch_row(value_row(j0 + n + jj), o.Dv);
             if (ksc) prefetch_scales(ksc + (j0 + n) * o.kss[2], ahead, o.kss[2]);
-            if (vsc) prefetch_scales(vsc + (j0 + n) * o.vss[2], ahead, o.vss[2]);
+            if (vsc && !o.shared) prefetch_scales(vsc + (j0 + n) * o.vss[2], ahead, o.vss[2]);
         } else {  // (page_rows asks for their scales)
             page_rows(j0 + n, ahead, ahead_k, ahead_v, false);
             for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_k[jj], o.D);
-            for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_v[jj], o.Dv);
+            if (!o.shared)
+                for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_v[jj], o.Dv);
         }
     }
 
@@ -376,7 +381,7 @@ struct Item {
             const float* kq = ksc ? ksc + page * o.kss[0] + slot * o.kss[1] + head * o.kss[2] : nullptr;
             const float* vq = vsc ? vsc + page * o.vss[0] + slot * o.vss[1] + head * o.vss[2] : nullptr;
             if (!scales && kq) prefetch_scales(kq, run, o.kss[1]);
-            if (!scales && vq) prefetch_scales(vq, run, o.vss[1]);
+            if (!scales && vq && !o.shared) prefetch_scales(vq, run, o.vss[1]);
             for (int64_t r = 0; r < run; ++r, ++jj) {
                 kout[jj] = kp + elem_size() * r * o.ks[1];
                 vout[jj] = vp + elem_size() * r * o.vs[1];
@@ -802,6 +807,8 @@ int decode_native(const DecodeCall* call) {
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
     o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
+    o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
+    for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AVX512 || DN_AVX2
     const bool simd = D % W == 0 && Dv % W == 0;
 #else

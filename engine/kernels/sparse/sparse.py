@@ -24,6 +24,7 @@ from engine.kernels.common import MAX_DECODE_QUERIES, compute_dtype
 from engine.masks.key_indices import KeyIndexMask
 from engine.masks.structured import AllOf
 from engine.quantized import QuantizedKV
+from engine.shared_rows import shares_rows
 
 __all__ = ["sparse_attention", "sparse_fits", "sparse_pays_off", "listed_keys"]
 
@@ -100,7 +101,7 @@ def _chunk(inputs: AttentionInputs, k, v, listed: KeyIndexMask, others: list, i0
     h_of = torch.arange(kv_heads, device=safe.device).view(1, kv_heads, 1, 1)
     # whole rows of the listed keys only, in the inputs' dtype and strides (no copy or conversion of all S keys)
     k_sel = k[b_of, h_of, safe].to(compute)  # [B, Hkv, tc, K, D]
-    v_sel = v[b_of, h_of, safe].to(compute)  # [B, Hkv, tc, K, Dv]
+    v_sel = k_sel[..., :dv] if shares_rows(k, v) else v[b_of, h_of, safe].to(compute)  # [B, Hkv, tc, K, Dv]
     visible = valid[:, :, None].expand(batch, kv_heads, group, tc, idx.shape[3])  # [B, Hkv, G, tc, K]
     for part in others:  # any other part of the mask, read on the gathered columns
         visible = visible & _gathered(part, safe, batch, kv_heads, group, i0, i1, s)

@@ -32,6 +32,7 @@ from engine.kernels.scores import dropout_tile, modified_tile
 from engine.kernels.tiled.backward import BLOCK_K, BLOCK_Q, tiled_backward
 from engine.kernels.tiles import batch_query_tiles
 from engine.kernels.visibility import visibility_mask
+from engine.shared_rows import shares_rows
 
 FEW_QUERIES = 16  # T <= this (decode shapes): one query tile against long key tiles
 FEW_QUERIES_BLOCK_K = 2048
@@ -65,7 +66,8 @@ def tiled_forward(inputs: AttentionInputs, block_q: int = BLOCK_Q, block_k: int 
     batch, q_heads, t, _ = q.shape
     kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[3]
     compute = compute_dtype(q.dtype)
-    kc, vc = k.to(compute), v.to(compute)  # [B, Hkv, S, D], [B, Hkv, S, Dv]; no copy when already compute
+    kc = k.to(compute)  # [B, Hkv, S, D]; no copy when already compute
+    vc = kc[..., :dv] if shares_rows(k, v) else v.to(compute)  # [B, Hkv, S, Dv]: V's rows are K's (converted once)
     guard = guard_non_finite(kc, vc)
     if guard is not None:
         kc, vc = guard.k, guard.v

@@ -27,6 +27,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "overhead"), "lab.bench.overhead", "per-call cost and generate tokens/s vs PyTorch SDPA"),
     (("bench", "paged"), "lab.bench.paged", "decode over a paged KV cache vs the same keys contiguous"),
     (("bench", "sparse"), "lab.bench.sparse", "top-k sparse attention (key_indices) vs SDPA with the dense mask"),
+    (("bench", "latent"), "lab.bench.latent", "absorbed-MLA decode over a latent cache vs rows apart, expanded"),
     (("bench", "serving"), "lab.bench.serving", "concurrent requests: engine CB vs transformers' CB, static"),
     (("explain", "scaling"), "lab.figures.explain_scaling", "why scores are divided by sqrt(d_k)"),
     (("show", "weights"), "lab.figures.show_weights", "heatmaps of attention weights for each mask family"),

@@ -22,8 +22,8 @@ sequence holds it. A sequence of one-token decode steps so holds at most ``ceil(
 
 Keys ``[N, Hkv, D]`` of any float dtype go to pools of ``dtype``: float, or int8 / float8_e4m3fn with one fp32 scale
 per token and head (``QuantizedKV`` pools; engine.paged.pool). ``append`` takes the packed new tokens of several
-sequences at once (FlashInfer's ``append_paged_kv_cache``); ``tables`` gives what ``paged_attention`` reads. Every
-operation checks what it needs before it changes anything: a refused call leaves the cache as it was.
+sequences at once (FlashInfer's ``append_paged_kv_cache``), ``tables`` gives what ``paged_attention`` reads,
+``commit_tree`` keeps a verified draft tree's accepted path. A refused call leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import torch
 from engine.masks.window import check_window
 from engine.paged.pool import PagePool
 from engine.paged.tables import RELEASED
+from engine.paged.tree_commit import TreeCommit
 from engine.quantized import QuantizedKV
 
 __all__ = ["PagedKVCache", "Slots"]
@@ -53,6 +54,7 @@ class Slots(NamedTuple):
 class _Sequence:
     pages: list[int | None] = field(default_factory=list)  # None: released (a prefix of the list)
     length: int = 0
+    appended: int = 0  # rows its last extend added (a draft tree, for commit_tree)
 
     @property
     def released(self) -> int:
@@ -60,7 +62,7 @@ class _Sequence:
         return next((i for i, page in enumerate(self.pages) if page is not None), len(self.pages))
 
 
-class PagedKVCache:
+class PagedKVCache(TreeCommit):
     """Pools ``keys [num_pages, page_size, Hkv, D]`` and ``values [num_pages, page_size, Hkv, Dv]`` in ``dtype`` (the
     shape ``paged_attention`` reads; views of head-major storage; ``QuantizedKV`` for int8 / float8_e4m3fn);
     sequences are ids handed out by ``add`` or ``fork``. ``window``: keys a query sees, its own included (at least
@@ -111,9 +113,8 @@ class PagedKVCache:
     def fork(self, seq: int) -> int:
         """A new sequence holding ``seq``'s tokens: it shares every live page (no copy until one of them writes to
         a shared, partly filled page) and has the same pages released; returns its id."""
-        parent = self._get(seq)
-        child = self.add()
-        self._sequences[child] = _Sequence(list(parent.pages), parent.length)
+        parent, child = self._get(seq), self.add()
+        self._sequences[child] = _Sequence(list(parent.pages), parent.length, parent.appended)
         for page in parent.pages:
             if page is not None:
                 self._pool.hold(page)
@@ -153,7 +154,7 @@ class PagedKVCache:
         keep = -(-length // self.page_size)
         for page in sequence.pages[keep:]:
             self._pool.drop(page)
-        sequence.pages, sequence.length = sequence.pages[:keep], length
+        sequence.pages, sequence.length, sequence.appended = sequence.pages[:keep], length, 0
 
     def layer(self, index: int) -> tuple:
         """``(keys, values)``: layer ``index``'s pools (``keys``/``values`` are layer 0's)."""
@@ -185,9 +186,10 @@ class PagedKVCache:
         self.extends += 1
         pages, slots = [], []  # where each new row goes
         for seq, n in zip(seqs, counts):
+            sequence = self._sequences[seq]
+            sequence.appended = n
             if n == 0:
                 continue
-            sequence = self._sequences[seq]
             positions = torch.arange(sequence.length, sequence.length + n)  # [n]
             first = sequence.length // self.page_size  # the page of its first new token (never released)
             owned = torch.tensor(sequence.pages[first:], dtype=torch.long)  # [pages it writes to]
@@ -236,15 +238,13 @@ class PagedKVCache:
 
     def _window_releases(self, seqs: list[int]) -> list[range]:
         """Per sequence, its pages this step's queries cannot see (keys all <= length - window)."""
-        if self.window is None:
-            return [range(0) for _ in seqs]
-        return [self._releasable(s, max(s.length - self.window + 1, 0)) for s in map(self._sequences.get, seqs)]
+        return [range(0) if self.window is None else self._releasable(s, max(s.length - self.window + 1, 0))
+                for s in map(self._sequences.get, seqs)]
 
     def check_append(self, seqs: list[int], count: int | None, indptr: torch.Tensor) -> list[int]:
         """The new tokens per sequence of an ``append`` of ``count`` rows (None: as many as ``indptr`` says); a
         ValueError for an unknown or repeated sequence or a bad ``indptr`` (an integer tensor ``[len(seqs) + 1]``
-        from 0 to ``count``, never decreasing). Changes nothing (a caller checks before it computes what it
-        appends)."""
+        from 0 to ``count``, never decreasing). Changes nothing (a caller checks before it computes its rows)."""
         for seq in seqs:
             self._get(seq)
         if len(set(seqs)) != len(seqs):

@@ -22,88 +22,14 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.generate_paged import report_paged
-from engine.kv_cache import KVCache, kv_cache_bytes
-from engine.layer import MultiHeadAttention
-from engine.paged.step import begin_step
+from engine.kv_cache import kv_cache_bytes
+from engine.speculative import add_speculative_arguments, check_speculative_arguments, report_speculative
+from engine.tiny_decoder import TinyDecoder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 KV_DTYPES = {**DTYPES, "int8": torch.int8}  # the cache may be quantized: 1 byte per entry + a scale per token
 if hasattr(torch, "float8_e4m3fn"):
     KV_DTYPES["fp8"] = torch.float8_e4m3fn
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, width: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight, self.eps = nn.Parameter(torch.ones(width)), eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()  # [B, T, E]
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block: attention then a SwiGLU MLP, each added to the residual stream."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int | None, window: int | None) -> None:
-        super().__init__()
-        self.attn_norm, self.mlp_norm = RMSNorm(hidden), RMSNorm(hidden)
-        self.attn = MultiHeadAttention(hidden, heads, kv_heads, head_dim=head_dim, window=window)
-        self.gate, self.up = nn.Linear(hidden, 2 * hidden, bias=False), nn.Linear(hidden, 2 * hidden, bias=False)
-        self.down = nn.Linear(2 * hidden, hidden, bias=False)
-
-    def forward(self, x, positions, cache, valid, plans=None):
-        x = x + self.attn(self.attn_norm(x), positions=positions, cache=cache, valid=valid, plans=plans)  # [B, T, E]
-        return self.mlp(x)
-
-    def forward_paged(self, x, cache, step, layer: int):
-        """Packed tokens ``[N, E]`` of several sequences, attending through the model's PagedKVCache (its
-        ``layer``'s pools) in the step ``step`` (engine.paged.step)."""
-        return self.mlp(x + self.attn.forward_paged(self.attn_norm(x), cache, step=step, layer=layer))  # [N, E]
-
-    def mlp(self, x):
-        h = self.mlp_norm(x)  # [..., E]
-        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))  # [..., E]
-
-
-class TinyDecoder(nn.Module):
-    """A decoder-only LM made of the engine's ``MultiHeadAttention``; one ``KVCache`` per layer."""
-
-    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int,
-                 head_dim: int | None = None, window: int | None = None) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads, kv_heads, head_dim, window) for _ in range(layers))
-        self.norm = RMSNorm(hidden)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-
-    def new_caches(self, batch: int, capacity: int, dtype: torch.dtype | None = None) -> list[KVCache]:
-        return [block.attn.new_cache(batch, capacity, dtype) for block in self.blocks]
-
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """ids ``[B, T]`` -> logits ``[B, T, V]``; positions/valid ``[B, T]`` as in MultiHeadAttention. The layers
-        step together, so the first one plans the attention call and the others reuse its plan."""
-        plans: dict = {}  # this forward pass's plans (MultiHeadAttention's ``plans``)
-        x = self.embed(ids)  # [B, T, E]
-        for i, block in enumerate(self.blocks):
-            x = block(x, positions, None if caches is None else caches[i], valid, plans)  # [B, T, E]
-        return self.lm_head(self.norm(x))  # [B, T, V]
-
-    def forward_paged(self, ids: torch.Tensor, cache, seqs: list[int], indptr: torch.Tensor) -> torch.Tensor:
-        """Packed ids ``[N]`` (``seqs[i]``: rows ``indptr[i] .. indptr[i+1]-1``) -> logits ``[N, V]`` over one
-        PagedKVCache of every layer's pools: the step made once, every layer reusing it and its plan."""
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
-            raise ValueError(f"ids must be packed token ids [N], got {getattr(ids, 'shape', type(ids).__name__)}")
-        if getattr(cache, "layers", None) != len(self.blocks):
-            raise ValueError(f"cache must be a PagedKVCache of {len(self.blocks)} layers, got {cache!r}")
-        x = self.embed(ids)  # [N, E]
-        for layer, block in enumerate(self.blocks):
-            block.attn.check_paged_call(x, cache, layer)  # every layer's checks, before the cache grows
-        step = begin_step(cache, seqs, indptr)  # once: every layer's pages, positions and tables
-        for layer, block in enumerate(self.blocks):
-            x = block.forward_paged(x, cache, step, layer)  # [N, E]
-        return self.lm_head(self.norm(x))  # [N, V]
 
 
 def left_padded_prompts(batch: int, prompt_len: int, vocab: int, ragged: bool, generator: torch.Generator):
@@ -225,6 +151,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paged", type=int, default=None, metavar="PAGE_SIZE",
                         help="also serve the prompts from a PagedKVCache with pages of this many tokens (each row's "
                              "real tokens only, packed) and check its greedy tokens equal the contiguous cache's")
+    add_speculative_arguments(parser)
 
 
 def _describe(args, capacity: int) -> str:
@@ -247,6 +174,7 @@ def main(args: argparse.Namespace) -> int:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    check_speculative_arguments(args)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -287,6 +215,8 @@ def _run(args: argparse.Namespace, capacity: int, chunk: int, device: torch.devi
           f"positions and validity {sum(c.bookkeeping_nbytes for c in caches):,} B; filled {caches[0].length} slots")
     print(f"row 0 tokens: {tokens[0, :16].tolist()}{' ...' if tokens.shape[1] > 16 else ''}")
     if args.paged and not report_paged(model, ids, valid, tokens, args.new_tokens, args.paged, capacity):
+        return 1
+    if args.speculative and not report_speculative(model, ids, valid, tokens, args, kv_dtype):
         return 1
     if args.check:
         same, margin = check_against_full_forward(model, ids, positions, valid, tokens)

@@ -13,13 +13,18 @@ puts key j of a sequence at position j, so ``paged=True`` gives query positions 
 admits the whole tree; the mask alone picks each node's ancestors) for ``paged_attention(..., query_positions,
 allowed=allowed)``. Each node's output equals decoding its root path one token at a time. (Positions here are the
 visibility rule's; RoPE takes ``past + depth``, applied to q and k before attention.)
+
+A model's paged step over a ``PagedKVCache`` (engine.paged.step.begin_step's ``positions`` and ``allowed``) takes
+``tree_step_rows(trees, pasts)``: several sequences' trees packed, each row's RoPE position and its keys; with
+``new``, only each tree's last nodes (a tree drafted level by level: its earlier nodes appended by earlier steps).
+After the verify, ``PagedKVCache.commit_tree`` keeps the accepted path.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["tree_depths", "tree_attention_inputs"]
+__all__ = ["tree_depths", "tree_attention_inputs", "tree_step_rows"]
 
 
 def tree_depths(parents) -> torch.Tensor:
@@ -56,3 +61,28 @@ def tree_attention_inputs(parents, past: int, device: torch.device | str = "cpu"
     else:
         query_positions, key_positions = past + depths, torch.cat([torch.arange(past), past + depths])  # [N], [past+N]
     return query_positions.to(device), key_positions.to(device), allowed.to(device)
+
+
+def tree_step_rows(trees: list, pasts: list[int], new: list[int] | None = None, device: torch.device | str = "cpu"):
+    """``(positions int64 [N], allowed bool [N, K])`` of one paged step that appends draft-tree nodes to several
+    sequences, packed sequence by sequence: ``trees[b]`` is sequence b's parents list, ``pasts[b]`` its tokens before
+    the tree's first node, ``new[b]`` how many of its tree's last nodes this step appends (default all). Row of node
+    i: position ``past + depth(i)`` (RoPE), seeing its sequence's past keys and its ancestors' slots (node j at slot
+    ``past + j``); K: the longest sequence after the step, ``max(past + len(tree))``."""
+    if not isinstance(trees, (list, tuple)) or not isinstance(pasts, (list, tuple)) or len(trees) != len(pasts):
+        raise ValueError(f"trees and pasts must be lists of one entry per sequence, got {type(trees).__name__} and "
+                         f"{type(pasts).__name__} of lengths {len(trees)} and {len(pasts)}")
+    new = [len(tree) for tree in trees] if new is None else list(new)
+    if len(new) != len(trees) or any(not 0 <= k <= len(tree) for k, tree in zip(new, trees)):
+        raise ValueError(f"new must give each sequence a count in [0, len(its tree)], got {new} for trees of "
+                         f"{[len(tree) for tree in trees]} nodes")
+    longest = max([past + len(tree) for past, tree in zip(pasts, trees)] + [0])
+    positions, allowed = [], []
+    for tree, past, count in zip(trees, pasts, new):
+        n = len(tree)
+        query_positions, _, mask = tree_attention_inputs(tree, past)  # [n], [n, past + n]
+        positions.append(query_positions[n - count:])
+        allowed.append(torch.nn.functional.pad(mask[n - count:], (0, longest - past - n)))  # [count, K]
+    positions = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long)
+    allowed = torch.cat(allowed) if allowed else torch.zeros(0, longest, dtype=torch.bool)
+    return positions.to(device), allowed.to(device)

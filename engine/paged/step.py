@@ -9,6 +9,11 @@ values to those slots and runs the step's paged plan for its configuration, made
     step = begin_step(cache, seqs, indptr)                       # once per step
     for i, block in enumerate(blocks):
         x = block.forward_paged(x, cache, step=step, layer=i)   # writes layer i's K/V, runs the shared plan
+
+A step's rows need not be each sequence's next tokens in a line: ``positions`` gives their own positions (RoPE's)
+and ``allowed`` which of its sequence's keys each row sees, besides the rule over slots (key j visible to the row
+at slot i iff j <= i). A draft tree (engine.masks.tree.tree_step_rows) is one such step: node i at slot past + i,
+position past + depth, seeing the cache and its ancestors; every layer verifies the whole tree in one call.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ __all__ = ["PagedStep", "begin_step", "check_step"]
 @dataclass
 class PagedStep:
     """A step's sequences and new rows (``seqs``, ``indptr``), where the rows go (``slots``), their positions
-    ``[N]``, the page table and key lengths after the write, and the plans its layers share."""
+    ``[N]`` (RoPE's; ``own_positions``: given, not the slots'), the page table and key lengths after the write, the
+    rows' ``allowed`` keys (bool ``[N, K]`` or None) and the plans its layers share."""
 
     seqs: list[int]
     indptr: torch.Tensor
@@ -38,26 +44,53 @@ class PagedStep:
     page_table: torch.Tensor
     kv_lens: torch.Tensor
     plans: dict = field(default_factory=dict)
+    allowed: torch.Tensor | None = None
+    own_positions: bool = False
 
     def plan_for(self, q: torch.Tensor, k_pages, v_pages, *, window=None, softcap=None, scale=None) -> PagedPlan:
         """The step's plan for a layer of this configuration: made by the first layer that asks, reused by every
         other (a layer whose tensors differ, in dtype or gradient need, gets its own)."""
+        if window is not None and self.own_positions:
+            raise ValueError(f"a step with its own positions (a draft tree's) cannot serve a layer with a window of "
+                             f"{window}: the window would count slots, not the rows' positions")
         return reuse(self.plans, (window, softcap, scale), (q, k_pages, v_pages),
                      lambda: plan_paged(q, k_pages, v_pages, self.page_table, self.kv_lens, self.indptr, window=window,
-                                        softcap=softcap, scale=scale))
+                                        softcap=softcap, scale=scale, allowed=self.allowed))
 
 
-def begin_step(cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor, rows: int | None = None) -> PagedStep:
+def begin_step(cache: PagedKVCache, seqs: list[int], indptr: torch.Tensor, rows: int | None = None, *,
+               positions: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> PagedStep:
     """Extend every sequence of ``seqs`` by its rows of ``indptr`` in ``cache`` (all or nothing; ``rows``: the
     packed rows the step has, checked against ``indptr``) and return the step its layers read; positions continue
-    each sequence from its length."""
+    each sequence from its length, or are ``positions`` (int ``[N]``: the rows' RoPE positions, a draft tree's);
+    ``allowed`` (bool ``[N, K]``, K >= every sequence's length after the step): the keys of its sequence each row
+    may see (paged_attention's ``allowed``)."""
     before = [cache.length(seq) for seq in seqs]  # (an unknown sequence is refused here, before any change)
-    slots = cache.extend(seqs, indptr, rows)  # the one check of seqs and indptr
+    counts = cache.check_append(seqs, rows, indptr)
+    _check_rows(positions, allowed, sum(counts), max([n + c for n, c in zip(before, counts)] + [0]))
+    slots = cache.extend(seqs, indptr, rows)
     device = slots.pages.device
-    positions = torch.cat([torch.arange(start, cache.length(seq)) for seq, start in zip(seqs, before)]
-                          or [torch.zeros(0, dtype=torch.long)]).to(device)  # [N]
+    default = torch.cat([torch.arange(start, cache.length(seq)) for seq, start in zip(seqs, before)]
+                        or [torch.zeros(0, dtype=torch.long)]).to(device)  # [N]
     table, lengths = cache.tables(seqs)
-    return PagedStep(list(seqs), indptr, cache, cache.extends, slots, positions, table, lengths)
+    return PagedStep(list(seqs), indptr, cache, cache.extends, slots, default if positions is None else
+                     positions.to(device, torch.long), table, lengths, allowed=None if allowed is None else
+                     allowed.to(device), own_positions=positions is not None)
+
+
+def _check_rows(positions, allowed, rows: int, longest: int) -> None:
+    """ValueError unless ``positions`` is None or an int tensor ``[rows]``, and ``allowed`` None or bool ``[rows, >=
+    longest]``."""
+    if positions is not None and (not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.shape[0]
+                                  != rows or positions.is_floating_point() or positions.dtype == torch.bool):
+        got = (f"{positions.dtype} {list(positions.shape)}" if isinstance(positions, torch.Tensor)
+               else type(positions).__name__)
+        raise ValueError(f"positions must be an int tensor [N] = [{rows}] (each new row's position), got {got}")
+    if allowed is not None and (not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.bool
+                                or allowed.dim() != 2 or allowed.shape[0] != rows or allowed.shape[1] < longest):
+        got = f"{allowed.dtype} {list(allowed.shape)}" if isinstance(allowed, torch.Tensor) else type(allowed).__name__
+        raise ValueError(f"allowed must be a bool tensor [N, K] = [{rows}, >= {longest}] (row: a new row, column "
+                         f"j: key j of its sequence), got {got}")
 
 
 def check_step(step, cache: PagedKVCache, rows: int) -> None:

@@ -177,8 +177,8 @@ def report_speculative(model, ids, valid, tokens, args: argparse.Namespace, kv_d
           f"head; self-speculative), tree width {args.tree_width} x depth {args.tree_depth} = {len(parents)} nodes "
           f"(root included) verified in one paged call per step (pages of {page_size})")
     print(f"speculative: same greedy tokens as plain greedy decoding: {'yes' if same else 'NO'}; "
-          f"{ids.shape[0] * args.new_tokens} tokens in {seconds * 1e3:.1f} ms, {forwards} target forwards after the "
-          f"prefill (plain greedy: {args.new_tokens - 1})")
+          f"{ids.shape[0] * args.new_tokens} tokens in {seconds * 1e3:.1f} ms (both models' prefills included), "
+          f"{forwards} target forwards after the prefill (plain greedy: {args.new_tokens - 1})")
     counts = Counter(accepted)
     print(f"accepted tokens per step (the path's drafts + the bonus token), {len(accepted)} sequence-steps: mean "
           f"{sum(accepted) / len(accepted):.2f}" if accepted else "accepted tokens per step: no step ran")

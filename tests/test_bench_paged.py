@@ -88,3 +88,14 @@ def test_the_invariant_group_times_both_modes_and_leaves_the_default_on(tmp_path
         ("default", "sdpa"), ("batch-invariant", "decode_native")}
     assert all(r["max |diff|"] < 2e-2 for r in rows)
     assert not engine.is_batch_invariant()
+
+
+def test_the_tree_group_times_a_tree_verify_against_a_decode_step_and_checks_its_output(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_paged, "HQ", 8)  # a smaller model: the group's logic, not its timing
+    monkeypatch.setattr(bench_paged, "D", 16)
+    monkeypatch.setattr(bench_paged, "TREE_KEYS", {"quick": (512,)})
+    rows = {r["impl"]: r for r in quick_rows(tmp_path, "tree")}
+    assert set(rows) == {"decode (1 query)", "tree 16", "tree 64"}
+    assert rows["tree 16"]["max |diff|"] < 1e-5 and rows["tree 64"]["max |diff|"] < 1e-5  # = the contiguous tree call
+    assert rows["tree 16"]["met"] in ("yes", "no") and rows["tree 16"]["target"] == "<= 1.5x"
+    assert rows["decode (1 query)"]["time/decode"] == 1.0 and (tmp_path / "paged_tree.png").exists()

@@ -22,11 +22,17 @@
   their own, one decode step. Rows: ``cascade`` (the prefix read once for all 32 queries, engine.paged.cascade),
   ``per sequence`` (``cascade=False``: the shared pages read once per sequence), for Hkv 8 (GQA, G = 4) and
   Hkv 32 (MHA). Target: cascade >= 4x faster than per sequence.
+- ``tree``: speculative decoding's verify (issue 27): a draft tree of 16 or 64 nodes (a binary tree, heap order)
+  over S = 4k / 32k cached keys of one sequence (Hq 32 / Hkv 8 / D 128, fp32, pages of 16), all nodes in ONE paged
+  call (the ancestor mask as ``allowed``, planned once, as a model's step runs it), beside one single-token decode
+  step over the same keys; ``time/decode`` and the path each takes. Target: the 16-node tree within 1.5x of the
+  decode step.
 - ``memory``: 64 requests of ragged lengths (1..2047 tokens, fixed seed): the slots a paged cache holds against a
   contiguous cache's reservation at the longest length.
 
     python run.py bench paged --quick          # S = 8k, a minute
     python run.py bench paged                  # S = 8k, 16k, 32k (about 4 GiB at 32k)
+    python run.py bench paged --groups tree    # tree verification, S = 4k and 32k (--quick: 4k only)
 
 Target: paged decode within 1.1x of contiguous decode's time.
 """
@@ -39,7 +45,8 @@ from typing import Any
 import torch
 
 import engine
-from engine import PagedKVCache, paged_attention, plan_paged
+from engine import PagedKVCache, causal_attention, paged_attention, plan_paged
+from engine.masks.tree import tree_attention_inputs
 from engine.quantized import quantize
 from lab import plots
 from lab.bench.paged_pools import pools, quantized_pool
@@ -50,7 +57,9 @@ from lab.options import add_common, apply_threads
 B, HQ, HKV, D = 8, 32, 8, 128
 TARGET = 1.1
 CASCADE_TARGET = 4.0
-GROUPS = ("decode", "step", "mixed", "continuous", "invariant", "cascade", "memory")
+TREE_TARGET = 1.5  # a 16-node tree's verify over a one-token decode step
+TREE_KEYS = {"quick": (4096,), "full": (4096, 32768)}  # S, the sequence's cached keys
+GROUPS = ("decode", "step", "mixed", "continuous", "invariant", "cascade", "tree", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,6 +163,45 @@ def cascade_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def tree_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One sequence of S keys (page 16, fp32): a tree of 16 / 64 draft nodes verified in one planned paged call vs
+    a one-token decode step over the same S keys; each planned once, its run timed interleaved."""
+    rounds, calls = (3, 2) if args.quick else (7, 3)
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for s in progress(TREE_KEYS["quick" if args.quick else "full"], "bench paged: tree", quiet=args.quiet):
+        rows += _tree_case(s, 16, g, rounds, calls)
+    return rows
+
+
+def _tree_case(s: int, page_size: int, g: torch.Generator, rounds: int, calls: int) -> list[dict[str, Any]]:
+    k, v = (torch.randn(1, HKV, s + 64, D, generator=g) for _ in "kv")  # [1, Hkv, S + 64, D]: room for 64 nodes
+    k_pages, v_pages, table = pools(k, v, page_size, g, True)
+    q = torch.randn(64, HQ, D, generator=g)  # [64, Hq, D]: the largest tree's queries
+    plans = {1: plan_paged(q[:1], k_pages, v_pages, table, torch.tensor([s + 1]), torch.tensor([0, 1]))}
+    diffs = {}
+    for n in (16, 64):
+        parents = [-1] + [(i - 1) // 2 for i in range(1, n)]  # a binary tree in heap order
+        positions, _, allowed = tree_attention_inputs(parents, s, paged=True)
+        plans[n] = plan_paged(q[:n], k_pages, v_pages, table, torch.tensor([s + n]), torch.tensor([0, n]), positions,
+                              allowed=allowed)
+        qpos, kpos, mask = tree_attention_inputs(parents, s)  # the contiguous call: positions past + depth
+        want = causal_attention(q[:n].transpose(0, 1)[None], k[:, :, :s + n], v[:, :, :s + n], qpos, kpos, mask)
+        diffs[n] = (plans[n].run(q[:n], k_pages, v_pages) - want[0].transpose(0, 1)).abs().max().item()
+    names = {1: "decode (1 query)", 16: "tree 16", 64: "tree 64"}
+    impls = {names[n]: (lambda n=n: plans[n].run(q[:n], k_pages, v_pages)) for n in names}
+    ms = {name: us / 1000 for name, us in interleaved_us(impls, rounds, calls, warmup=1).items()}
+    rows = []
+    for n, name in names.items():
+        ratio = ms[name] / ms[names[1]]
+        rows.append({"group": "tree", "case": f"S={s} Hq {HQ}/Hkv {HKV}/D {D} fp32 page {page_size}", "impl": name,
+                     "nodes": n, "ms": ms[name], "time/decode": ratio, "per node": ms[name] / n,
+                     "path": plans[n].path, "target": f"<= {TREE_TARGET}x" if n == 16 else None,
+                     "met": ("yes" if ratio <= TREE_TARGET else "no") if n == 16 else None,
+                     "max |diff|": diffs.get(n), "S": s})
+    return rows
+
+
 def plot(rows: list[dict[str, Any]], path) -> None:
     paged = [r for r in rows if r["group"] == "decode" and r["impl"] != "contiguous"]
     fig, (axes,) = plots.figure(width=8.0)
@@ -169,6 +217,20 @@ def plot(rows: list[dict[str, Any]], path) -> None:
     plots.save(fig, path)
 
 
+def plot_tree(rows: list[dict[str, Any]], path) -> None:
+    fig, (axes,) = plots.figure(width=6.0)
+    sizes = sorted({r["S"] for r in rows})
+    for offset, name in enumerate(("tree 16", "tree 64")):
+        values = [next(r["time/decode"] for r in rows if r["S"] == s and r["impl"] == name) for s in sizes]
+        axes.bar([i + 0.4 * offset for i in range(len(sizes))], values, width=0.4, label=name)
+    axes.axhline(TREE_TARGET, color="gray", linestyle="--", label=f"target {TREE_TARGET}x (16 nodes)")
+    axes.set_xticks([i + 0.2 for i in range(len(sizes))], [f"S = {s}" for s in sizes])
+    axes.set_ylabel("time / one-token decode step")
+    axes.set_title("a draft tree verified in one paged call")
+    axes.legend()
+    plots.save(fig, path)
+
+
 def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
@@ -179,7 +241,8 @@ def main(args: argparse.Namespace) -> int:
     rows = ((decode_rows(args) if "decode" in groups else []) + (step_rows(args) if "step" in groups else [])
             + (mixed_rows(args) if "mixed" in groups else []) + (invariant_rows(args) if "invariant" in groups else [])
             + (continuous_rows(args) if "continuous" in groups else [])
-            + (cascade_rows(args) if "cascade" in groups else []) + (memory_rows(args) if "memory" in groups else []))
+            + (cascade_rows(args) if "cascade" in groups else []) + (tree_rows(args) if "tree" in groups else [])
+            + (memory_rows(args) if "memory" in groups else []))
     decode = [r for r in rows if r["group"] == "decode"]
     if decode:
         print(format_table(decode, ["case", "impl", "ms", "time/contiguous", "K/V GB/s", "of copy", "target", "met",
@@ -191,6 +254,10 @@ def main(args: argparse.Namespace) -> int:
     cascade = [r for r in rows if r["group"] == "cascade"]
     if cascade:
         print("\n" + format_table(cascade, ["case", "impl", "ms", "speedup", "target", "met", "max |diff|"]))
+    tree = [r for r in rows if r["group"] == "tree"]
+    if tree:
+        print("\n" + format_table(tree, ["case", "impl", "nodes", "ms", "time/decode", "per node", "path", "target",
+                                         "met", "max |diff|"]))
     memory = [r for r in rows if r["group"] == "memory"]
     if memory:
         print("\n" + format_table(memory, ["case", "impl", "tokens", "token slots", "MiB", "waste"]))
@@ -198,5 +265,8 @@ def main(args: argparse.Namespace) -> int:
     if decode:
         plot(rows, f"{args.out}/paged.png")
         paths.append(f"{args.out}/paged.png")
+    if tree:
+        plot_tree(tree, f"{args.out}/paged_tree.png")
+        paths.append(f"{args.out}/paged_tree.png")
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -16,7 +16,7 @@ def test_the_quick_run_times_sparse_against_the_dense_mask_and_writes_its_files(
     prefill = [r for r in rows if r["group"] == "prefill"]
     assert {r["impl"] for r in prefill} == {"engine sparse", "engine auto", "sdpa dense mask"}
     assert all(r["max |diff|"] < 1e-4 for r in prefill)  # the same attention both ways
-    assert {r["impl"] for r in rows if r["group"] == "decode"} == {"engine sparse", "engine auto",
-                                                                    "dense decode over K keys"}
+    assert {r["impl"] for r in rows if r["group"] == "decode"} == {"engine sparse", "engine native listed",
+                                                                    "engine auto", "dense decode over K keys"}
     assert all(r["met"] in ("yes", "no") for r in rows if r["target"])
     assert (tmp_path / "sparse.csv").exists() and (tmp_path / "sparse.png").exists()

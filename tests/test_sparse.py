@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine import causal_attention, window_mask
+from engine.kernels.decode.native_build import native_unavailable
 
 
 def index_oracle(q, k, v, key_indices, query_positions=None, key_positions=None, allowed=None, softcap=None):
@@ -89,9 +90,12 @@ def case(s=600, t=5, top=32, dtype=torch.float32, seed=0, heads=(8, 2)):
 
 
 def test_auto_takes_the_sparse_kernel_for_few_listed_keys_and_every_key_listed_equals_dense_causal():
-    q, k, v, indices = case()
+    q, k, v, indices = case(t=40)  # a prefill (T > 16): the sparse kernel gathers the listed keys
     plan = engine.explain(q, k, v, key_indices=indices)
-    assert plan.kernel == "sparse" and "not decode_native" not in str(plan), str(plan)
+    assert plan.kernel == "sparse", str(plan)
+    q, k, v, indices = case()  # a decode step (T = 5): the native kernel reads the listed keys in place
+    plan = engine.explain(q, k, v, key_indices=indices)
+    assert plan.kernel == ("decode_native" if native_unavailable() is None else "sparse"), str(plan)
     everything = torch.arange(600).expand(2, 1, 5, 600)
     torch.testing.assert_close(causal_attention(q, k, v, key_indices=everything, kernel="sparse"),
                                causal_attention(q, k, v), rtol=1e-5, atol=1e-5)
@@ -145,7 +149,7 @@ def test_a_plan_owns_its_key_indices_and_runs_other_layers_and_sinks():
     want = step.run(q, k, v)
     indices.fill_(0)  # the caller's tensor changed after planning
     assert torch.equal(step.run(q, k, v), want)
-    assert "sinks: applied to sparse" in str(step)
+    assert f"sinks: applied to {step.kernel}" in str(step)
 
 
 def test_a_visible_non_finite_key_or_value_poisons_as_the_reference_does():

@@ -6,9 +6,10 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
-| sparse       | top-k sparse: each query's listed keys gathered, O(T K D)   | key_indices; S >= K(10 + 27/G)  |
 | decode_native| few queries against a cache in C++: each K/V row read once, | T <= 16, no gradients, CPU, a   |
-|              | converted in registers; reads int8 / fp8 caches too         | compiler (built on first run)   |
+|              | converted in registers; reads int8 / fp8 caches too; with   | compiler (built on first run)   |
+|              | key_indices only the listed keys (a page table of them)     |                                 |
+| sparse       | top-k sparse: each query's listed keys gathered, O(T K D)   | key_indices; S >= K(10 + 27/G)  |
 | decode       | split-KV over a long cache, merged by lse (ALiBi, biases)   | T <= 16, no grad, S >= 512      |
 | sdpa         | one call of PyTorch's fused CPU flash op                    | no mask beyond top-left causal  |
 | sdpa_cuda    | one call of PyTorch's fused CUDA SDPA (flash/cuDNN/eff.)    | as sdpa, on CUDA                |
@@ -104,13 +105,13 @@ class Kernel(NamedTuple):
 
 # Fastest first: the order auto walks and the fallback order of a forced kernel.
 KERNELS: dict[str, Kernel] = {
-    "sparse": Kernel(sparse_attention, sparse_fits, sparse_pays_off,
-                     "top-k sparse attention: only each query's listed keys gathered and read (O(T K D))",
-                     takes=frozenset({"softcap"})),
     "decode_native": Kernel(native_decode_attention, native_decode_fits, native_decode_pays_off,
                             "few queries against a long cache, in C++: each K/V row read once for its query group, "
                             "converted in registers", takes=frozenset({"quantized_kv", "paged", "allowed"}),
                             prepare=native_decode_runner, paged=NATIVE_PAGED),
+    "sparse": Kernel(sparse_attention, sparse_fits, sparse_pays_off,
+                     "top-k sparse attention: only each query's listed keys gathered and read (O(T K D))",
+                     takes=frozenset({"softcap"})),
     "decode": Kernel(decode_attention, decode_fits, decode_pays_off,
                      "few queries against a long cache: reads each K/V byte once, split across chunks",
                      takes=frozenset({"alibi", "bias"})),

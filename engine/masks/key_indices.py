@@ -23,9 +23,9 @@ import math
 
 import torch
 
-from engine.masks.structured import StructuredMask
+from engine.masks.structured import AllOf, StructuredMask
 
-__all__ = ["KeyIndexMask", "key_index_mask"]
+__all__ = ["KeyIndexMask", "key_index_mask", "split_listed"]
 
 
 class KeyIndexMask(StructuredMask):
@@ -88,3 +88,12 @@ def key_index_mask(key_indices: torch.Tensor, num_keys: int, q_heads: int) -> Ke
             raise ValueError(f"key_indices must lie in [-1, S) = [-1, {num_keys}) (-1: no key), got values in "
                              f"[{low}, {high}]")
     return KeyIndexMask(key_indices.long(), num_keys, q_heads)
+
+
+def split_listed(allowed) -> tuple[KeyIndexMask | None, list]:
+    """``(the KeyIndexMask of a call's allowed mask or None, the mask's other parts)``."""
+    if allowed is None:
+        return None, []
+    parts = list(allowed.parts) if isinstance(allowed, AllOf) else [allowed]
+    listed = [p for p in parts if isinstance(p, KeyIndexMask)]
+    return (listed[0], [p for p in parts if p is not listed[0]]) if listed else (None, parts)

@@ -30,7 +30,9 @@ from engine.inputs import AttentionInputs
 from engine.invariance import is_batch_invariant
 from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, needs_grad, unfold_groups
 from engine.kernels.decode.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
+from engine.kernels.decode.native_listed import listed_runner
 from engine.kernels.visibility import chunk_rows, decode_rows
+from engine.masks.key_indices import split_listed
 from engine.quantized import QuantizedKV
 
 MAX_QUERIES = MAX_DECODE_QUERIES  # (engine.kernels.common: one limit for every decode path)
@@ -61,9 +63,13 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
 
 
 def native_decode_pays_off(inputs: AttentionInputs) -> str | None:
-    """Why ``auto`` would not pick it for inputs it fits: never. Planned once, a call costs the kernel's work plus a
-    few microseconds (measured: 0.4-0.5x SDPA's time from S = 128 to 1024, ``run.py bench overhead``), and it
-    checks q and K for NaN/inf as it reads them, where the torch kernels pay a pass over K first."""
+    """Why ``auto`` would not pick it for inputs it fits: only for top-k keys (``key_indices``) of more than
+    MAX_QUERIES queries (batch-invariant mode), which the sparse kernel gathers. Planned once, a call costs the
+    kernel's work plus a few microseconds (measured: 0.4-0.5x SDPA's time from S = 128 to 1024, ``run.py bench
+    overhead``), and it checks q and K for NaN/inf as it reads them, where the torch kernels pay a pass over K first;
+    a decode step with key_indices reads only the listed keys (native_listed)."""
+    if inputs.q.shape[2] > MAX_QUERIES and split_listed(inputs.allowed)[0] is not None:
+        return f"key_indices for T = {inputs.q.shape[2]} > {MAX_QUERIES} queries: the sparse kernel gathers them"
     return None
 
 
@@ -88,7 +94,10 @@ def _runner(inputs: AttentionInputs):
     batch, q_heads, t, d = inputs.q.shape
     kv_heads, dv = inputs.k.shape[1], inputs.v.shape[3]
     resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles NaN in q
-    if t <= MAX_QUERIES:  # (every decode step: one kernel call, views only)
+    if t <= MAX_QUERIES:  # (every decode step: one kernel call, views only; top-k keys: only those read)
+        listed = listed_runner(library, inputs, resume, paged_template, paged_run)
+        if listed is not None:
+            return listed
         return _chunk_runner(library, inputs.scale, inputs.q.shape, kv_heads, dv, resume, *decode_rows(inputs))
     # batch-invariant mode: MAX_QUERIES queries at a time, each chunk its own span and visibility
     runs = [(i0, i1, _chunk_runner(library, inputs.scale, (batch, q_heads, i1 - i0, d), kv_heads, dv, resume,

@@ -21,8 +21,7 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import MAX_DECODE_QUERIES, compute_dtype
-from engine.masks.key_indices import KeyIndexMask
-from engine.masks.structured import AllOf
+from engine.masks.key_indices import KeyIndexMask, split_listed
 from engine.quantized import QuantizedKV
 from engine.shared_rows import shares_rows
 
@@ -33,10 +32,7 @@ GATHERED_NUMBERS = 1 << 22  # gathered K/V numbers per chunk of queries (16 MiB 
 
 def listed_keys(inputs: AttentionInputs) -> tuple[KeyIndexMask | None, list]:
     """``(the call's KeyIndexMask or None, the other parts of its allowed mask)``."""
-    allowed = inputs.allowed
-    parts = list(allowed.parts) if isinstance(allowed, AllOf) else [allowed]
-    listed = [p for p in parts if isinstance(p, KeyIndexMask)]
-    return (listed[0], [p for p in parts if p is not listed[0]]) if listed else (None, parts)
+    return split_listed(inputs.allowed)
 
 
 def sparse_fits(inputs: AttentionInputs) -> str | None:

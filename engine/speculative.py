@@ -157,7 +157,8 @@ def generate_speculative(model, ids, valid, new_tokens: int, page_size: int, wid
             target_cache.commit_tree(seq, parents, path)
             drafted = [int(tree[b, node]) for node in path[1:]]
             emitted[b] += drafted + [picks[b][path[-1]]]
-            pending[b], accepted = drafted, accepted + [len(path)]
+            pending[b] = drafted  # the draft's cache takes them with the next root
+            accepted.append(len(path))
         roots = torch.tensor([e[-1] for e in emitted], device=tree.device)  # [B]: the bonus tokens
         bar.update(min(min(len(e) for e in emitted), new_tokens) - before)
     bar.close()

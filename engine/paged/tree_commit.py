@@ -34,7 +34,7 @@ class TreeCommit:
         """Keep the root path ``accepted`` (node indices, each the parent of the next) of the draft tree ``parents``
         (engine.masks.tree) that ``seq``'s last extend appended, at its next slots; drop the other nodes (every
         layer). A ValueError, and no change, for a path that is not a root path of that tree."""
-        commit_tree(self._get(seq), self._pool, self.page_size, seq, parents, accepted)
+        commit_tree(self._get(seq), self._pool, self.page_size, seq, parents, accepted, self.window)
 
 
 def check_path(parents, accepted, appended: int, seq: int) -> list[int]:
@@ -61,20 +61,25 @@ def check_path(parents, accepted, appended: int, seq: int) -> list[int]:
     return list(accepted)
 
 
-def commit_tree(sequence, pool, page_size: int, seq: int, parents, accepted) -> None:
+def commit_tree(sequence, pool, page_size: int, seq: int, parents, accepted, window: int | None = None) -> None:
     """Keep the accepted root path of the tree ``sequence`` (engine.paged.cache's record of sequence ``seq``: its
-    pages, length and rows appended last) appended last; ``pool``: the cache's PagePool. See the module's text."""
+    pages, length and rows appended last) appended last; ``pool``: the cache's PagePool, ``window`` its window. See
+    the module's text."""
     path = check_path(parents, accepted, sequence.appended, seq)
     past = sequence.length - sequence.appended
     kept = past + len(path)
+    first_kept = sequence.released * page_size  # keys before it were released (as truncate's rule)
+    if kept < first_kept + (window - 1 if window is not None and first_kept else 0):
+        raise ValueError(f"sequence {seq}'s keys 0..{first_kept - 1} were released (release_before after the append): "
+                         f"keeping {len(path)} of its tree's nodes leaves {kept} tokens, and the next query could need "
+                         f"a released key")
     moves = [(past + node, past + depth) for depth, node in enumerate(path) if node != depth]  # (from, to) slots
-    touched = sorted({slot // page_size for move in moves for slot in move})
-    released = [i for i in touched if sequence.pages[i] is None]
+    released = sorted({slot // page_size for move in moves for slot in move if slot < first_kept})
     if released:
         raise ValueError(f"sequence {seq}'s tree rows sit in released pages {released} (release_before after the "
                          f"append): nothing to keep them from")
     keep_pages = -(-kept // page_size)
-    tail = sequence.pages[keep_pages:]  # pages wholly past the kept tokens
+    tail = [page for page in sequence.pages[keep_pages:] if page is not None]  # pages wholly past the kept tokens
     shared = sorted({to // page_size for _, to in moves if pool.references(sequence.pages[to // page_size]) > 1})
     available = pool.free_pages + pool.freed_by(tail)
     if len(shared) > available:

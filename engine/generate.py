@@ -5,7 +5,10 @@ What it shows: prefill (in chunks) and one-token decode through one code path, t
 cache's memory against the KV-cache formula ``2 * layers * B * Hkv * S * D * bytes``, and (``--check``) that
 cached greedy decoding picks the same tokens as a full uncached forward pass. ``--kv-dtype int8`` (or ``fp8``)
 stores the cache quantized (engine.quantized); ``--check`` then also prints each layer's attention-output error
-against a cache in the model's dtype, on one decode step after the same prefill.
+against a cache in the model's dtype, on one decode step after the same prefill. ``--paged PAGE_SIZE`` serves the
+prompts from a PagedKVCache (engine.generate_paged); ``--speculative`` decodes them with a draft tree verified in one
+paged call per step (engine.speculative); both check their greedy tokens against this run's. The model
+(engine.tiny_decoder):
 
     ids [B, T] -> embed -> L x (RMSNorm -> MultiHeadAttention (RoPE, GQA, KV cache) -> RMSNorm -> SwiGLU MLP)
                -> RMSNorm -> lm_head -> logits [B, T, V]

@@ -48,7 +48,7 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
                     window: int | None = None, softcap: float | None = None, scale: float | None = None,
                     sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
                     allowed: torch.Tensor | None = None, score_mod=None, return_lse: bool = False,
-                    kernel: str = "auto", cascade: bool | None = None):
+                    kernel: str = "auto", cascade: bool | None = None, key_indices: torch.Tensor | None = None):
     """Attention of packed queries to their sequences' paged keys.
 
     Args:
@@ -63,6 +63,8 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
             ``allowed[i, j]`` (ANDed with the position rule and the window: a speculative tree's ancestors), or None.
         score_mod: ``(score, sequence, head, query_pos, key_pos) -> score`` as in ``causal_attention`` (its batch
             index the sequence's), or None: each sequence's own call computes it.
+        key_indices: int ``[Nq, Hkv|1, K]``: top-k sparse attention, each query row sees only its listed keys of its
+            sequence (-1: none; a repeat counts once), with the rule, the window and ``allowed``; or None.
         softcap, scale, sinks ``[Hq]``, alibi_slopes ``[Hq]``: as in ``causal_attention``; kernel: ``"auto"`` or a
             kernel name, for each sequence's call.
         cascade: read a prefix shared by several sequences once for all of them (engine.paged.cascade); None: when
@@ -74,7 +76,7 @@ def paged_attention(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor,
     """
     step = plan_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions, window=window,
                       softcap=softcap, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, allowed=allowed,
-                      score_mod=score_mod, kernel=kernel, cascade=cascade)
+                      score_mod=score_mod, kernel=kernel, cascade=cascade, key_indices=key_indices)
     return step.run(q, k_pages, v_pages, return_lse=return_lse)
 
 
@@ -86,5 +88,5 @@ def explain_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_
     step = plan_paged(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions, window=window,
                       softcap=softcap, scale=scale, kernel=kernel, cascade=cascade, sinks=modifiers.get("sinks"),
                       alibi_slopes=modifiers.get("alibi_slopes"), allowed=modifiers.get("allowed"),
-                      score_mod=modifiers.get("score_mod"))
+                      score_mod=modifiers.get("score_mod"), key_indices=modifiers.get("key_indices"))
     return describe(step)

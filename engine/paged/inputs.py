@@ -50,6 +50,7 @@ class PagedInputs:
     grad: bool
     allowed: torch.Tensor | None = None
     score_mod: object = None  # (score, sequence, head, query_pos, key_pos) -> score, as causal_attention's
+    key_indices: torch.Tensor | None = None  # int64 [Nq, Hkv|1, K]: each query's listed keys of its sequence (-1 none)
 
     def options(self) -> frozenset[str]:
         """What a kernel must compute for this call besides the position rule (``Kernel.takes`` lists what it does)."""
@@ -62,6 +63,8 @@ class PagedInputs:
             options.add("allowed")
         if self.score_mod is not None:
             options.add("score_mod")
+        if self.key_indices is not None:
+            options.add("key_indices")
         if isinstance(self.k_pages, QuantizedKV) or isinstance(self.v_pages, QuantizedKV):
             options.add("quantized_kv")
         return frozenset(options)
@@ -76,7 +79,7 @@ def paged_inputs(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv
                  query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None, *, window: int | None = None,
                  softcap: float | None = None, scale: float | None = None, sinks: torch.Tensor | None = None,
                  alibi_slopes: torch.Tensor | None = None, allowed: torch.Tensor | None = None,
-                 score_mod=None) -> PagedInputs:
+                 score_mod=None, key_indices: torch.Tensor | None = None) -> PagedInputs:
     """Validate a paged call (``paged_attention``'s arguments); a ValueError names what was expected and given."""
     tables = paged_batch(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions is None)
     positions = _query_positions(query_positions, tables, q)
@@ -92,7 +95,8 @@ def paged_inputs(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv
     if sinks is not None:
         sinks = prepare_modifiers((q.shape[0], q.shape[1], 1, 1), q.device, sinks=sinks).sinks
     return PagedInputs(q, k_pages, v_pages, tables, positions, window, softcap, scale, sinks, alibi_slopes,
-                       needs_grad(q, k_pages, v_pages), _allowed(allowed, tables, q), score_mod)
+                       needs_grad(q, k_pages, v_pages), _allowed(allowed, tables, q), score_mod,
+                       _key_indices(key_indices, tables, q, k_pages.shape[2]))
 
 
 def _allowed(allowed, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor | None:
@@ -110,6 +114,30 @@ def _allowed(allowed, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor | Non
     return allowed[:, :longest].clone()
 
 
+def _key_indices(key_indices, tables: PagedBatch, q: torch.Tensor, kv_heads: int) -> torch.Tensor | None:
+    """The call's own int64 copy of ``key_indices`` ``[Nq, Hkv|1, K]``, checked (each row's indices in [-1, its
+    sequence's key count)); None for None."""
+    if key_indices is None:
+        return None
+    if not isinstance(key_indices, torch.Tensor) or key_indices.dtype not in (torch.int32, torch.int64) or \
+            key_indices.dim() != 3 or key_indices.shape[0] != q.shape[0] or key_indices.shape[1] not in (1, kv_heads):
+        raise ValueError(f"key_indices of a paged call must be an int32 / int64 tensor [Nq, Hkv|1, K] = [{q.shape[0]}, "
+                         f"{kv_heads} or 1, K] (a query's listed keys of its sequence, -1 none), got "
+                         f"{getattr(key_indices, 'dtype', type(key_indices).__name__)} "
+                         f"{list(getattr(key_indices, 'shape', []))}")
+    if key_indices.device != q.device:
+        raise ValueError(f"key_indices must be on q's device {q.device}, got {key_indices.device}")
+    lens = torch.repeat_interleave(torch.tensor(tables.kv_lens, dtype=torch.long),
+                                   torch.tensor([tables.starts[b + 1] - tables.starts[b] for b in range(tables.batch)]))
+    if key_indices.numel():
+        low = int(key_indices.min())
+        over = (key_indices.amax(dim=(1, 2)).cpu() - lens).max() if lens.numel() else torch.tensor(-1)
+        if low < -1 or int(over) >= 0:
+            raise ValueError(f"key_indices must lie in [-1, kv_len) of each query's sequence (-1: no key), got values "
+                             f"from {low} to {int(key_indices.max())} (kv_lens {tables.kv_lens})")
+    return key_indices.long().clone()
+
+
 def select(inputs: PagedInputs, members: list[int]) -> tuple[torch.Tensor, PagedInputs]:
     """``(rows [n] int64, call)``: the call of sequences ``members`` alone (their query rows of q, positions, tables;
     sinks left to the whole call's caller, which applies them once per row)."""
@@ -121,7 +149,8 @@ def select(inputs: PagedInputs, members: list[int]) -> tuple[torch.Tensor, Paged
                         tables.page_size, tables.released)
     rows = rows.to(inputs.q.device)
     return rows, replace(inputs, q=inputs.q[rows], tables=chosen, positions=inputs.positions[rows], sinks=None,
-                         allowed=None if inputs.allowed is None else inputs.allowed[rows])
+                         allowed=None if inputs.allowed is None else inputs.allowed[rows],
+                         key_indices=None if inputs.key_indices is None else inputs.key_indices[rows])
 
 
 def _query_positions(query_positions, tables: PagedBatch, q: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,7 @@ def plan_paged(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv_l
                query_indptr: torch.Tensor, query_positions: torch.Tensor | None = None, *, window: int | None = None,
                softcap: float | None = None, scale: float | None = None, sinks: torch.Tensor | None = None,
                alibi_slopes: torch.Tensor | None = None, allowed: torch.Tensor | None = None, score_mod=None,
-               kernel: str = "auto", cascade: bool | None = None) -> PagedPlan:
+               kernel: str = "auto", cascade: bool | None = None, key_indices: torch.Tensor | None = None) -> PagedPlan:
     """Validate a paged step and choose its kernel once (``paged_attention``'s arguments; q and the pools are read
     for their shapes, dtypes, strides and device, not their values). ``paged_attention(...)`` is
     ``plan_paged(...).run(q, k_pages, v_pages)``."""
@@ -204,7 +204,7 @@ def plan_paged(q: torch.Tensor, k_pages, v_pages, page_table: torch.Tensor, kv_l
         raise ValueError(f"cascade must be True, False or None (auto), got {cascade!r}")
     inputs = paged_inputs(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions, window=window,
                           softcap=softcap, scale=scale, sinks=sinks, alibi_slopes=alibi_slopes, allowed=allowed,
-                          score_mod=score_mod)
+                          score_mod=score_mod, key_indices=key_indices)
     return _plan(inputs, query_indptr, kernel, cascade)
 
 
@@ -213,10 +213,10 @@ def _plan(inputs: PagedInputs, query_indptr: torch.Tensor, kernel: str, cascade:
     signature = Signature(*(TensorSignature(*part) for part in signature_of(i.q, i.k_pages, i.v_pages)))
     call = replace(i, **{name: placeholder(getattr(i, name)) for name in ("q", "k_pages", "v_pages")})
     common = dict(signature=signature, call=call, query_indptr=query_indptr, kernel=kernel)
-    per_row = i.allowed is not None or i.score_mod is not None
+    per_row = i.allowed is not None or i.score_mod is not None or i.key_indices is not None
     if cascade and per_row:
-        raise ValueError("cascade=True with allowed or score_mod: a shared prefix is read once for the queries of "
-                         "several sequences; pass cascade=None or False with a mask or a score_mod")
+        raise ValueError("cascade=True with allowed, score_mod or key_indices: a shared prefix is read once for the "
+                         "queries of several sequences; pass cascade=None or False with them")
     no_cascade = cascade is False or per_row
     groups = [] if no_cascade else shared_prefixes(i.tables, min_keys=1 if cascade else None)
     if groups:  # the shared prefixes once, then one paged call on the suffixes (planned here too)

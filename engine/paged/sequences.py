@@ -85,24 +85,29 @@ def plan_sequences(inputs: PagedInputs, kernel: str, *, only: list[int] | None =
         s = SequencePlan(b, rows, pages[b], (), split, group)
         q_b, query_pos = _queries(q, s), inputs.positions[rows].repeat(group)  # [1, H, R, D], [R]
         mask = None if inputs.allowed is None else inputs.allowed[rows].repeat(group, 1)  # [R, K] or None
+        listed = None if inputs.key_indices is None else \
+            inputs.key_indices[rows].transpose(0, 1).repeat(1, group, 1)  # [Hkv|1, R, K]
         spans = page_runs.runs_seen(tables.page_size, 0, tables.kv_lens[b], query_pos, inputs.window) if split \
             else [(0, tables.kv_lens[b])]
-        calls = tuple((j0, j1, _plan_call(q_b, inputs, query_pos, j0, j1, kernel, modifiers, mask))
+        calls = tuple((j0, j1, _plan_call(q_b, inputs, query_pos, j0, j1, kernel, modifiers, mask, listed))
                       for j0, j1 in spans)
         sequences.append(s._replace(runs=calls))
     return SequencePlans(tuple(sequences), (q.shape[0], q.shape[1], inputs.v_pages.shape[3]), tables.page_size)
 
 
 def _plan_call(q_b, inputs: PagedInputs, query_pos, j0: int, j1: int, kernel: str, modifiers: dict,
-               mask: torch.Tensor | None) -> AttentionPlan:
+               mask: torch.Tensor | None, listed: torch.Tensor | None = None) -> AttentionPlan:
     """The plan of one call on keys ``j0 .. j1-1`` (planned on empty stand-ins of the gathered keys: their shape,
-    dtype, device and gradient need); ``mask``: the call's ``allowed`` rows ``[R, K]`` or None."""
+    dtype, device and gradient need); ``mask``: the call's ``allowed`` rows ``[R, K]`` or None; ``listed``: its
+    rows' key indices into the sequence ``[Hkv|1, R, K]`` (made relative to j0; outside the run: -1) or None."""
     key_pos = torch.arange(j0, j1, device=q_b.device)  # [n]
     allowed = None if inputs.window is None else window_mask(query_pos, key_pos, inputs.window)  # [R, n]
     if mask is not None:
         allowed = mask[:, j0:j1] if allowed is None else allowed & mask[:, j0:j1]
+    if listed is not None:
+        listed = torch.where((listed >= j0) & (listed < j1), listed - j0, -1)[None]  # [1, Hkv|1, R, K]
     k, v = (_stand_in(pool, j1 - j0) for pool in (inputs.k_pages, inputs.v_pages))
-    return plan(q_b, k, v, query_pos, key_pos, allowed, inputs.scale, kernel=kernel, **modifiers)
+    return plan(q_b, k, v, query_pos, key_pos, allowed, inputs.scale, kernel=kernel, key_indices=listed, **modifiers)
 
 
 def _in_sequence(score_mod, b: int):

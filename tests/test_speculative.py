@@ -122,6 +122,10 @@ def test_a_tree_step_is_refused_before_the_cache_grows():
         windowed.forward_paged(torch.arange(2), cache, [seq], torch.tensor([0, 2]), positions=positions,
                                allowed=allowed)
     assert cache.length(seq) == 5
+    step = begin_step(cache, [seq], torch.tensor([0, 2]), positions=positions, allowed=allowed)
+    attn = windowed.blocks[0].attn  # a layer called with a tree's step directly: its plan refuses the window
+    with pytest.raises(ValueError, match="cannot serve a layer with a window of 4"):
+        attn.forward_paged(torch.zeros(2, 32, dtype=torch.float64), cache, step=step, layer=0)
 
 
 SMALL = ["generate", "--layers", "3", "--hidden", "32", "--heads", "4", "--vocab", "64", "--batch", "2",

@@ -95,7 +95,7 @@ def test_allowed_is_refused_with_what_was_expected_and_given():
             paged_attention(*args, allowed=bad)
         with pytest.raises(ValueError, match=text.replace("[", r"\[")):
             paged_attention(*args, allowed=bad)
-    with pytest.raises(ValueError, match="cascade=True with allowed or score_mod"):
+    with pytest.raises(ValueError, match="cascade=True with allowed, score_mod or key_indices"):
         paged_attention(*args, allowed=allowed, cascade=True)
 
 
@@ -132,7 +132,7 @@ def test_a_score_mod_that_is_not_callable_is_refused():
     args, _ = mixed_step(nan_masked=False)
     with pytest.raises(ValueError, match="score_mod must be a callable"):
         paged_attention(*args, score_mod=3.0)
-    with pytest.raises(ValueError, match="cascade=True with allowed or score_mod"):
+    with pytest.raises(ValueError, match="cascade=True with allowed, score_mod or key_indices"):
         paged_attention(*args, score_mod=tilt, cascade=True)
 
 

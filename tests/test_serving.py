@@ -258,6 +258,7 @@ BAD_REQUESTS = [  # (body, status, what the message or param names)
     (b'{"prompt": "w9", "temperature": 0.7, "seed": 1}', 400, "seed"),  # sampled + seed: refused, not ignored
     (b'{"prompt": "w9", "n": 2}', 400, "n=2"),
     (b'{"prompt": "w9", "presence_penalty": 0.5}', 400, "presence_penalty"),
+    (b'{"prompt": "w9", "ignore_eos": 1}', 400, "ignore_eos"),  # strict: a bool
     (b'{"prompt": "w9", "stop": ["a", "b", "c", "d", "e"]}', 400, "stop"),
     (b'{"prompt": [9, 999]}', 400, "prompt"),  # a token id outside the vocabulary
     (b'{"prompt": []}', 400, "prompt"),
@@ -283,6 +284,33 @@ def test_seed_is_accepted_with_greedy_and_a_missing_route_is_a_404(server):
     assert server.post("/v1/completions", prompt=[9], max_tokens=2, temperature=0, seed=7).status_code == 200
     response = server.client.get("/v1/nothing")
     assert response.status_code == 404 and "error" in response.json()
+
+
+def test_ignore_eos_generates_max_tokens_past_eos(server, oracle):
+    # the first of the fixed prompts whose greedy continuation meets EOS early; with ignore_eos (vLLM's and
+    # llama-server's field, which the serving bench sends) the request runs on to max_tokens, past it
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=40, eos_token_id=-1, pad_token_id=0)
+    for prompt in prompts(60, seed=11):
+        with torch.no_grad():
+            past = oracle.model.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+        if EOS in past[:30]:
+            break
+    else:
+        pytest.fail("no fixed prompt meets EOS within 30 greedy tokens")
+    stops_at = past.index(EOS) + 1
+    plain = server.post("/v1/completions", prompt=prompt, max_tokens=40, temperature=0).json()
+    assert plain["usage"]["completion_tokens"] == stops_at and plain["choices"][0]["finish_reason"] == "stop"
+    for stream in (False, True):
+        body = dict(prompt=prompt, max_tokens=40, temperature=0, ignore_eos=True)
+        if stream:
+            events = server.stream("/v1/completions", **body, stream_options={"include_usage": True})
+            text, usage, finish = streamed_text(events), events[-2]["usage"], events[-3]["choices"][0]["finish_reason"]
+        else:
+            whole = server.post("/v1/completions", **body).json()
+            text, usage, finish = whole["choices"][0]["text"], whole["usage"], whole["choices"][0]["finish_reason"]
+        assert usage["completion_tokens"] == 40 and finish == "length"
+        assert text == oracle.decode(past)
+    server.idle()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

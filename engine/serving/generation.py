@@ -32,8 +32,9 @@ class Generation:
     """One request in the manager: snapshots in, text deltas out (``deltas``), then ``finish_reason``, ``tokens``."""
 
     def __init__(self, served: Served, prompt_ids: list[int], max_tokens: int, sampling: dict,
-                 stops: list[str], chat: bool) -> None:
+                 stops: list[str], chat: bool, ignore_eos: bool = False) -> None:
         self.served, self.prompt_ids, self.chat = served, prompt_ids, chat
+        self.eos_token_ids = [] if ignore_eos else served.eos_token_ids  # ignore_eos: only max_tokens ends it
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.text = api.TextStream(served.tokenizer, stops)
         self.tokens: list[int] = []
@@ -46,7 +47,7 @@ class Generation:
         accepted = None
         try:
             accepted = manager.add_request(prompt_ids, request_id=self.id, max_new_tokens=max_tokens,
-                                           streaming=True, eos_token_id=served.eos_token_ids, **sampling)
+                                           streaming=True, eos_token_id=self.eos_token_ids or -1, **sampling)
         finally:
             if accepted is None:  # refused or raised: leave nothing behind
                 self.close()
@@ -65,7 +66,7 @@ class Generation:
             if self.text.stopped:
                 self.finish_reason = "stop"
             elif self.done_in_manager:
-                ended_on_eos = bool(self.tokens) and self.tokens[-1] in self.served.eos_token_ids
+                ended_on_eos = bool(self.tokens) and self.tokens[-1] in self.eos_token_ids
                 self.finish_reason = "stop" if ended_on_eos else "length"
             if delta:
                 yield delta

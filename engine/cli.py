@@ -28,7 +28,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "paged"), "lab.bench.paged", "decode over a paged KV cache vs the same keys contiguous"),
     (("bench", "sparse"), "lab.bench.sparse", "top-k sparse attention (key_indices) vs SDPA with the dense mask"),
     (("bench", "latent"), "lab.bench.latent", "absorbed-MLA decode over a latent cache vs rows apart, expanded"),
-    (("bench", "serving"), "lab.bench.serving", "concurrent requests: engine CB vs transformers' CB, static"),
+    (("bench", "serving"), "lab.bench.serving", "concurrent requests: engine CB vs transformers' CB, static; "
+     "--peer: run.py serve vs another server"),
     (("explain", "scaling"), "lab.figures.explain_scaling", "why scores are divided by sqrt(d_k)"),
     (("show", "weights"), "lab.figures.show_weights", "heatmaps of attention weights for each mask family"),
 ]

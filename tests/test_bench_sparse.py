@@ -1,5 +1,5 @@
-"""``run.py bench sparse --quick``: the sparse kernel, auto and the dense-mask peer on the same calls, a table, JSON,
-CSV and a plot."""
+"""``run.py bench sparse --quick``: the sparse kernel, the native listed path, auto and the dense-mask peer on the
+same calls, a table, JSON, CSV and a plot."""
 
 import argparse
 import json
@@ -14,8 +14,10 @@ def test_the_quick_run_times_sparse_against_the_dense_mask_and_writes_its_files(
     assert bench_sparse.main(args) == 0
     rows = json.loads((tmp_path / "sparse.json").read_text())["rows"]
     prefill = [r for r in rows if r["group"] == "prefill"]
-    assert {r["impl"] for r in prefill} == {"engine sparse", "engine auto", "sdpa dense mask"}
-    assert all(r["max |diff|"] < 1e-4 for r in prefill)  # the same attention both ways
+    assert {r["impl"] for r in prefill} == {"engine sparse", "engine native listed", "engine auto", "sdpa dense mask"}
+    assert all(r["max |diff|"] < 1e-4 for r in prefill)  # the same attention every way
+    carried = [r for r in prefill if r["target"]]  # the native row, timed with its plan made
+    assert {r["impl"] for r in carried} == {"engine native listed"} and all(r["plan + run ms"] > 0 for r in carried)
     assert {r["impl"] for r in rows if r["group"] == "decode"} == {"engine sparse", "engine native listed",
                                                                     "engine auto", "dense decode over K keys"}
     assert all(r["met"] in ("yes", "no") for r in rows if r["target"])

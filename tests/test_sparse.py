@@ -90,12 +90,16 @@ def case(s=600, t=5, top=32, dtype=torch.float32, seed=0, heads=(8, 2)):
 
 
 def test_auto_takes_the_sparse_kernel_for_few_listed_keys_and_every_key_listed_equals_dense_causal():
-    q, k, v, indices = case(t=40)  # a prefill (T > 16): the sparse kernel gathers the listed keys
+    native = "decode_native" if native_unavailable() is None else "sparse"
+    q, k, v, indices = case(t=40)  # a prefill (T > 16): the native kernel reads the listed keys in place too
     plan = engine.explain(q, k, v, key_indices=indices)
+    assert plan.kernel == native and (native == "sparse" or "only each query's listed keys" in str(plan)), str(plan)
+    per_head = torch.rand(2, 8, 40, 600, generator=torch.Generator().manual_seed(1)) < 0.9  # a mask per query head
+    plan = engine.explain(q, k, v, key_indices=indices, allowed=per_head)  # not a page table: the sparse kernel
     assert plan.kernel == "sparse", str(plan)
     q, k, v, indices = case()  # a decode step (T = 5): the native kernel reads the listed keys in place
     plan = engine.explain(q, k, v, key_indices=indices)
-    assert plan.kernel == ("decode_native" if native_unavailable() is None else "sparse"), str(plan)
+    assert plan.kernel == native, str(plan)
     everything = torch.arange(600).expand(2, 1, 5, 600)
     torch.testing.assert_close(causal_attention(q, k, v, key_indices=everything, kernel="sparse"),
                                causal_attention(q, k, v), rtol=1e-5, atol=1e-5)

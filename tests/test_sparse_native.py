@@ -1,7 +1,8 @@
-"""A decode step with ``key_indices`` on the native kernel (engine.kernels.decode.native_listed): only each query's
-listed keys read, through a page table of one-key pages. Checked against the per-query float64 oracle of
-tests/test_sparse.py (written from the definition), in fp32 / bf16 and on an int8 cache, on a KVCache's strided
-views, with repeats, -1, rows that list nothing visible, a window, NaN in every unlisted key, and per-row positions."""
+"""A decode step or a prefill with ``key_indices`` on the native kernel (engine.kernels.decode.native_listed): only
+each query's listed keys read, through a page table of one-key pages (any T: every query its own sequence; one list
+for every head read as a pool of Hkv heads, a list per head as pools of one). Checked against the per-query float64
+oracle of tests/test_sparse.py (written from the definition), in fp32 / bf16 and on an int8 cache, on a KVCache's
+strided views, with repeats, -1, rows listing nothing visible, a window, NaN in unlisted keys, per-row positions."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from tests.test_sparse import index_oracle
 pytestmark = pytest.mark.skipif(native_unavailable() is not None, reason=f"{native_unavailable()}")
 
 
-@settings(max_examples=40, deadline=None)
-@given(batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3, 4]),
-       t=st.integers(1, 4), s=st.integers(5, 300), top=st.integers(1, 40), shared_list=st.booleans(),
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 2), kv_heads=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 3, 4]),
+       t=st.sampled_from([1, 2, 4, 17, 40]), s=st.integers(5, 300), top=st.integers(1, 40), shared_list=st.booleans(),
        window=st.sampled_from([None, 7, 50]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]),
        seed=st.integers(0, 2**16))
 def test_listed_decode_equals_the_oracle(batch, kv_heads, group, t, s, top, shared_list, window, dtype, seed):
@@ -40,7 +41,7 @@ def test_listed_decode_equals_the_oracle(batch, kv_heads, group, t, s, top, shar
     qpos, kpos = torch.arange(s - t, s), torch.arange(s)
     allowed = None if window is None else window_mask(qpos, kpos, window)
     step = engine.plan(q, k, v, qpos, kpos, allowed, key_indices=listed)
-    assert step.kernel == "decode_native"
+    assert step.kernel == "decode_native" and "only each query's listed keys" in str(step), str(step)
     out = step.run(q, k, v)
     full_k, full_v = (x.dequantize() if dtype == torch.int8 else x for x in (k, v))
     dense = None if window is None else (qpos[:, None] - kpos[None, :]) < window  # [T, S]: the window's rule

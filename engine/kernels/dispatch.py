@@ -7,8 +7,8 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
 | decode_native| few queries against a cache in C++: each K/V row read once, | T <= 16, no gradients, CPU, a   |
-|              | converted in registers; reads int8 / fp8 caches too; with   | compiler (built on first run)   |
-|              | key_indices only the listed keys (a page table of them)     |                                 |
+|              | converted in registers; reads int8 / fp8 caches too; with   | compiler (built on first run);  |
+|              | key_indices only the listed keys (a page table of them)     | any T with key_indices          |
 | sparse       | top-k sparse: each query's listed keys gathered, O(T K D)   | key_indices; S >= K(10 + 27/G)  |
 | decode       | split-KV over a long cache, merged by lse (ALiBi, biases)   | T <= 16, no grad, S >= 512      |
 | sdpa         | one call of PyTorch's fused CPU flash op                    | no mask beyond top-left causal  |
@@ -61,6 +61,7 @@ from engine.kernels.decode.decode_native import (
     native_decode_runner,
 )
 from engine.kernels.decode.dequantized import dequantized_attention, dequantized_fits
+from engine.kernels.decode.native_listed import listed_fits
 from engine.kernels.flex.flex import flex_attention, flex_fits, flex_pays_off
 from engine.kernels.paged_rows import FLEX_PAGED, NATIVE_PAGED, PagedRow
 from engine.kernels.reference import reference_attention
@@ -226,6 +227,8 @@ def _with_modifiers(choice: KernelChoice, inputs: AttentionInputs) -> KernelChoi
         choice.modifiers.append(f"{', '.join(options)}: computed by {choice.kernel}")
     if inputs.modifiers.sinks is not None:
         choice.modifiers.append(f"sinks: applied to {choice.kernel}'s out and lse after it runs (any kernel)")
+    if choice.kernel == "decode_native" and listed_fits(inputs) is None:
+        choice.modifiers.append("key_indices: read in place, only each query's listed keys (native_listed)")
     if is_batch_invariant():
         why_not = choice.passed_over.get("decode_native", "forced away from it")
         choice.modifiers.append("batch-invariant mode: " + ("decode_native, 16 queries at a time" if choice.kernel ==

@@ -909,4 +909,45 @@ int decode_native(const DecodeCall* call) {
     return 0;
 }
 
+
+// The page table of a list of keys (engine/kernels/decode/native_listed.py): for each of `rows` rows, its K listed
+// key indices `idx` [rows, K] where `visible` [rows, K] (bytes) is nonzero and 0 <= index < S, each once, in
+// ascending order, as page ids `base[row] + index` into `pages` [rows, K] (the rest of the row: base[row], never
+// read), and their count into `lengths` [rows]. One bit per key of S in each thread's bitmap: O(K + S / 64) a row,
+// no sort. Returns 0.
+int decode_native_listed_tables(const int64_t* idx, const uint8_t* visible, int64_t rows, int64_t K, int64_t S,
+                                const int64_t* base, int64_t* pages, int64_t* lengths, int threads) {
+    const int64_t words = (S + 63) / 64;
+#pragma omp parallel num_threads(threads)
+    {
+        std::vector<uint64_t> bits((size_t)words, 0);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t* in = idx + r * K;
+            const uint8_t* seen = visible + r * K;
+            int64_t lo = words, hi = -1;
+            for (int64_t i = 0; i < K; ++i) {
+                const int64_t j = in[i];
+                if (!seen[i] || j < 0 || j >= S) continue;
+                bits[(size_t)(j >> 6)] |= uint64_t(1) << (j & 63);
+                lo = std::min(lo, j >> 6);
+                hi = std::max(hi, j >> 6);
+            }
+            int64_t* out = pages + r * K;
+            int64_t n = 0;
+            for (int64_t w = lo; w <= hi; ++w) {
+                uint64_t word = bits[(size_t)w];
+                bits[(size_t)w] = 0;
+                while (word) {
+                    out[n++] = base[r] + w * 64 + __builtin_ctzll(word);
+                    word &= word - 1;
+                }
+            }
+            lengths[r] = n;
+            for (int64_t i = n; i < K; ++i) out[i] = base[r];
+        }
+    }
+    return 0;
+}
+
 }  // extern "C"

@@ -15,9 +15,10 @@ whatever else shares the batch, however many threads run it, contiguous or paged
 Visibility (positions, windows, padding, documents) is cut to the span of keys some row sees; inside it a
 bool ``[B|1, Hkv|1, G*T, n]`` tells the kernel which rows see which key (no mask when every key is
 visible, as in one-token decode). K/V may be ``QuantizedKV`` (int8 / fp8 with per-token scales,
-``engine.quantized``): the option ``"quantized_kv"``. Fits: T <= 16 on the CPU, no gradients, fp32 /
-bf16 / fp16 q, no softcap; NaN/inf in q goes to the next kernel. Readable twins: ``decode`` and
-``tiled`` (and ``dequantized`` for quantized K/V), checked against a float64 oracle in the tests.
+``engine.quantized``): the option ``"quantized_kv"``. Fits: T <= 16 on the CPU (any T with key_indices read in
+place: native_listed), no gradients, fp32 / bf16 / fp16 q, no softcap; NaN/inf in q goes to the next kernel.
+Readable twins: ``decode`` and ``tiled`` (and ``dequantized`` for quantized K/V), checked against a float64 oracle
+in the tests.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from engine.inputs import AttentionInputs
 from engine.invariance import is_batch_invariant
 from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, needs_grad, unfold_groups
 from engine.kernels.decode.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
-from engine.kernels.decode.native_listed import listed_runner
+from engine.kernels.decode.native_listed import listed_fits, listed_runner
 from engine.kernels.visibility import chunk_rows, decode_rows
 from engine.masks.key_indices import split_listed
 from engine.quantized import QuantizedKV
@@ -49,8 +50,9 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
     if why_not is not None:
         return why_not
     q, k = inputs.q, inputs.k
-    if q.shape[2] > MAX_QUERIES and not is_batch_invariant():
-        return f"T = {q.shape[2]} queries: decode serves T <= {MAX_QUERIES} (any T in batch-invariant mode)"
+    if q.shape[2] > MAX_QUERIES and not is_batch_invariant() and listed_fits(inputs) is not None:
+        return (f"T = {q.shape[2]} queries: decode serves T <= {MAX_QUERIES} (any T with key_indices it reads in "
+                f"place, or in batch-invariant mode)")
     if q.device.type != "cpu":
         return f"the native kernel runs on the CPU, got device {q.device}"
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -64,12 +66,15 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
 
 def native_decode_pays_off(inputs: AttentionInputs) -> str | None:
     """Why ``auto`` would not pick it for inputs it fits: only for top-k keys (``key_indices``) of more than
-    MAX_QUERIES queries (batch-invariant mode), which the sparse kernel gathers. Planned once, a call costs the
-    kernel's work plus a few microseconds (measured: 0.4-0.5x SDPA's time from S = 128 to 1024, ``run.py bench
-    overhead``), and it checks q and K for NaN/inf as it reads them, where the torch kernels pay a pass over K first;
-    a decode step with key_indices reads only the listed keys (native_listed)."""
-    if inputs.q.shape[2] > MAX_QUERIES and split_listed(inputs.allowed)[0] is not None:
-        return f"key_indices for T = {inputs.q.shape[2]} > {MAX_QUERIES} queries: the sparse kernel gathers them"
+    MAX_QUERIES queries it cannot read in place (batch-invariant mode: the sparse kernel gathers them). Planned once,
+    a call costs the kernel's work plus a few microseconds (measured: 0.4-0.5x SDPA's time from S = 128 to 1024,
+    ``run.py bench overhead``), and it checks q and K for NaN/inf as it reads them, where the torch kernels pay a
+    pass over K first; with key_indices it reads only the listed keys (native_listed: a decode step 1.44x a dense
+    decode over K keys, a 4k-query prefill 7x faster than the sparse kernel, ``run.py bench sparse``)."""
+    if inputs.q.shape[2] > MAX_QUERIES and split_listed(inputs.allowed)[0] is not None and \
+            listed_fits(inputs) is not None:
+        return (f"key_indices for T = {inputs.q.shape[2]} > {MAX_QUERIES} queries not read in place "
+                f"({listed_fits(inputs)}): the sparse kernel gathers them")
     return None
 
 
@@ -94,10 +99,10 @@ def _runner(inputs: AttentionInputs):
     batch, q_heads, t, d = inputs.q.shape
     kv_heads, dv = inputs.k.shape[1], inputs.v.shape[3]
     resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles NaN in q
-    if t <= MAX_QUERIES:  # (every decode step: one kernel call, views only; top-k keys: only those read)
-        listed = listed_runner(library, inputs, resume, paged_template, paged_run)
-        if listed is not None:
-            return listed
+    listed = listed_runner(library, inputs, resume, paged_template, paged_run)
+    if listed is not None:  # top-k keys: only those read, any T
+        return listed
+    if t <= MAX_QUERIES:  # (every decode step: one kernel call, views only)
         return _chunk_runner(library, inputs.scale, inputs.q.shape, kv_heads, dv, resume, *decode_rows(inputs))
     # batch-invariant mode: MAX_QUERIES queries at a time, each chunk its own span and visibility
     runs = [(i0, i1, _chunk_runner(library, inputs.scale, (batch, q_heads, i1 - i0, d), kv_heads, dv, resume,

@@ -68,8 +68,9 @@ OK, UNKNOWN_KIND, NON_FINITE_Q = 0, 1, 2
 
 
 class NativeLibrary:
-    """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``lanes`` is its vector width, ``build_s`` the
-    seconds the build took in this process (0 when the cache had it)."""
+    """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``listed_tables`` builds a list of keys' page
+    table, ``lanes`` is its vector width, ``build_s`` the seconds the build took in this process (0 when the cache
+    had it)."""
 
     def __init__(self, path: Path, build_s: float) -> None:
         self.path, self.build_s = path, build_s
@@ -87,6 +88,9 @@ class NativeLibrary:
         self.decode.argtypes = [ctypes.POINTER(DecodeCall)]
         self.lib.decode_native_lanes.restype = ctypes.c_int
         self.lanes = int(self.lib.decode_native_lanes())
+        self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
+        self.listed_tables.restype = ctypes.c_int
+        self.listed_tables.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int]
 
 
 def cpu_key() -> str:

@@ -1,18 +1,21 @@
 """decode_native on a call with ``key_indices``: only each query's listed keys read, in place (a decode step of
-DeepSeek V3.2's sparse attention costs its K keys, not the S the cache holds).
+DeepSeek V3.2's sparse attention costs its K keys, not the S the cache holds; a prefill its T x K, not T x S).
 
 The native kernel already reads keys through a page table (engine.kernels.decode.native_paged). A list of keys is a
-page table with pages of one key: each (batch row, KV head, query) becomes a sequence of its listed keys, sorted
+page table with pages of one key: each (batch row, list head, query) becomes a sequence of its listed keys, sorted
 and without repeats, each one "page" of the cache's own buffer seen with a row stride::
 
     k [B, Hkv, S, D], strides (sb, sh, ss, 1)     key j of row b, head h  =  page  b*sb/ss + h*sh/ss + j
-    sequence (b, h, t): pages = its listed keys' page ids (the rule and any other mask applied), length = their count
-    rows: the G query heads of KV head h at query t         (out, lse folded back to [B, Hq, T, Dv] / [B, Hq, T])
+    one list for every head ([B, 1, T, K]):      sequence (b, t): pages b*sb/ss + j, the pool's Hkv heads sh apart
+    a list per KV head ([B, Hkv, T, K]):         sequence (b, h, t): pages b*sb/ss + h*sh/ss + j, a pool of 1 head
+    rows: the query heads of those KV heads at query t      (out, lse folded back to [B, Hq, T, Dv] / [B, Hq, T])
 
 The position rule and any other part of the mask (one shared by every head) are read on the listed keys when the
-plan is made; a listed key a query cannot see is dropped from its sequence. Where the layout has no such row stride
-(the batch or head stride not a multiple of the row stride, V's or the scales' not in step with K's) or another
-mask differs per head, ``listed_runner`` returns None and the dense native path reads the call.
+plan is made; a listed key a query cannot see is dropped from its sequence. The table is built in C++
+(``decode_native_listed_tables``: a bitmap of S bits per thread, O(K + S/64) a sequence, no sort). Every query is its
+own sequence, so any T is served. Where the layout has no such row stride (the batch or head stride not a multiple of
+the row stride, V's or the scales' not in step with K's) or another mask differs per head, ``listed_fits`` says why
+and the dense native path (T <= 16) or the sparse kernel reads the call.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ from engine.kernels.decode.native_build import NON_FINITE_Q, NativeLibrary
 from engine.masks.key_indices import split_listed
 from engine.quantized import QuantizedKV
 
-__all__ = ["listed_runner"]
+__all__ = ["listed_fits", "listed_runner"]
+
+PARALLEL_ENTRIES = 1 << 20  # listed entries from which the table is built on every thread (0.1 ms a 32k on one)
 
 
 def _strides(x) -> tuple | None:
@@ -40,69 +45,88 @@ def _strides(x) -> tuple | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _as_pages(x, count: int):
-    """``x`` seen as ``count`` pages of one key, ``[count, 1, 1, E]`` (scales ``[count, 1, 1]``)."""
+def _as_pages(x, count: int, heads: int, head_step: int):
+    """``x`` seen as ``count`` pages of one key of ``heads`` heads ``head_step`` rows apart, ``[count, 1, heads, E]``
+    (scales ``[count, 1, heads]``)."""
     def view(t, width):
         row = t.stride(2)
-        size = (count, 1, 1) + ((width,) if width else ())
-        return t.as_strided(size, (row, row, row) + ((1,) if width else ()), t.storage_offset())
+        size = (count, 1, heads) + ((width,) if width else ())
+        return t.as_strided(size, (row, row, row * head_step) + ((1,) if width else ()), t.storage_offset())
     if isinstance(x, QuantizedKV):
         return QuantizedKV(view(x.data, x.data.shape[3]), view(x.scale, 0))
     return view(x, x.shape[3])
 
 
-def _tables(inputs: AttentionInputs, listed, others, steps: tuple[int, int]):
-    """``(pages int64 [B*Hkv*T, K], lengths int64 [B*Hkv*T])``: each sequence's visible listed keys as page ids."""
+def listed_fits(inputs: AttentionInputs) -> str | None:
+    """Why the listed path cannot read this call's key_indices in place (None: it can, for any T)."""
+    listed, others = split_listed(inputs.allowed)
+    if listed is None:
+        return "no key_indices"
+    if any(len(part.shape) >= 3 and part.shape[-3] != 1 for part in others):  # (broadcast to [B, Hq, T, S])
+        return "key_indices with another mask that differs per head"
+    steps = _strides(inputs.k)
+    if steps is None or _strides(inputs.v) != steps:
+        return "K/V rows without one row stride in step with each other (batch/head strides in whole rows)"
+    return None
+
+
+def _tables(library, inputs: AttentionInputs, listed, others, steps: tuple[int, int]):
+    """``(pages int64 [B*L*T, K], lengths int64 [B*L*T])``, L the list's heads (1 or Hkv): each sequence's visible
+    listed keys as page ids, sorted, each once."""
     batch, _, t, _ = inputs.q.shape
-    kv_heads, s = inputs.k.shape[1], inputs.k.shape[2]
-    idx = listed.indices.expand(batch, kv_heads, t, -1)  # [B, Hkv, T, K]
+    s = inputs.k.shape[2]
+    heads = listed.indices.shape[1]
+    idx = listed.indices.expand(batch, heads, t, -1)  # [B, L, T, K]
     visible = idx >= 0
-    safe = idx.clamp(min=0)
     if inputs.causal:
-        key_pos = inputs.key_positions.gather(1, safe.reshape(batch, -1)).view(idx.shape)
+        key_pos = inputs.key_positions.gather(1, idx.clamp(min=0).reshape(batch, -1)).view(idx.shape)
         visible &= key_pos <= inputs.query_positions[:, None, :, None]
     for part in others:  # one block per batch row, shared by every head ([1, T, S])
-        dense = torch.stack([part.block(b if part.batched() else 0, 0, t, 0, s).reshape(t, s) for b in range(batch)])
-        visible &= dense[:, None].expand(batch, kv_heads, t, s).gather(3, safe)
-    ordered, _ = torch.where(visible, safe, s).sort(dim=-1)  # hidden ones last (as S)
-    repeat = torch.zeros_like(visible)
-    repeat[..., 1:] = ordered[..., 1:] == ordered[..., :-1]
-    ordered, _ = torch.where(repeat, s, ordered).sort(dim=-1)  # repeats last too
-    lengths = (ordered < s).sum(-1)  # [B, Hkv, T]
-    base = (torch.arange(batch)[:, None] * steps[0] + torch.arange(kv_heads)[None, :] * steps[1])[..., None, None]
-    pages = base + torch.where(ordered < s, ordered, 0)  # [B, Hkv, T, K] (past a length: never read)
-    return pages.reshape(batch * kv_heads * t, -1).contiguous(), lengths.reshape(-1).contiguous()
+        dense = torch.stack([torch.broadcast_to(part.block(b if part.batched() else 0, 0, t, 0, s), (1, t, s))[0]
+                             for b in range(batch)])
+        visible &= dense[:, None].expand(batch, heads, t, s).gather(3, idx.clamp(min=0))
+    idx, visible = idx.reshape(batch * heads * t, -1).contiguous(), visible.reshape(batch * heads * t, -1)
+    visible = visible.contiguous().view(torch.uint8)
+    base = (torch.arange(batch)[:, None] * steps[0] + torch.arange(heads)[None, :] * steps[1])  # [B, L]
+    base = base[..., None].expand(batch, heads, t).reshape(-1).contiguous()
+    pages, lengths = torch.empty_like(idx), torch.empty(idx.shape[0], dtype=torch.int64)
+    threads = torch.get_num_threads() if idx.numel() >= PARALLEL_ENTRIES else 1  # (waking a thread costs more)
+    library.listed_tables(idx.data_ptr(), visible.data_ptr(), idx.shape[0], idx.shape[1], s, base.data_ptr(),
+                          pages.data_ptr(), lengths.data_ptr(), threads)
+    return pages, lengths
 
 
 def listed_runner(library: NativeLibrary, inputs: AttentionInputs, resume: str, template, paged_run):
-    """``run(q, k, v, return_lse)`` reading only the listed keys, or None where the dense path must read the call.
+    """``run(q, k, v, return_lse)`` reading only the listed keys, or None where ``listed_fits`` says it cannot.
     ``template`` / ``paged_run``: decode_native's paged call (engine.kernels.decode.decode_native)."""
+    if listed_fits(inputs) is not None:
+        return None
     listed, others = split_listed(inputs.allowed)
-    if listed is None or any(part.shape[1] != 1 for part in others):
-        return None
     steps = _strides(inputs.k)
-    if steps is None or _strides(inputs.v) != steps:
-        return None
     batch, q_heads, t, d = inputs.q.shape
     kv_heads, dv = inputs.k.shape[1], inputs.v.shape[3]
-    group = q_heads // kv_heads
-    pages, lengths = _tables(inputs, listed, others, steps)
-    count = (batch - 1) * steps[0] + (kv_heads - 1) * steps[1] + inputs.k.shape[2]  # ids up to the last key
+    lists = listed.indices.shape[1]  # 1 (every head reads the list: the pool's heads) or Hkv (a pool of one head)
+    pool_heads, group = kv_heads // lists, q_heads // kv_heads
+    pages, lengths = _tables(library, inputs, listed, others, steps)
+    count = (batch - 1) * steps[0] + (lists - 1) * steps[1] + inputs.k.shape[2]  # ids up to the last key
     if pages.numel() and not 0 <= int(pages.min()) <= int(pages.max()) < count:  # (never: a guard on the layout)
         return None
     kind = (inputs.k.data if isinstance(inputs.k, QuantizedKV) else inputs.k).dtype
-    call = template(kind, (pages.shape[0], 1, group, d), dv, inputs.scale, pages, lengths, 1, None)
+    call = template(kind, (pages.shape[0], pool_heads, group, d), dv, inputs.scale, pages, lengths, 1, None)
+    shape = (batch, lists, pool_heads, group, t)
 
     def run(q, k, v, return_lse: bool, tables=(pages, lengths)):  # (the tables outlive every run: the call's)
         if _strides(k) != steps or _strides(v) != steps:
             raise DoesNotFit("K/V strides unlike the plan's: the dense path reads them", resume="sparse")
-        rows = q.float().view(batch, kv_heads, group, t, d).transpose(2, 3).reshape(-1, 1, group, d)
-        out = torch.empty(rows.shape[0], 1, group, dv)  # fp32, written whole
-        lse = torch.empty(rows.shape[0], 1, group)
-        if paged_run(library, call, rows, _as_pages(k, count), _as_pages(v, count), out, lse) == NON_FINITE_Q:
+        rows = q.float().view(*shape, d).permute(0, 1, 4, 2, 3, 5).reshape(-1, pool_heads, group, d)
+        out = torch.empty(rows.shape[0], pool_heads, group, dv)  # fp32, written whole
+        lse = torch.empty(rows.shape[0], pool_heads, group)
+        pools = (_as_pages(x, count, pool_heads, steps[1]) for x in (k, v))
+        if paged_run(library, call, rows, *pools, out, lse) == NON_FINITE_Q:
             raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
-        out = out.view(batch, kv_heads, t, group, dv).transpose(2, 3).reshape(batch, q_heads, t, dv)
-        lse = lse.view(batch, kv_heads, t, group).transpose(2, 3).reshape(batch, q_heads, t) if return_lse else None
+        out = out.view(batch, lists, t, pool_heads, group, dv).permute(0, 1, 3, 4, 2, 5).reshape(batch, q_heads, t, dv)
+        lse = (lse.view(batch, lists, t, pool_heads, group).permute(0, 1, 3, 4, 2).reshape(batch, q_heads, t)
+               if return_lse else None)
         return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
     return run

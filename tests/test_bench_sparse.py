@@ -18,7 +18,10 @@ def test_the_quick_run_times_sparse_against_the_dense_mask_and_writes_its_files(
     assert all(r["max |diff|"] < 1e-4 for r in prefill)  # the same attention every way
     carried = [r for r in prefill if r["target"]]  # the native row, timed with its plan made
     assert {r["impl"] for r in carried} == {"engine native listed"} and all(r["plan + run ms"] > 0 for r in carried)
-    assert {r["impl"] for r in rows if r["group"] == "decode"} == {"engine sparse", "engine native listed",
-                                                                    "engine auto", "dense decode over K keys"}
+    decode = [r for r in rows if r["group"] == "decode"]
+    assert {r["impl"] for r in decode} == {"engine sparse", "engine native listed", "engine paged listed",
+                                           "engine auto", "dense decode over K keys"}
+    paged = [r for r in decode if r["impl"] == "engine paged listed"]
+    assert all(r["kernel"].startswith("native in place") and float(r["kernel"].split()[-1][:-1]) < 1e-5 for r in paged)
     assert all(r["met"] in ("yes", "no") for r in rows if r["target"])
     assert (tmp_path / "sparse.csv").exists() and (tmp_path / "sparse.png").exists()

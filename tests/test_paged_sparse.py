@@ -2,7 +2,9 @@
 keys of its own sequence (-1 none, a repeat once), with the rule, the window and the other options. Checked against
 the float64 oracle that reads every key through the page table (tests/paged_cases.py), its ``allowed`` built from
 the indices, over the paged batches' strategy (shuffled and shared pages, NaN in every unowned slot, windows,
-softcap, sinks, ALiBi, per-token positions), whole and a run of pages at a time."""
+softcap, sinks, ALiBi, per-token positions), whole and a run of pages at a time; and read in place by the native
+kernel (engine.kernels.decode.native_paged_listed: each query row's listed keys as one-key pages of the pools) in
+fp32, bf16 and on int8 pools, against the same oracle."""
 
 from __future__ import annotations
 
@@ -11,9 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine import explain_paged, paged_attention
+from engine import explain_paged, paged_attention, plan_paged
+from engine.kernels.decode.native_build import native_unavailable
+from engine.quantized import QuantizedKV
 from tests.paged_cases import oracle, paged_batches
 from tests.test_paged import small_runs
+from tests.test_paged_quantized import dequantized_pool, quantized_pool
 
 
 def listed_for(args, top: int, heads: int, seed: int) -> torch.Tensor:
@@ -68,5 +73,42 @@ def test_bad_paged_key_indices_are_refused_and_explain_says_the_path():
     with pytest.raises(ValueError, match="cascade=True with allowed, score_mod or key_indices"):
         paged_attention(q, pool, pool, table, lens, indptr, key_indices=torch.zeros(2, 1, 2, dtype=torch.long),
                         cascade=True)
-    text = explain_paged(q, pool, pool, table, lens, indptr, key_indices=torch.tensor([[[5, 0]], [[7, -1]]]))
-    assert "own call" in text and "key_indices: not computed" in text
+    text = explain_paged(q, pool, pool, table, lens, indptr, key_indices=torch.tensor([[[5, 0]], [[7, -1]]]),
+                         kernel="tiled")
+    assert "own call" in text and "kernel='tiled' forced" in text
+    wide = torch.randn(8, 4, 1, 8)[::2]  # pages with a gap between them: not a buffer of one-key pages
+    text = explain_paged(q, wide, wide, table, lens, indptr, key_indices=torch.tensor([[[5, 0]], [[7, -1]]]))
+    assert "own call" in text and "not page_size x its slot stride" in text
+
+
+@pytest.mark.skipif(native_unavailable() is not None, reason=f"{native_unavailable()}")
+@settings(max_examples=60, deadline=None)
+@given(problem=paged_batches(dtype=torch.float32), top=st.integers(1, 12), per_head=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]), seed=st.integers(0, 1000))
+def test_paged_key_indices_read_in_place_equal_the_oracle(problem, top, per_head, dtype, seed):
+    args, options = problem
+    options = {name: value for name, value in options.items() if name in ("window", "sinks")}  # what it takes
+    q, k_pages, v_pages = args[:3]
+    kv_heads, group = k_pages.shape[2], q.shape[1] // k_pages.shape[2]
+    if dtype == torch.int8:  # per-token scales, laid out as a PagePool's; the oracle reads them dequantised
+        k_pages, v_pages = (QuantizedKV(p.data.contiguous(), p.scale.contiguous())
+                            for p in (quantized_pool(k_pages, dtype), quantized_pool(v_pages, dtype)))
+        full_k, full_v = dequantized_pool(k_pages), dequantized_pool(v_pages)
+    elif dtype == torch.bfloat16:
+        k_pages, v_pages, q = k_pages.bfloat16(), v_pages.bfloat16(), q.bfloat16()
+        full_k, full_v = k_pages.float(), v_pages.float()
+    else:
+        full_k, full_v = k_pages, v_pages
+    listed = listed_for(args, top, kv_heads if per_head else 1, seed)
+    listed[:, :, -1] = listed[:, :, 0]  # a repeat counts once
+    step = plan_paged(q, k_pages, v_pages, *args[3:6], args[6], key_indices=listed, **options)
+    assert step.path == "native in place" and "listed keys read, in place" in str(step), str(step)
+    out, lse = step.run(q, k_pages, v_pages, return_lse=True)
+    width = max(int(args[4].max()) if args[4].numel() else 0, 1)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    for h in range(kv_heads):
+        want, want_lse = oracle(q.float(), full_k, full_v, *args[3:], **options, allowed=dense_of(listed, width, h))
+        heads = slice(h * group, (h + 1) * group)
+        assert torch.isfinite(out[:, heads]).all()
+        assert (out[:, heads].double() - want[:, heads]).abs().max().item() <= tolerance if out.numel() else True
+        assert torch.equal(lse[:, heads].isneginf(), want_lse[:, heads].isneginf())

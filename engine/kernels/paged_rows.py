@@ -7,6 +7,7 @@ kernel reads it in place when its ``takes`` says ``paged`` and its paged row fit
 |---------------|-------------------------------------------------------------------|--------------------------|
 | decode_native | a decode step (every sequence the same 1..16 new queries), CPU, no | always where it fits    |
 |               | gradients; fp32 / bf16 / fp16 / int8 / fp8 pages, through the table|                          |
+|               | (with key_indices any queries, only their listed keys read)        |                          |
 | flex          | FlexAttention over the pools as one key axis, a BlockMask of pages | on CUDA (forced on CPU) |
 
 A call no row fits runs the readable twin, which every row is tested against: each sequence's keys gathered from
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from engine.kernels.decode.native_paged import NativeStep, native_paged_fits
+from engine.kernels.decode.native_paged_listed import ListedStep
 from engine.kernels.flex.paged import flex_paged_attention, flex_paged_fits
 from engine.kernels.sinks import apply_sinks
 
@@ -47,7 +49,8 @@ class NativeInPlace:
     """The native decode step (engine.kernels.decode.native_paged) with the call's sinks after it."""
 
     def __init__(self, inputs: PagedInputs) -> None:
-        self.step, self.sinks = NativeStep(inputs), inputs.sinks
+        self.step = NativeStep(inputs) if inputs.key_indices is None else ListedStep(inputs)
+        self.sinks = inputs.sinks
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool):
         result = self.step.run(q, k_pages, v_pages)

@@ -26,7 +26,9 @@ def describe(plan) -> str:
         return "\n".join(lines + ["  " + line for line in describe(plan.suffix).splitlines()])
     passed = [f"  not {name} in place: {why}" for name, why in plan.choice.passed_over.items()]
     if plan.sequences is None:
-        return "\n".join([f"paged: {plan.reason}", *passed])
+        listed = [] if plan.call.key_indices is None or plan.in_place is None else \
+            ["  key_indices: only each query row's listed keys read, in place (native_paged_listed)"]
+        return "\n".join([f"paged: {plan.reason}", *listed, *passed])
     lines = [f"paged: {plan.reason}" if plan.path == "mixed" else f"paged: each sequence's own call; {plan.reason}",
              *passed]
     planned = {s.b: s for s in plan.sequences.sequences}

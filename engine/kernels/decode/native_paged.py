@@ -1,9 +1,10 @@
 """The native decode kernel's row for paged calls: a decode step read in place through the page table (no copy).
 
 It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
-plain decoding), on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in
-registers), without gradients, softcap or ALiBi (sinks act on its out and lse afterwards, engine.paged.attention);
-a call's ``allowed`` joins each row's visibility.
+plain decoding; with key_indices any number, each query row its own list: engine.kernels.decode.native_paged_listed),
+on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in registers), without
+gradients, softcap or ALiBi (sinks act on its out and lse afterwards, engine.paged.attention); a call's ``allowed``
+joins each row's visibility.
 The kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
 the sequence's own length, and takes each query row's visibility from positions (and the window) unless every
 key up to that length is visible (one query per sequence at its default position, no window)::
@@ -21,6 +22,7 @@ import torch
 from engine.kernels.common import DoesNotFit, fold_groups, unfold_groups
 from engine.kernels.decode.decode_native import MAX_QUERIES, NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native, native_unavailable
+from engine.kernels.decode.native_paged_listed import listed_layout
 from engine.masks.window import sees
 from engine.quantized import QuantizedKV
 
@@ -36,6 +38,9 @@ def native_paged_fits(inputs: PagedInputs) -> str | None:
     why_not = native_pass_fits(inputs)
     if why_not is not None:
         return why_not
+    if inputs.key_indices is not None:  # every query row its own sequence of its listed keys (native_paged_listed)
+        per_head = inputs.key_indices.shape[1] > 1 and inputs.k_pages.shape[2] > 1
+        return listed_layout(inputs.k_pages, inputs.v_pages, inputs.tables.page_size, per_head)
     counts = inputs.queries_per_sequence()
     if len(counts) != 1 or not 1 <= next(iter(counts)) <= MAX_QUERIES:
         return f"sequences with {sorted(counts)} queries: the native kernel takes the same 1..{MAX_QUERIES} for all"

@@ -159,7 +159,8 @@ def test_way_row_and_targets_from_replies_of_known_times():
     assert row["tok/s"] == pytest.approx(10.0) and row["vs peer"] == pytest.approx(0.5)
     assert row["TTFT p50 ms"] == pytest.approx(200.0) and row["TPOT p50 ms"] == pytest.approx(50.0)
     assert row["first start s"] == 30.0 and row["start to ready s"] == 5.0  # the median of the later starts
-    assert row["others CPU %"] == 40.0 and row["peak MiB"] == 1024.0 and row["round walls s"] == [1.0, 2.0]
+    assert row["others CPU %"] == 3.0 and row["round others CPU %"] == [3.0, 40.0]  # the chosen round's, and all
+    assert row["peak MiB"] == 1024.0 and row["round walls s"] == [1.0, 2.0]
     assert serving_peer.way_row("C=2", "engine", slow, peer, [slow], [], None, 0, asked)["short"] == 1
     peer_row = serving_peer.way_row("C=2", "peer", peer, peer, [peer], [1.0, 0.8], None, 1, asked)
     assert peer_row["vs peer"] == 1.0 and peer_row["start to ready s"] == 0.8

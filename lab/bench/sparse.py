@@ -19,7 +19,7 @@ them), one list shared by every head. Rows:
   (engine.kernels.decode.native_paged_listed); the target, on both, is a decode time set by K, not S.
 
     python run.py bench sparse --quick      # S = 2k, T = 256, K = 128: seconds
-    python run.py bench sparse              # S = 8k / 32k, T = 1k / 4k, K = 512 / 2048: minutes, ~5 GiB
+    python run.py bench sparse              # S = 8k / 32k / 128k, T = 1k / 4k, K = 512 / 2048: minutes, ~6 GiB
 
 Targets: a prefill >= 8x faster than the dense mask, a decode <= 1.5x a dense decode over K keys.
 """
@@ -41,6 +41,7 @@ from lab.options import add_common, apply_threads
 PREFILL_TARGET, DECODE_TARGET = 8.0, 1.5
 D = 64
 PAGE = 16  # the paged decode row's page size
+LONG = 131072  # S = 128k: a prefill of Hq 16 / Hkv 1 (its dense mask 512 MiB) and the decodes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,11 +59,10 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 def prefill_rows(args, g) -> list[dict[str, Any]]:
-    sizes = [(2048, 256, 128)] if args.quick else [(8192, 1024, 512), (32768, 4096, 2048)]
-    heads = [(16, 1), (8, 8)]
+    sizes = [(2048, 256, 128)] if args.quick else [(8192, 1024, 512), (32768, 4096, 2048), (LONG, 4096, 2048)]
+    cases = [(z, h) for z in sizes for h in [(16, 1), (8, 8)] if z[0] < LONG or h == (16, 1)]
     rows = []
-    for (s, t, k), (hq, hkv) in progress([(z, h) for z in sizes for h in heads], "bench sparse: prefill",
-                                         quiet=args.quiet):
+    for (s, t, k), (hq, hkv) in progress(cases, "bench sparse: prefill", quiet=args.quiet):
         rows += _prefill_case(s, t, k, hq, hkv, g, args)
     return rows
 
@@ -83,17 +83,22 @@ def _prefill_case(s: int, t: int, k: int, hq: int, hkv: int, g, args) -> list[di
     repeats = 1 if args.quick or s > 8192 else args.repeats
     planned = {"engine native listed": lambda: engine.plan(q, keys, values, qpos, kpos, key_indices=listed,
                                                            kernel="decode_native").run(q, keys, values)}
-    ms = {"engine sparse": _median_ms(lambda: forced.run(q, keys, values), repeats),
-          "engine native listed": _median_ms(lambda: native.run(q, keys, values), repeats),
+    slow = hkv > 1 and s > 8192  # the sparse kernel gathers one query at a time there: minutes (see S = 8k)
+    ms = {"engine native listed": _median_ms(lambda: native.run(q, keys, values), repeats),
           "engine auto": _median_ms(lambda: auto.run(q, keys, values), repeats),
           "sdpa dense mask": _median_ms(peer, repeats)}
+    if not slow:
+        ms["engine sparse"] = _median_ms(lambda: forced.run(q, keys, values), repeats)
     with_plan = {name: _median_ms(fn, repeats) for name, fn in planned.items()}
     want = peer()
     diff = {name: (plan.run(q, keys, values) - want).abs().max().item()
-            for name, plan in (("engine sparse", forced), ("engine native listed", native), ("engine auto", auto))}
+            for name, plan in (("engine sparse", forced), ("engine native listed", native), ("engine auto", auto))
+            if name in ms}
     case = f"prefill T={t} S={s} K={k} Hq {hq} / Hkv {hkv}"
     for name, kernel in (("engine sparse", "sparse"), ("engine native listed", native.kernel),
                          ("engine auto", auto.kernel), ("sdpa dense mask", "-")):
+        if name not in ms:
+            continue
         target = name == "engine native listed"  # carries the target, timed with its plan (the tables) made
         speedup = ms["sdpa dense mask"] / with_plan.get(name, ms[name])
         rows.append({"group": "prefill", "case": case, "impl": name, "kernel": kernel, "ms": ms[name],
@@ -106,7 +111,7 @@ def _prefill_case(s: int, t: int, k: int, hq: int, hkv: int, g, args) -> list[di
 
 
 def decode_rows(args, g) -> list[dict[str, Any]]:
-    sizes = [(2048, 128)] if args.quick else [(8192, 512), (32768, 2048)]
+    sizes = [(2048, 128)] if args.quick else [(8192, 512), (32768, 2048), (LONG, 2048)]
     rows = []
     for (s, k), (hq, hkv) in progress([(z, h) for z in sizes for h in [(16, 1), (8, 8)]], "bench sparse: decode",
                                       quiet=args.quiet):

@@ -910,25 +910,31 @@ int decode_native(const DecodeCall* call) {
 }
 
 
-// The page table of a list of keys (engine/kernels/decode/native_listed.py): for each of `rows` rows, its K listed
-// key indices `idx` [rows, K] where `visible` [rows, K] (bytes) is nonzero and 0 <= index < S, each once, in
-// ascending order, as page ids `base[row] + index` into `pages` [rows, K] (the rest of the row: base[row], never
-// read), and their count into `lengths` [rows]. One bit per key of S in each thread's bitmap: O(K + S / 64) a row,
-// no sort. Returns 0.
-int decode_native_listed_tables(const int64_t* idx, const uint8_t* visible, int64_t rows, int64_t K, int64_t S,
-                                const int64_t* base, int64_t* pages, int64_t* lengths, int threads) {
+// The page table of a list of keys (engine/kernels/decode/native_listed.py). Rows r = (b, l, t) of B x L x T; row
+// r's K listed key indices are idx[b * idx_b + (l * T + t) * K + i] (idx_b = 0: one list for every batch row). An
+// index is kept where 0 <= index < S, visible[r * K + i] is nonzero (visible null: every one) and, with key_pos,
+// key_pos[b * kp_b + index] <= query_pos[b * qp_b + t] (the position rule). The kept ones, each once and in
+// ascending order, go into pages[r * K ..] as base[r] + index (the rest of the row: base[r], never read), their
+// count into lengths[r]. One bit per key of S in each thread's bitmap: O(K + S / 64) a row, no sort. Returns 0.
+int decode_native_listed_tables(const int64_t* idx, int64_t idx_b, const uint8_t* visible, int64_t rows, int64_t K,
+                                int64_t S, const int64_t* base, int64_t* pages, int64_t* lengths, int threads,
+                                const int64_t* key_pos, int64_t kp_b, const int64_t* query_pos, int64_t qp_b,
+                                int64_t T, int64_t L) {
     const int64_t words = (S + 63) / 64;
 #pragma omp parallel num_threads(threads)
     {
         std::vector<uint64_t> bits((size_t)words, 0);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; ++r) {
-            const int64_t* in = idx + r * K;
-            const uint8_t* seen = visible + r * K;
+            const int64_t b = r / (L * T), t = r % T;
+            const int64_t* in = idx + b * idx_b + (r % (L * T)) * K;
+            const uint8_t* seen = visible ? visible + r * K : nullptr;
+            const int64_t* kp = key_pos ? key_pos + b * kp_b : nullptr;
+            const int64_t qp = key_pos ? query_pos[b * qp_b + t] : 0;
             int64_t lo = words, hi = -1;
             for (int64_t i = 0; i < K; ++i) {
                 const int64_t j = in[i];
-                if (!seen[i] || j < 0 || j >= S) continue;
+                if (j < 0 || j >= S || (seen && !seen[i]) || (kp && kp[j] > qp)) continue;
                 bits[(size_t)(j >> 6)] |= uint64_t(1) << (j & 63);
                 lo = std::min(lo, j >> 6);
                 hi = std::max(hi, j >> 6);

@@ -90,7 +90,8 @@ class NativeLibrary:
         self.lanes = int(self.lib.decode_native_lanes())
         self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
         self.listed_tables.restype = ctypes.c_int
-        self.listed_tables.argtypes = [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int]
+        self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
+                                       _PTR, _I64, _I64, _I64]
 
 
 def cpu_key() -> str:

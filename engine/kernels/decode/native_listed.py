@@ -70,30 +70,42 @@ def listed_fits(inputs: AttentionInputs) -> str | None:
     return None
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(x's rows contiguous, the stride between batch rows)``: one row, stride 0, where x is broadcast over the
+    batch (the C++ table builder reads them so)."""
+    one = x.shape[0] == 1 or x.stride(0) == 0
+    rows = (x[:1] if one else x).long().contiguous()
+    return rows, 0 if one else rows[0].numel()
+
+
 def _tables(library, inputs: AttentionInputs, listed, others, steps: tuple[int, int]):
-    """``(pages int64 [B*L*T, K], lengths int64 [B*L*T])``, L the list's heads (1 or Hkv): each sequence's visible
-    listed keys as page ids, sorted, each once."""
+    """``(pages int64 [B*L*T, K], lengths int64 [B*L*T], (lowest, highest) id)``, L the list's heads (1 or Hkv):
+    each sequence's visible listed keys as page ids, sorted, each once. The position rule is read in C++ on the listed
+    keys' positions; another mask (one shared by every head) on the listed columns here."""
     batch, _, t, _ = inputs.q.shape
     s = inputs.k.shape[2]
-    heads = listed.indices.shape[1]
-    idx = listed.indices.expand(batch, heads, t, -1)  # [B, L, T, K]
-    visible = idx >= 0
-    if inputs.causal:
-        key_pos = inputs.key_positions.gather(1, idx.clamp(min=0).reshape(batch, -1)).view(idx.shape)
-        visible &= key_pos <= inputs.query_positions[:, None, :, None]
+    heads, top = listed.indices.shape[1], listed.indices.shape[3]
+    idx, idx_b = _rows(listed.indices)  # [B|1, L, T, K]
+    visible = None
     for part in others:  # one block per batch row, shared by every head ([1, T, S])
         dense = torch.stack([torch.broadcast_to(part.block(b if part.batched() else 0, 0, t, 0, s), (1, t, s))[0]
                              for b in range(batch)])
-        visible &= dense[:, None].expand(batch, heads, t, s).gather(3, idx.clamp(min=0))
-    idx, visible = idx.reshape(batch * heads * t, -1).contiguous(), visible.reshape(batch * heads * t, -1)
-    visible = visible.contiguous().view(torch.uint8)
+        seen = dense[:, None].expand(batch, heads, t, s).gather(3, idx.expand(batch, -1, -1, -1).clamp(min=0))
+        visible = seen if visible is None else visible & seen
+    visible = None if visible is None else visible.contiguous().view(torch.uint8)
+    key_pos, kp_b = _rows(inputs.key_positions) if inputs.causal else (None, 0)
+    query_pos, qp_b = _rows(inputs.query_positions) if inputs.causal else (None, 0)
     base = (torch.arange(batch)[:, None] * steps[0] + torch.arange(heads)[None, :] * steps[1])  # [B, L]
     base = base[..., None].expand(batch, heads, t).reshape(-1).contiguous()
-    pages, lengths = torch.empty_like(idx), torch.empty(idx.shape[0], dtype=torch.int64)
-    threads = torch.get_num_threads() if idx.numel() >= PARALLEL_ENTRIES else 1  # (waking a thread costs more)
-    library.listed_tables(idx.data_ptr(), visible.data_ptr(), idx.shape[0], idx.shape[1], s, base.data_ptr(),
-                          pages.data_ptr(), lengths.data_ptr(), threads)
-    return pages, lengths
+    rows = batch * heads * t
+    pages, lengths = torch.empty(rows, top, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
+    threads = torch.get_num_threads() if rows * top >= PARALLEL_ENTRIES else 1  # (waking a thread costs more)
+    library.listed_tables(idx.data_ptr(), idx_b, 0 if visible is None else visible.data_ptr(), rows, top, s,
+                          base.data_ptr(), pages.data_ptr(), lengths.data_ptr(), threads,
+                          0 if key_pos is None else key_pos.data_ptr(), kp_b,
+                          0 if query_pos is None else query_pos.data_ptr(), qp_b, t, heads)
+    bounds = (int(base.min()), int(base.max()) + s - 1) if rows else (0, -1)  # every id lies in base[r] + [0, S)
+    return pages, lengths, bounds
 
 
 def listed_runner(library: NativeLibrary, inputs: AttentionInputs, resume: str, template, paged_run):
@@ -107,9 +119,9 @@ def listed_runner(library: NativeLibrary, inputs: AttentionInputs, resume: str, 
     kv_heads, dv = inputs.k.shape[1], inputs.v.shape[3]
     lists = listed.indices.shape[1]  # 1 (every head reads the list: the pool's heads) or Hkv (a pool of one head)
     pool_heads, group = kv_heads // lists, q_heads // kv_heads
-    pages, lengths = _tables(library, inputs, listed, others, steps)
+    pages, lengths, bounds = _tables(library, inputs, listed, others, steps)
     count = (batch - 1) * steps[0] + (lists - 1) * steps[1] + inputs.k.shape[2]  # ids up to the last key
-    if pages.numel() and not 0 <= int(pages.min()) <= int(pages.max()) < count:  # (never: a guard on the layout)
+    if not (0 <= bounds[0] and bounds[1] < count):  # (never: a guard on the layout)
         return None
     kind = (inputs.k.data if isinstance(inputs.k, QuantizedKV) else inputs.k).dtype
     call = template(kind, (pages.shape[0], pool_heads, group, d), dv, inputs.scale, pages, lengths, 1, None)

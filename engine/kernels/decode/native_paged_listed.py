@@ -100,8 +100,8 @@ class ListedStep:
         local, self.lengths = torch.empty_like(idx), torch.empty(idx.shape[0], dtype=torch.int64)
         threads = torch.get_num_threads() if idx.numel() >= PARALLEL_ENTRIES else 1
         base = torch.zeros(idx.shape[0], dtype=torch.int64)  # (held: the call reads it)
-        library.listed_tables(idx.data_ptr(), vis.data_ptr(), idx.shape[0], idx.shape[1], longest, base.data_ptr(),
-                              local.data_ptr(), self.lengths.data_ptr(), threads)
+        library.listed_tables(idx.data_ptr(), 0, vis.data_ptr(), idx.shape[0], idx.shape[1], longest, base.data_ptr(),
+                              local.data_ptr(), self.lengths.data_ptr(), threads, 0, 0, 0, 0, idx.shape[0] or 1, 1)
         table = tables.readable_table.cpu()
         if table.shape[1] == 0:  # no sequence has a page: every list is empty (page 0 is never read)
             table = torch.zeros(tables.batch, 1, dtype=torch.int64)

@@ -148,7 +148,11 @@ def test_the_managers_internals_the_server_reads_are_there(server):
     manager = server.served.manager
     assert isinstance(manager.output_router.result_handlers, dict), "manager.output_router.result_handlers"
     assert callable(manager.get_result), "manager.get_result(timeout=...)"
-    scheduler = manager.batch_processor.scheduler  # (the manager is running: its processor exists)
+    deadline = time.monotonic() + 60  # the manager's thread makes its processor as it starts (later under load)
+    while manager.batch_processor is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert manager.batch_processor is not None, "manager.batch_processor (none 60 s after the server started)"
+    scheduler = manager.batch_processor.scheduler
     assert hasattr(scheduler, "active_requests") and hasattr(scheduler, "waiting_requests"), "scheduler's queues"
     assert hasattr(manager.background_thread_status, "fatal_error"), "manager.background_thread_status.fatal_error"
     assert internals.request_counts(manager) == (0, 0) and not internals.failed(manager)

@@ -76,26 +76,29 @@ def test_bad_paged_key_indices_are_refused_and_explain_says_the_path():
     text = explain_paged(q, pool, pool, table, lens, indptr, key_indices=torch.tensor([[[5, 0]], [[7, -1]]]),
                          kernel="tiled")
     assert "own call" in text and "kernel='tiled' forced" in text
-    wide = torch.randn(8, 4, 1, 8)[::2]  # pages with a gap between them: not a buffer of one-key pages
-    text = explain_paged(q, wide, wide, table, lens, indptr, key_indices=torch.tensor([[[5, 0]], [[7, -1]]]))
-    assert "own call" in text and "not page_size x its slot stride" in text
+    k_odd = torch.randn(8, 4, 1, 8)[::2]  # K's pages with a gap between them, V's not: no id names both rows
+    text = explain_paged(q, k_odd, pool, table, lens, indptr, key_indices=torch.tensor([[[5, 0]], [[7, -1]]]))
+    assert "own call" in text and "step pages, slots and heads differently" in text
 
 
 @pytest.mark.skipif(native_unavailable() is not None, reason=f"{native_unavailable()}")
 @settings(max_examples=60, deadline=None)
 @given(problem=paged_batches(dtype=torch.float32), top=st.integers(1, 12), per_head=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]), seed=st.integers(0, 1000))
-def test_paged_key_indices_read_in_place_equal_the_oracle(problem, top, per_head, dtype, seed):
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int8]), head_major=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_paged_key_indices_read_in_place_equal_the_oracle(problem, top, per_head, dtype, head_major, seed):
     args, options = problem
     options = {name: value for name, value in options.items() if name in ("window", "sinks")}  # what it takes
     q, k_pages, v_pages = args[:3]
+    if head_major:  # [num_pages, Hkv, page_size, E] memory seen as [num_pages, page_size, Hkv, E]: a PagePool's
+        k_pages, v_pages = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (k_pages, v_pages))
     kv_heads, group = k_pages.shape[2], q.shape[1] // k_pages.shape[2]
     if dtype == torch.int8:  # per-token scales, laid out as a PagePool's; the oracle reads them dequantised
-        k_pages, v_pages = (QuantizedKV(p.data.contiguous(), p.scale.contiguous())
+        k_pages, v_pages = (p if head_major else QuantizedKV(p.data.contiguous(), p.scale.contiguous())
                             for p in (quantized_pool(k_pages, dtype), quantized_pool(v_pages, dtype)))
         full_k, full_v = dequantized_pool(k_pages), dequantized_pool(v_pages)
-    elif dtype == torch.bfloat16:
-        k_pages, v_pages, q = k_pages.bfloat16(), v_pages.bfloat16(), q.bfloat16()
+    elif dtype == torch.bfloat16:  # (.to keeps the layout)
+        k_pages, v_pages, q = (x.to(torch.bfloat16) for x in (k_pages, v_pages, q))
         full_k, full_v = k_pages.float(), v_pages.float()
     else:
         full_k, full_v = k_pages, v_pages

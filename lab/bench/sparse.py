@@ -15,7 +15,8 @@ them), one list shared by every head. Rows:
 - a decode step (T = 1) against S keys beside a dense decode over K keys (``engine plan.run`` on K contiguous
   keys): ``engine native listed`` is decode_native reading only the listed keys in place (a page table of one-key
   pages, engine.kernels.decode.native_listed; auto's choice for a decode step), ``engine paged listed`` the same
-  keys in a pool of shuffled pages of 16 read in place by ``engine.plan_paged(..., key_indices=)``
+  keys in a head-major pool of shuffled pages of 16 (as engine.paged.pool lays them out; both on huge pages, as the
+  engine's caches are) read in place by ``engine.plan_paged(..., key_indices=)``
   (engine.kernels.decode.native_paged_listed); the target, on both, is a decode time set by K, not S.
 
     python run.py bench sparse --quick      # S = 2k, T = 256, K = 128: seconds
@@ -34,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import engine
+from engine import huge_pages
 from lab import plots
 from lab.measure import format_table, machine_info, progress, save_results
 from lab.options import add_common, apply_threads
@@ -110,6 +112,11 @@ def _prefill_case(s: int, t: int, k: int, hq: int, hkv: int, g, args) -> list[di
     return rows
 
 
+def cache_buffer(x: torch.Tensor) -> torch.Tensor:
+    """``x`` copied into a buffer on huge pages, as the engine's caches hold their keys (engine.huge_pages)."""
+    return huge_pages.zeros(*x.shape, dtype=x.dtype, device=x.device).copy_(x)
+
+
 def decode_rows(args, g) -> list[dict[str, Any]]:
     sizes = [(2048, 128)] if args.quick else [(8192, 512), (32768, 2048), (LONG, 2048)]
     rows = []
@@ -122,7 +129,7 @@ def decode_rows(args, g) -> list[dict[str, Any]]:
 def _decode_case(s: int, k: int, hq: int, hkv: int, g, args) -> list[dict[str, Any]]:
     rows = []
     q = torch.randn(1, hq, 1, D, generator=g)
-    keys, values = (torch.randn(1, hkv, s, D, generator=g) for _ in range(2))
+    keys, values = (cache_buffer(torch.randn(1, hkv, s, D, generator=g)) for _ in range(2))  # as a KVCache's
     listed = torch.randint(0, s, (1, 1, 1, k), generator=g)
     forced = engine.plan(q, keys, values, key_indices=listed, kernel="sparse")
     native = engine.plan(q, keys, values, key_indices=listed, kernel="decode_native")
@@ -131,8 +138,9 @@ def _decode_case(s: int, k: int, hq: int, hkv: int, g, args) -> list[dict[str, A
     dense = engine.plan(q, few_k, few_v)
     pages = s // PAGE
     order = torch.randperm(pages, generator=g)  # the sequence's pages shuffled in the pool
-    k_pool, v_pool = (torch.empty(pages, PAGE, hkv, D).index_copy_(0, order, x[0].transpose(0, 1).reshape(
-        pages, PAGE, hkv, D)) for x in (keys, values))
+    k_pool, v_pool = (huge_pages.zeros(pages, hkv, PAGE, D, dtype=torch.float32, device="cpu").permute(0, 2, 1, 3)
+                      .index_copy_(0, order, x[0].transpose(0, 1).reshape(pages, PAGE, hkv, D))
+                      for x in (keys, values))  # head-major pages on huge pages, as engine.paged.pool's
     paged_args = (q[0].transpose(0, 1), k_pool, v_pool, order[None], torch.tensor([s]), torch.tensor([0, 1]))
     paged = engine.plan_paged(*paged_args, key_indices=listed[0].transpose(0, 1))  # [Nq = 1, 1, K]
     repeats = 5 if args.quick else 21

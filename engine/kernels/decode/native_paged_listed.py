@@ -2,23 +2,25 @@
 (DeepSeek V3.2's sparse decode against a paged cache costs its K keys, not its sequence's S).
 
 The contiguous call's way (engine.kernels.decode.native_listed) through the page table: key j of sequence b lives in
-slot ``j % page_size`` of page ``page_table[b, j // page_size]``, so a pool whose pages hold their slots back to back
-is a buffer of one-key pages, and each query row's listed keys become its own sequence of them::
+slot ``j % page_size`` of page ``page_table[b, j // page_size]``. Where every stride the ids use is a multiple of one
+unit u (NHD pools and the head-major pools engine.paged.pool makes alike), the pool is a buffer of one-key rows u
+apart, and each query row's listed keys become its own sequence of them::
 
-    pool [num_pages, page_size, Hkv, E], strides (page_size * ss, ss, sh, 1)
-    one list for every head ([Nq, 1, K]):   sequence n: one-key pages  g = page_table[b, j // ps] * ps + j % ps,
+    pool [num_pages, page_size, Hkv, E], strides (sp, ss, sh, 1) = u * (P, Q, H, 1/u)
+    one list for every head ([Nq, 1, K]):   sequence n: row ids  page_table[b, j // ps] * P + (j % ps) * Q,
                                             a pool of Hkv heads sh apart        (rows: all Hq query heads of row n)
-    a list per KV head ([Nq, Hkv, K]):      sequence (n, h): pages g * Hkv + h of a pool of one head (ss = Hkv * sh)
+    a list per KV head ([Nq, Hkv, K]):      sequence (n, h): ids  ... + h * H, a pool of one head
                                                                                 (rows: the G query heads of head h)
 
 A listed key its row cannot see (the position rule, the window, the call's ``allowed``) is dropped when the plan is
-made; each list is sorted and keeps each key once (``decode_native_listed_tables``, in C++). Pools of any other
-layout (a slot stride that is not the pages' whole, the heads not packed in a slot for per-head lists) are read by
-the readable twin (engine.paged.sequences), as are pools whose strides differ from the plan's at a run.
+made; each list is sorted and keeps each key once (``decode_native_listed_tables``, in C++). Pools whose parts (data,
+int8 / fp8 scales, K and V) step differently are read by the readable twin (engine.paged.sequences), as are pools
+whose layout differs from the plan's at a run.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,30 +42,30 @@ def _parts(pool) -> list:
     return [pool.data, pool.scale] if isinstance(pool, QuantizedKV) else [pool]
 
 
-def listed_layout(k_pages, v_pages, page_size: int, per_head: bool) -> str | None:
-    """Why the pools cannot be read as one-key pages (see the module's table), or None: every part of both (data,
-    and scales in their own units) holds a page's slots back to back, and for per-head lists a slot's heads too."""
-    for t in _parts(k_pages) + _parts(v_pages):
-        slot, head = _slot(t), t.stride(2)
-        if t.shape[0] > 1 and t.stride(0) != page_size * slot:
-            return f"a pool's page stride {t.stride(0)} is not page_size x its slot stride {slot}"
-        if per_head and slot != t.shape[2] * head:
-            return f"lists per KV head need a slot's heads back to back (slot stride {slot}, head stride {head})"
-    return None
+def _steps(t, per_head: bool) -> tuple[int, tuple[int, int, int]]:
+    """``(unit, (page, slot, head) strides in units)`` of a pool part ``[num_pages, page_size, Hkv, ..]``: the unit
+    divides every stride the ids use (an axis of size 1 is never stepped: its step is 0)."""
+    used = [t.stride(a) if t.shape[a] > 1 and (a < 2 or per_head) else 0 for a in range(3)]
+    unit = math.gcd(*used) or 1
+    return unit, tuple(x // unit for x in used)
 
 
-def _slot(t) -> int:
-    """The stride of one slot of a pool part ``[num_pages, page_size, Hkv, ..]`` (a page's, for pages of one slot:
-    a size-1 axis's stride says nothing)."""
-    return t.stride(1) if t.shape[1] > 1 else t.stride(0)
+def listed_layout(k_pages, v_pages, page_size: int, per_head: bool) -> tuple[str | None, tuple]:
+    """``(why the pools cannot be read as one-key pages or None, the (page, slot, head) steps in units)``: every
+    part of both (data, and scales in their own unit) must step its pages, slots (and, for lists per KV head, heads)
+    by the same multiples of one unit, so one id names the same key in each (NHD and head-major pools do)."""
+    found = {_steps(t, per_head)[1] for t in _parts(k_pages) + _parts(v_pages)}
+    if len(found) != 1:
+        return f"pools whose parts step pages, slots and heads differently ({sorted(found)})", ()
+    return None, found.pop()
 
 
 def _one_key_pages(pool, count: int, heads: int, per_head: bool):
     """``pool`` seen as ``count`` pages of one key: ``[count, 1, heads, E]`` (scales ``[count, 1, heads]``)."""
     def view(t, width):
-        row = t.stride(2) if per_head else _slot(t)
+        unit = _steps(t, per_head)[0]
         size = (count, 1, heads) + ((width,) if width else ())
-        return t.as_strided(size, (row, row, t.stride(2)) + ((1,) if width else ()), t.storage_offset())
+        return t.as_strided(size, (unit, unit, t.stride(2)) + ((1,) if width else ()), t.storage_offset())
     if isinstance(pool, QuantizedKV):
         return QuantizedKV(view(pool.data, pool.data.shape[3]), view(pool.scale, 0))
     return view(pool, pool.shape[3])
@@ -83,7 +85,7 @@ class ListedStep:
         kv_heads, dv, size = inputs.k_pages.shape[2], inputs.v_pages.shape[3], tables.page_size
         lists = listed.shape[1]
         self.per_head = lists > 1 and kv_heads > 1
-        why_not = listed_layout(inputs.k_pages, inputs.v_pages, size, self.per_head)
+        why_not, self.steps = listed_layout(inputs.k_pages, inputs.v_pages, size, self.per_head)
         if why_not is not None:
             raise DoesNotFit(why_not)
         self.library, self.dv, self.lists = library, dv, lists
@@ -106,18 +108,20 @@ class ListedStep:
         if table.shape[1] == 0:  # no sequence has a page: every list is empty (page 0 is never read)
             table = torch.zeros(tables.batch, 1, dtype=torch.int64)
         rows_seq = seq.repeat_interleave(lists)  # [Nq * L]: each sequence's batch row
-        slot = table[rows_seq[:, None], local // size] * size + local % size  # [Nq * L, K]
+        page_step, slot_step, head_step = self.steps
+        slot = table[rows_seq[:, None], local // size] * page_step + local % size * slot_step  # [Nq * L, K]
         if self.per_head:
-            slot = slot * kv_heads + torch.arange(lists).repeat(nq)[:, None]
-        self.pages = slot.contiguous()
-        self.count = inputs.k_pages.shape[0] * size * (kv_heads if self.per_head else 1)
+            slot += torch.arange(lists).repeat(nq)[:, None] * head_step
+        self.pages = torch.where(torch.arange(slot.shape[1]) < self.lengths[:, None], slot, 0).contiguous()
+        self.count = (inputs.k_pages.shape[0] - 1) * page_step + (size - 1) * slot_step + \
+            ((kv_heads - 1) * head_step if self.per_head else 0) + 1  # the highest id + 1
         self.template = paged_template(_data(inputs.k_pages).dtype, (idx.shape[0], self.heads, self.group, d), dv,
                                        inputs.scale, self.pages, self.lengths, 1, None)
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
         """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None (see the class)."""
         size = k_pages.shape[1] if not isinstance(k_pages, QuantizedKV) else k_pages.data.shape[1]
-        if listed_layout(k_pages, v_pages, size, self.per_head) is not None:
+        if listed_layout(k_pages, v_pages, size, self.per_head) != (None, self.steps):
             return None  # a layer's pools of another layout: the readable twin reads them
         nq, q_heads, d = q.shape
         rows = (q if q.dtype == torch.float32 else q.float()).reshape(-1, self.heads, self.group, d)

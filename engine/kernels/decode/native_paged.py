@@ -40,7 +40,7 @@ def native_paged_fits(inputs: PagedInputs) -> str | None:
         return why_not
     if inputs.key_indices is not None:  # every query row its own sequence of its listed keys (native_paged_listed)
         per_head = inputs.key_indices.shape[1] > 1 and inputs.k_pages.shape[2] > 1
-        return listed_layout(inputs.k_pages, inputs.v_pages, inputs.tables.page_size, per_head)[0]
+        return listed_layout(inputs.k_pages, inputs.v_pages, per_head)[0]
     counts = inputs.queries_per_sequence()
     if len(counts) != 1 or not 1 <= next(iter(counts)) <= MAX_QUERIES:
         return f"sequences with {sorted(counts)} queries: the native kernel takes the same 1..{MAX_QUERIES} for all"

@@ -50,7 +50,7 @@ def _steps(t, per_head: bool) -> tuple[int, tuple[int, int, int]]:
     return unit, tuple(x // unit for x in used)
 
 
-def listed_layout(k_pages, v_pages, page_size: int, per_head: bool) -> tuple[str | None, tuple]:
+def listed_layout(k_pages, v_pages, per_head: bool) -> tuple[str | None, tuple]:
     """``(why the pools cannot be read as one-key pages or None, the (page, slot, head) steps in units)``: every
     part of both (data, and scales in their own unit) must step its pages, slots (and, for lists per KV head, heads)
     by the same multiples of one unit, so one id names the same key in each (NHD and head-major pools do)."""
@@ -85,7 +85,7 @@ class ListedStep:
         kv_heads, dv, size = inputs.k_pages.shape[2], inputs.v_pages.shape[3], tables.page_size
         lists = listed.shape[1]
         self.per_head = lists > 1 and kv_heads > 1
-        why_not, self.steps = listed_layout(inputs.k_pages, inputs.v_pages, size, self.per_head)
+        why_not, self.steps = listed_layout(inputs.k_pages, inputs.v_pages, self.per_head)
         if why_not is not None:
             raise DoesNotFit(why_not)
         self.library, self.dv, self.lists = library, dv, lists
@@ -120,8 +120,7 @@ class ListedStep:
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
         """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None (see the class)."""
-        size = k_pages.shape[1] if not isinstance(k_pages, QuantizedKV) else k_pages.data.shape[1]
-        if listed_layout(k_pages, v_pages, size, self.per_head) != (None, self.steps):
+        if listed_layout(k_pages, v_pages, self.per_head) != (None, self.steps):
             return None  # a layer's pools of another layout: the readable twin reads them
         nq, q_heads, d = q.shape
         rows = (q if q.dtype == torch.float32 else q.float()).reshape(-1, self.heads, self.group, d)

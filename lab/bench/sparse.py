@@ -72,7 +72,7 @@ def prefill_rows(args, g) -> list[dict[str, Any]]:
 def _prefill_case(s: int, t: int, k: int, hq: int, hkv: int, g, args) -> list[dict[str, Any]]:
     rows = []
     q = torch.randn(1, hq, t, D, generator=g)
-    keys, values = (torch.randn(1, hkv, s, D, generator=g) for _ in range(2))
+    keys, values = (cache_buffer(torch.randn(1, hkv, s, D, generator=g)) for _ in range(2))  # as a KVCache's
     qpos, kpos = torch.arange(s - t, s), torch.arange(s)
     listed = (torch.rand(1, 1, t, k, generator=g) * (qpos[None, None, :, None] + 1)).long()  # at or before
     forced = engine.plan(q, keys, values, qpos, kpos, key_indices=listed, kernel="sparse")

@@ -914,8 +914,8 @@ int decode_native(const DecodeCall* call) {
 // r's K listed key indices are idx[b * idx_b + (l * T + t) * K + i] (idx_b = 0: one list for every batch row). An
 // index is kept where 0 <= index < S, visible[r * K + i] is nonzero (visible null: every one) and, with key_pos,
 // key_pos[b * kp_b + index] <= query_pos[b * qp_b + t] (the position rule). The kept ones, each once and in
-// ascending order, go into pages[r * K ..] as base[r] + index (the rest of the row: base[r], never read), their
-// count into lengths[r]. One bit per key of S in each thread's bitmap: O(K + S / 64) a row, no sort. Returns 0.
+// ascending order, go into pages[r * K ..] as base[r] + index (base null: 0; the rest of the row: base[r], never
+// read), their count into lengths[r]. One bit per key of S in each thread's bitmap: O(K + S / 64) a row, no sort. Returns 0.
 int decode_native_listed_tables(const int64_t* idx, int64_t idx_b, const uint8_t* visible, int64_t rows, int64_t K,
                                 int64_t S, const int64_t* base, int64_t* pages, int64_t* lengths, int threads,
                                 const int64_t* key_pos, int64_t kp_b, const int64_t* query_pos, int64_t qp_b,
@@ -931,6 +931,7 @@ int decode_native_listed_tables(const int64_t* idx, int64_t idx_b, const uint8_t
             const uint8_t* seen = visible ? visible + r * K : nullptr;
             const int64_t* kp = key_pos ? key_pos + b * kp_b : nullptr;
             const int64_t qp = key_pos ? query_pos[b * qp_b + t] : 0;
+            const int64_t first = base ? base[r] : 0;
             int64_t lo = words, hi = -1;
             for (int64_t i = 0; i < K; ++i) {
                 const int64_t j = in[i];
@@ -945,12 +946,12 @@ int decode_native_listed_tables(const int64_t* idx, int64_t idx_b, const uint8_t
                 uint64_t word = bits[(size_t)w];
                 bits[(size_t)w] = 0;
                 while (word) {
-                    out[n++] = base[r] + w * 64 + __builtin_ctzll(word);
+                    out[n++] = first + w * 64 + __builtin_ctzll(word);
                     word &= word - 1;
                 }
             }
             lengths[r] = n;
-            for (int64_t i = n; i < K; ++i) out[i] = base[r];
+            for (int64_t i = n; i < K; ++i) out[i] = first;
         }
     }
     return 0;

@@ -72,10 +72,11 @@ def native_decode_pays_off(inputs: AttentionInputs) -> str | None:
     pass over K first; with key_indices it reads only the listed keys (native_listed, ``run.py bench sparse``: a
     decode step at S 32k, K 2k 1.46x a dense decode over K keys; a 4k-query prefill 330 ms where the sparse kernel
     took 3.3 s and SDPA with the dense mask 3.1 s)."""
-    if inputs.q.shape[2] > MAX_QUERIES and split_listed(inputs.allowed)[0] is not None and \
-            listed_fits(inputs) is not None:
-        return (f"key_indices for T = {inputs.q.shape[2]} > {MAX_QUERIES} queries not read in place "
-                f"({listed_fits(inputs)}): the sparse kernel gathers them")
+    if inputs.q.shape[2] > MAX_QUERIES and split_listed(inputs.allowed)[0] is not None:
+        why_not = listed_fits(inputs)
+        if why_not is not None:
+            return (f"key_indices for T = {inputs.q.shape[2]} > {MAX_QUERIES} queries not read in place "
+                    f"({why_not}): the sparse kernel gathers them")
     return None
 
 

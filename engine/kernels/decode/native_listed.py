@@ -28,16 +28,25 @@ from engine.kernels.decode.native_build import NON_FINITE_Q, NativeLibrary
 from engine.masks.key_indices import split_listed
 from engine.quantized import QuantizedKV
 
-__all__ = ["listed_fits", "listed_runner"]
+__all__ = ["build_tables", "data_of", "listed_fits", "listed_runner", "one_key_pages", "parts_of"]
 
 PARALLEL_ENTRIES = 1 << 20  # listed entries from which the table is built on every thread (0.1 ms a 32k on one)
 
 
+def data_of(x):
+    """The entries of K/V or a pool (a QuantizedKV's int8 / fp8 data)."""
+    return x.data if isinstance(x, QuantizedKV) else x
+
+
+def parts_of(x) -> list:
+    """The tensors K/V or a pool is read from: its data, and a QuantizedKV's scales."""
+    return [x.data, x.scale] if isinstance(x, QuantizedKV) else [x]
+
+
 def _strides(x) -> tuple | None:
     """``(batch, head) strides in rows`` of K/V data ``[B, Hkv, S, E]`` (and a quantized one's scales), or None."""
-    parts = [x.data, x.scale] if isinstance(x, QuantizedKV) else [x]
     found = set()
-    for t in parts:
+    for t in parts_of(x):
         row = t.stride(2)
         if row <= 0 or t.stride(0) % row or t.stride(1) % row:
             return None
@@ -45,16 +54,34 @@ def _strides(x) -> tuple | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _as_pages(x, count: int, heads: int, head_step: int):
-    """``x`` seen as ``count`` pages of one key of ``heads`` heads ``head_step`` rows apart, ``[count, 1, heads, E]``
-    (scales ``[count, 1, heads]``)."""
+def one_key_pages(x, count: int, heads: int, strides_of):
+    """``x`` (K/V or a pool) seen as ``count`` pages of one key of ``heads`` heads, ``[count, 1, heads, E]`` (scales
+    ``[count, 1, heads]``): ``strides_of(part)`` gives each part's ``(row, head)`` strides in its own elements."""
     def view(t, width):
-        row = t.stride(2)
+        row, head = strides_of(t)
         size = (count, 1, heads) + ((width,) if width else ())
-        return t.as_strided(size, (row, row, row * head_step) + ((1,) if width else ()), t.storage_offset())
+        return t.as_strided(size, (row, row, head) + ((1,) if width else ()), t.storage_offset())
     if isinstance(x, QuantizedKV):
         return QuantizedKV(view(x.data, x.data.shape[3]), view(x.scale, 0))
     return view(x, x.shape[3])
+
+
+def build_tables(library, idx: torch.Tensor, rows: int, top: int, keys: int, *, idx_b: int = 0, visible=None,
+                 base=None, positions=None, queries: int = 1, lists: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pages int64 [rows, top], lengths int64 [rows])`` from ``decode_native_listed_tables`` (its contract in
+    decode_native.cpp): rows ``(b, l, t)`` of ``lists`` x ``queries``, the lists ``idx`` (int64, contiguous, batch
+    rows ``idx_b`` apart) over ``keys`` keys, ``visible`` uint8 ``[rows, top]`` or None, ``base`` int64 ``[rows]``
+    or None (0), and ``positions`` ``((key_pos, kp_b), (query_pos, qp_b))`` or None (no position rule)."""
+    pages, lengths = torch.empty(rows, top, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
+    (key_pos, kp_b), (query_pos, qp_b) = positions or ((None, 0), (None, 0))
+    threads = torch.get_num_threads() if rows * top >= PARALLEL_ENTRIES else 1  # (waking a thread costs more)
+
+    def address(x):
+        return 0 if x is None else x.data_ptr()
+    library.listed_tables(idx.data_ptr(), idx_b, address(visible), rows, top, keys, address(base), pages.data_ptr(),
+                          lengths.data_ptr(), threads, address(key_pos), kp_b, address(query_pos), qp_b, queries,
+                          lists)
+    return pages, lengths
 
 
 def listed_fits(inputs: AttentionInputs) -> str | None:
@@ -93,17 +120,12 @@ def _tables(library, inputs: AttentionInputs, listed, others, steps: tuple[int, 
         seen = dense[:, None].expand(batch, heads, t, s).gather(3, idx.expand(batch, -1, -1, -1).clamp(min=0))
         visible = seen if visible is None else visible & seen
     visible = None if visible is None else visible.contiguous().view(torch.uint8)
-    key_pos, kp_b = _rows(inputs.key_positions) if inputs.causal else (None, 0)
-    query_pos, qp_b = _rows(inputs.query_positions) if inputs.causal else (None, 0)
+    positions = (_rows(inputs.key_positions), _rows(inputs.query_positions)) if inputs.causal else None
     base = (torch.arange(batch)[:, None] * steps[0] + torch.arange(heads)[None, :] * steps[1])  # [B, L]
     base = base[..., None].expand(batch, heads, t).reshape(-1).contiguous()
     rows = batch * heads * t
-    pages, lengths = torch.empty(rows, top, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
-    threads = torch.get_num_threads() if rows * top >= PARALLEL_ENTRIES else 1  # (waking a thread costs more)
-    library.listed_tables(idx.data_ptr(), idx_b, 0 if visible is None else visible.data_ptr(), rows, top, s,
-                          base.data_ptr(), pages.data_ptr(), lengths.data_ptr(), threads,
-                          0 if key_pos is None else key_pos.data_ptr(), kp_b,
-                          0 if query_pos is None else query_pos.data_ptr(), qp_b, t, heads)
+    pages, lengths = build_tables(library, idx, rows, top, s, idx_b=idx_b, visible=visible, base=base,
+                                  positions=positions, queries=t, lists=heads)
     bounds = (int(base.min()), int(base.max()) + s - 1) if rows else (0, -1)  # every id lies in base[r] + [0, S)
     return pages, lengths, bounds
 
@@ -123,7 +145,7 @@ def listed_runner(library: NativeLibrary, inputs: AttentionInputs, resume: str, 
     count = (batch - 1) * steps[0] + (lists - 1) * steps[1] + inputs.k.shape[2]  # ids up to the last key
     if not (0 <= bounds[0] and bounds[1] < count):  # (never: a guard on the layout)
         return None
-    kind = (inputs.k.data if isinstance(inputs.k, QuantizedKV) else inputs.k).dtype
+    kind = data_of(inputs.k).dtype
     call = template(kind, (pages.shape[0], pool_heads, group, d), dv, inputs.scale, pages, lengths, 1, None)
     shape = (batch, lists, pool_heads, group, t)
 
@@ -133,7 +155,8 @@ def listed_runner(library: NativeLibrary, inputs: AttentionInputs, resume: str, 
         rows = q.float().view(*shape, d).permute(0, 1, 4, 2, 3, 5).reshape(-1, pool_heads, group, d)
         out = torch.empty(rows.shape[0], pool_heads, group, dv)  # fp32, written whole
         lse = torch.empty(rows.shape[0], pool_heads, group)
-        pools = (_as_pages(x, count, pool_heads, steps[1]) for x in (k, v))
+        pools = (one_key_pages(x, count, pool_heads, lambda part: (part.stride(2), part.stride(2) * steps[1]))
+                 for x in (k, v))
         if paged_run(library, call, rows, *pools, out, lse) == NON_FINITE_Q:
             raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
         out = out.view(batch, lists, t, pool_heads, group, dv).permute(0, 1, 3, 4, 2, 5).reshape(batch, q_heads, t, dv)

@@ -22,9 +22,9 @@ import torch
 from engine.kernels.common import DoesNotFit, fold_groups, unfold_groups
 from engine.kernels.decode.decode_native import MAX_QUERIES, NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native, native_unavailable
-from engine.kernels.decode.native_paged_listed import listed_layout
+from engine.kernels.decode.native_listed import data_of
+from engine.kernels.decode.native_paged_listed import listed_layout, per_head_lists
 from engine.masks.window import sees
-from engine.quantized import QuantizedKV
 
 if TYPE_CHECKING:
     from engine.paged.inputs import PagedInputs
@@ -39,8 +39,7 @@ def native_paged_fits(inputs: PagedInputs) -> str | None:
     if why_not is not None:
         return why_not
     if inputs.key_indices is not None:  # every query row its own sequence of its listed keys (native_paged_listed)
-        per_head = inputs.key_indices.shape[1] > 1 and inputs.k_pages.shape[2] > 1
-        return listed_layout(inputs.k_pages, inputs.v_pages, per_head)[0]
+        return listed_layout(inputs.k_pages, inputs.v_pages, per_head_lists(inputs))[0]
     counts = inputs.queries_per_sequence()
     if len(counts) != 1 or not 1 <= next(iter(counts)) <= MAX_QUERIES:
         return f"sequences with {sorted(counts)} queries: the native kernel takes the same 1..{MAX_QUERIES} for all"
@@ -58,10 +57,10 @@ def native_pass_fits(inputs: PagedInputs) -> str | None:
         return f"the native kernel takes fp32 / bf16 / fp16 queries on the CPU, got {q.dtype} on {q.device}"
     if inputs.grad:
         return "gradients are needed: the native kernel has no backward"
-    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (_data(inputs.k_pages), _data(inputs.v_pages))):
+    if any(x.stride(-1) != 1 and x.shape[-1] > 1 for x in (data_of(inputs.k_pages), data_of(inputs.v_pages))):
         return "a pool whose last axis is strided: the native kernel reads each row as contiguous memory"
-    if _data(inputs.k_pages).dtype != _data(inputs.v_pages).dtype:
-        return (f"page dtypes {_data(inputs.k_pages).dtype}, {_data(inputs.v_pages).dtype}: not read in place by "
+    if data_of(inputs.k_pages).dtype != data_of(inputs.v_pages).dtype:
+        return (f"page dtypes {data_of(inputs.k_pages).dtype}, {data_of(inputs.v_pages).dtype}: not read in place by "
                 f"the native kernel")
     return None
 
@@ -91,7 +90,7 @@ class NativeStep:
                                        and (window is None or bool((per_row < window).all()))):
             self.visible = _row_visibility(per_row, self.lengths, window, group, allowed)  # [B, 1, G*T, S]
         rows = (batch, kv_heads, group * t, d)
-        self.template = paged_template(_data(inputs.k_pages).dtype, rows, dv, inputs.scale, self.pages, self.lengths,
+        self.template = paged_template(data_of(inputs.k_pages).dtype, rows, dv, inputs.scale, self.pages, self.lengths,
                                        tables.page_size, self.visible)
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
@@ -99,7 +98,7 @@ class NativeStep:
         as it scaled q; the gathered path keeps it to its rows) or these pools' last axis is strided (the plan was
         made for other strides: the gathered path reads any)."""
         batch, t, kv_heads, group, d = self.shape
-        if not all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (_data(k_pages), _data(v_pages))):
+        if not all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (data_of(k_pages), data_of(v_pages))):
             return None  # a layer's pools with a strided last axis: the kernel reads rows as contiguous memory
         q_rows = fold_groups((q if q.dtype == torch.float32 else q.float()).view(batch, t, -1, d).transpose(1, 2),
                              kv_heads)  # [B, Hkv, G*T, D] (a view for T = 1)
@@ -112,11 +111,6 @@ class NativeStep:
         out = unfold_groups(out, q.shape[1]).transpose(1, 2).reshape(batch * t, q.shape[1], self.dv)  # [Nq, Hq, Dv]
         lse = unfold_groups(lse, q.shape[1]).transpose(1, 2).reshape(batch * t, q.shape[1])  # [Nq, Hq]
         return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
-
-
-def _data(pool):
-    """The entries of a pool (a QuantizedKV's int8 / fp8 data)."""
-    return pool.data if isinstance(pool, QuantizedKV) else pool
 
 
 def _row_visibility(positions: torch.Tensor, lengths: torch.Tensor, window: int | None, group: int,

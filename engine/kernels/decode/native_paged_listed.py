@@ -28,18 +28,13 @@ import torch
 from engine.kernels.common import DoesNotFit
 from engine.kernels.decode.decode_native import NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native
-from engine.kernels.decode.native_listed import PARALLEL_ENTRIES
+from engine.kernels.decode.native_listed import build_tables, data_of, one_key_pages, parts_of
 from engine.masks.window import sees
-from engine.quantized import QuantizedKV
 
 if TYPE_CHECKING:
     from engine.paged.inputs import PagedInputs
 
-__all__ = ["ListedStep", "listed_layout"]
-
-
-def _parts(pool) -> list:
-    return [pool.data, pool.scale] if isinstance(pool, QuantizedKV) else [pool]
+__all__ = ["ListedStep", "listed_layout", "per_head_lists"]
 
 
 def _steps(t, per_head: bool) -> tuple[int, tuple[int, int, int]]:
@@ -54,21 +49,15 @@ def listed_layout(k_pages, v_pages, per_head: bool) -> tuple[str | None, tuple]:
     """``(why the pools cannot be read as one-key pages or None, the (page, slot, head) steps in units)``: every
     part of both (data, and scales in their own unit) must step its pages, slots (and, for lists per KV head, heads)
     by the same multiples of one unit, so one id names the same key in each (NHD and head-major pools do)."""
-    found = {_steps(t, per_head)[1] for t in _parts(k_pages) + _parts(v_pages)}
+    found = {_steps(t, per_head)[1] for t in parts_of(k_pages) + parts_of(v_pages)}
     if len(found) != 1:
         return f"pools whose parts step pages, slots and heads differently ({sorted(found)})", ()
     return None, found.pop()
 
 
-def _one_key_pages(pool, count: int, heads: int, per_head: bool):
-    """``pool`` seen as ``count`` pages of one key: ``[count, 1, heads, E]`` (scales ``[count, 1, heads]``)."""
-    def view(t, width):
-        unit = _steps(t, per_head)[0]
-        size = (count, 1, heads) + ((width,) if width else ())
-        return t.as_strided(size, (unit, unit, t.stride(2)) + ((1,) if width else ()), t.storage_offset())
-    if isinstance(pool, QuantizedKV):
-        return QuantizedKV(view(pool.data, pool.data.shape[3]), view(pool.scale, 0))
-    return view(pool, pool.shape[3])
+def per_head_lists(inputs: PagedInputs) -> bool:
+    """True when each KV head has its own list (each sequence then reads a pool of one head)."""
+    return inputs.key_indices.shape[1] > 1 and inputs.k_pages.shape[2] > 1
 
 
 class ListedStep:
@@ -84,7 +73,7 @@ class ListedStep:
         nq, q_heads, d = inputs.q.shape
         kv_heads, dv, size = inputs.k_pages.shape[2], inputs.v_pages.shape[3], tables.page_size
         lists = listed.shape[1]
-        self.per_head = lists > 1 and kv_heads > 1
+        self.per_head = per_head_lists(inputs)
         why_not, self.steps = listed_layout(inputs.k_pages, inputs.v_pages, self.per_head)
         if why_not is not None:
             raise DoesNotFit(why_not)
@@ -99,11 +88,8 @@ class ListedStep:
         longest = max(tables.kv_lens, default=0)
         idx = listed.reshape(nq * lists, listed.shape[2]).contiguous()
         vis = visible.reshape(idx.shape).contiguous().view(torch.uint8)
-        local, self.lengths = torch.empty_like(idx), torch.empty(idx.shape[0], dtype=torch.int64)
-        threads = torch.get_num_threads() if idx.numel() >= PARALLEL_ENTRIES else 1
-        base = torch.zeros(idx.shape[0], dtype=torch.int64)  # (held: the call reads it)
-        library.listed_tables(idx.data_ptr(), 0, vis.data_ptr(), idx.shape[0], idx.shape[1], longest, base.data_ptr(),
-                              local.data_ptr(), self.lengths.data_ptr(), threads, 0, 0, 0, 0, idx.shape[0] or 1, 1)
+        local, self.lengths = build_tables(library, idx, idx.shape[0], idx.shape[1], longest, visible=vis,
+                                           queries=max(idx.shape[0], 1))  # each list's kept keys, in its sequence
         table = tables.readable_table.cpu()
         if table.shape[1] == 0:  # no sequence has a page: every list is empty (page 0 is never read)
             table = torch.zeros(tables.batch, 1, dtype=torch.int64)
@@ -115,7 +101,7 @@ class ListedStep:
         self.pages = torch.where(torch.arange(slot.shape[1]) < self.lengths[:, None], slot, 0).contiguous()
         self.count = (inputs.k_pages.shape[0] - 1) * page_step + (size - 1) * slot_step + \
             ((kv_heads - 1) * head_step if self.per_head else 0) + 1  # the highest id + 1
-        self.template = paged_template(_data(inputs.k_pages).dtype, (idx.shape[0], self.heads, self.group, d), dv,
+        self.template = paged_template(data_of(inputs.k_pages).dtype, (idx.shape[0], self.heads, self.group, d), dv,
                                        inputs.scale, self.pages, self.lengths, 1, None)
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
@@ -126,12 +112,10 @@ class ListedStep:
         rows = (q if q.dtype == torch.float32 else q.float()).reshape(-1, self.heads, self.group, d)
         out = torch.empty(rows.shape[0], self.heads, self.group, self.dv)  # fp32, written whole
         lse = torch.empty(rows.shape[0], self.heads, self.group)
-        pools = (_one_key_pages(x, self.count, self.heads, self.per_head) for x in (k_pages, v_pages))
+        pools = (one_key_pages(x, self.count, self.heads, lambda part: (_steps(part, self.per_head)[0], part.stride(2)))
+                 for x in (k_pages, v_pages))
         if paged_run(self.library, self.template, rows, *pools, out, lse) == NON_FINITE_Q:
             return None
         out, lse = out.view(nq, q_heads, self.dv), lse.view(nq, q_heads)
         return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
-
-def _data(pool):
-    return pool.data if isinstance(pool, QuantizedKV) else pool

@@ -44,6 +44,7 @@ namespace {
 constexpr int BLOCK = 64;  // keys per online-softmax step
 constexpr int64_t SPLIT = 2048;  // keys per work item at most, cut at multiples of SPLIT positions (batch invariance)
 constexpr int NR = 4;      // query rows per register pass
+constexpr int CHUNK = 16;   // keys per accumulate pass over all of Dv
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4 };
@@ -333,12 +334,13 @@ struct Item {
     const char* key_row(int64_t j) const { return (const char*)kb + elem_size() * j * o.ks[2]; }
     const char* value_row(int64_t j) const { return (const char*)vb + elem_size() * j * o.vs[2]; }
 
-    // The rows of keys j0 .. j0 + n - 1 and their scales (kunit, vscale), and the next block's rows asked for while
-    // this block computes (its first block asks for its own rows too). A paged pool is walked a run of keys in one
-    // page at a time (one address per run, no division per key). Measured on an AVX-512 Xeon VM, one thread, B=1
-    // Hq32/Hkv8/D128 S=32k: asking for the next block at its start beats asking for each row a fixed distance ahead
-    // as it is read (bf16 64 -> 45 ns per key and head, fp32 104 -> 86, int8 36 -> 30): the hardware prefetcher
-    // stops at every 4 KiB page, and a block's requests in one burst keep more of them in flight.
+    // The rows of keys j0 .. j0 + n - 1 and their scales (kunit, vscale). A paged pool is walked a run of keys in
+    // one page at a time (one address per run, no division per key), and the next block's rows are asked for while
+    // this block computes (its first block asks for its own rows too). Contiguous rows are asked for by nothing but
+    // their loads. Measured on an AVX-512 + AMX Xeon VM, one thread, B 1, Hq 32 / Hkv 8, D 128, S 32k, bf16, K/V on
+    // 2 MiB pages: 49-51 ns per key and head with no software prefetch, 58-61 asking for the next block at its start
+    // (the requests take the fill buffers the hardware's streams would use), 67-69 asking for only each 4 KiB
+    // page's first lines; on 4 KiB pages (a caller's tensors; the engine's caches use 2 MiB pages) 68-71 against 62-66.
     void block_rows(int64_t j0, int n) {
         if (!table) {
             for (int jj = 0; jj < n; ++jj) {
@@ -347,27 +349,19 @@ struct Item {
             }
             if (vscale_needed())
                 for (int jj = 0; jj < n; ++jj) vscale[jj] = o.v_unit * (vsc ? vsc[(j0 + jj) * o.vss[2]] : 1.0f);
-        } else {
-            page_rows(j0, n, krows, vrows, true);
+            return;
         }
+        page_rows(j0, n, krows, vrows, true);
         if (j0 == part.j0) {  // the first block: nothing asked for it ahead
             for (int jj = 0; jj < n; ++jj) prefetch_row(krows[jj], o.D);
             if (!o.shared)
                 for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
         }
         const int ahead = (int)std::max<int64_t>(0, std::min<int64_t>(end, j0 + n + BLOCK) - (j0 + n));
-        if (!table) {
-            for (int jj = 0; jj < ahead; ++jj) prefetch_row(key_row(j0 + n + jj), o.D);
-            if (!o.shared)
-                for (int jj = 0; jj < ahead; ++jj) prefetch_row(value_row(j0 + n + jj), o.Dv);
-            if (ksc) prefetch_scales(ksc + (j0 + n) * o.kss[2], ahead, o.kss[2]);
-            if (vsc && !o.shared) prefetch_scales(vsc + (j0 + n) * o.vss[2], ahead, o.vss[2]);
-        } else {  // (page_rows asks for their scales)
-            page_rows(j0 + n, ahead, ahead_k, ahead_v, false);
-            for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_k[jj], o.D);
-            if (!o.shared)
-                for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_v[jj], o.Dv);
-        }
+        page_rows(j0 + n, ahead, ahead_k, ahead_v, false);  // (and asks for their scales)
+        for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_k[jj], o.D);
+        if (!o.shared)
+            for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_v[jj], o.Dv);
     }
 
     // Rows of keys j0 .. j0 + n - 1 of a paged pool into kout / vout, a run of keys in one page at a time; with
@@ -496,13 +490,19 @@ struct Item {
         if constexpr (SIMD) {
             constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
             const int64_t vectors = o.Dv / W_;
-            int64_t t0 = 0;
-            for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, j0, n, t0 * W_);
-            switch (vectors - t0) {
-                case 3: accumulate_tile<N, MASKED, 3>(r0, j0, n, t0 * W_); break;
-                case 2: accumulate_tile<N, MASKED, 2>(r0, j0, n, t0 * W_); break;
-                case 1: accumulate_tile<N, MASKED, 1>(r0, j0, n, t0 * W_); break;
-                default: break;
+            // CHUNK keys at a time, every tile of them: each V row is read whole before the next chunk's (a pass
+            // over one tile of all the block's rows, then the next tile, leaves the hardware prefetcher a strided
+            // stream it follows worse)
+            for (int c0 = 0; c0 < n; c0 += CHUNK) {
+                const int c1 = std::min(n, c0 + CHUNK);
+                int64_t t0 = 0;
+                for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, c0, c1, t0 * W_);
+                switch (vectors - t0) {
+                    case 3: accumulate_tile<N, MASKED, 3>(r0, c0, c1, t0 * W_); break;
+                    case 2: accumulate_tile<N, MASKED, 2>(r0, c0, c1, t0 * W_); break;
+                    case 1: accumulate_tile<N, MASKED, 1>(r0, c0, c1, t0 * W_); break;
+                    default: break;
+                }
             }
         } else {
             const int64_t Dv = o.Dv;
@@ -520,14 +520,14 @@ struct Item {
 
     // the register tile: channels d0 .. d0 + TILES * W of N rows, over the block's keys
     template <int N, bool MASKED, int TILES>
-    void accumulate_tile(int64_t r0, int64_t j0, int n, int64_t d0) {
+    void accumulate_tile(int64_t r0, int c0, int c1, int64_t d0) {
 #if DN_AVX512 || DN_AVX2
         const int64_t Dv = o.Dv;
         float* acc = part.acc.data();
         vec a[N][TILES];
         for (int r = 0; r < N; ++r)
             for (int t = 0; t < TILES; ++t) a[r][t] = vloadf(acc + (r0 + r) * Dv + d0 + t * W);
-        for (int jj = 0; jj < n; ++jj) {
+        for (int jj = c0; jj < c1; ++jj) {
             if (MASKED && !seen_key[jj]) continue;
             const void* vrow = vrows[jj];
             vec vv[TILES];

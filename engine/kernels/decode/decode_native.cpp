@@ -44,7 +44,6 @@ namespace {
 constexpr int BLOCK = 64;  // keys per online-softmax step
 constexpr int64_t SPLIT = 2048;  // keys per work item at most, cut at multiples of SPLIT positions (batch invariance)
 constexpr int NR = 4;      // query rows per register pass
-constexpr int CHUNK = 16;   // keys per accumulate pass over all of Dv
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4 };
@@ -490,11 +489,13 @@ struct Item {
         if constexpr (SIMD) {
             constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
             const int64_t vectors = o.Dv / W_;
-            // CHUNK keys at a time, every tile of them: each V row is read whole before the next chunk's (a pass
-            // over one tile of all the block's rows, then the next tile, leaves the hardware prefetcher a strided
-            // stream it follows worse)
-            for (int c0 = 0; c0 < n; c0 += CHUNK) {
-                const int c1 = std::min(n, c0 + CHUNK);
+            // A chunk of keys (4 KiB of V rows) at a time, every tile of it: each V row is read whole before the next
+            // chunk's. One tile over all the block's rows, then the next tile, read each row in strided pieces the
+            // hardware prefetcher follows worse (bf16 0.82x the time, fp16 0.82x on one thread; 16 keys a chunk
+            // for fp32 was 0.96x, 8 keys 0.93x with AVX2 and 0.96x with AVX-512)
+            const int chunk = (int)std::max<int64_t>(4, std::min<int64_t>(BLOCK, 4096 / (elem_size() * o.Dv)));
+            for (int c0 = 0; c0 < n; c0 += chunk) {
+                const int c1 = std::min(n, c0 + chunk);
                 int64_t t0 = 0;
                 for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, c0, c1, t0 * W_);
                 switch (vectors - t0) {

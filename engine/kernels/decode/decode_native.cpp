@@ -261,6 +261,9 @@ struct DecodeCall {
     // BLOCK; 0 for a paged cache). Work items end at multiples of SPLIT positions, so a sequence's keys are cut the
     // same way whatever else shares the call, however many threads run it, contiguous or paged.
     int64_t key_offset;
+    // 1: a contiguous K/V on 4 KiB pages (a caller's tensors), whose rows are asked for a block ahead; 0: on 2 MiB
+    // pages (engine.huge_pages: the caches' buffers), left to the hardware prefetcher (block_rows). Speed only.
+    int64_t small_pages;
 };
 
 }  // extern "C"
@@ -281,6 +284,7 @@ struct Operands {
     const int64_t* pages;           // a paged cache's page table (DecodeCall), or null
     int64_t pages_stride, page_size;
     const int64_t* lengths;         // keys per sequence, or null: S each
+    bool ask_ahead;                 // contiguous rows asked for a block ahead (DecodeCall.small_pages)
     bool shared;                    // V is a prefix of K's rows (same rows, Dv <= D: a latent cache): V's rows are
                                     // K's, already asked for, so only K's are requested
 };
@@ -333,13 +337,13 @@ struct Item {
     const char* key_row(int64_t j) const { return (const char*)kb + elem_size() * j * o.ks[2]; }
     const char* value_row(int64_t j) const { return (const char*)vb + elem_size() * j * o.vs[2]; }
 
-    // The rows of keys j0 .. j0 + n - 1 and their scales (kunit, vscale). A paged pool is walked a run of keys in
-    // one page at a time (one address per run, no division per key), and the next block's rows are asked for while
-    // this block computes (its first block asks for its own rows too). Contiguous rows are asked for by nothing but
-    // their loads. Measured on an AVX-512 + AMX Xeon VM, one thread, B 1, Hq 32 / Hkv 8, D 128, S 32k, bf16, K/V on
-    // 2 MiB pages: 49-51 ns per key and head with no software prefetch, 58-61 asking for the next block at its start
-    // (the requests take the fill buffers the hardware's streams would use), 67-69 asking for only each 4 KiB
-    // page's first lines; on 4 KiB pages (a caller's tensors; the engine's caches use 2 MiB pages) 68-71 against 62-66.
+    // The rows of keys j0 .. j0 + n - 1 and their scales (kunit, vscale), and the next block's rows asked for while
+    // this block computes (its first block asks for its own rows too), except contiguous rows on 2 MiB pages. A paged
+    // pool is walked a run of keys in one page at a time (one address per run, no division per key). Measured on an
+    // AVX-512 + AMX Xeon VM, one thread, B 1, Hq 32 / Hkv 8, D 128, S 32k, bf16, contiguous: on 2 MiB pages 49-51 ns
+    // per key and head asked for by nothing but the loads, 58-61 asking for the next block (the requests take the
+    // fill buffers the hardware's streams would use), 67-69 asking for each 4 KiB page's first lines only; on 4 KiB
+    // pages, where the hardware's stream stops at every page, 62-66 asking for the next block, 68-71 not.
     void block_rows(int64_t j0, int n) {
         if (!table) {
             for (int jj = 0; jj < n; ++jj) {
@@ -348,19 +352,28 @@ struct Item {
             }
             if (vscale_needed())
                 for (int jj = 0; jj < n; ++jj) vscale[jj] = o.v_unit * (vsc ? vsc[(j0 + jj) * o.vss[2]] : 1.0f);
-            return;
+            if (!o.ask_ahead) return;
+        } else {
+            page_rows(j0, n, krows, vrows, true);
         }
-        page_rows(j0, n, krows, vrows, true);
         if (j0 == part.j0) {  // the first block: nothing asked for it ahead
             for (int jj = 0; jj < n; ++jj) prefetch_row(krows[jj], o.D);
             if (!o.shared)
                 for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
         }
         const int ahead = (int)std::max<int64_t>(0, std::min<int64_t>(end, j0 + n + BLOCK) - (j0 + n));
-        page_rows(j0 + n, ahead, ahead_k, ahead_v, false);  // (and asks for their scales)
-        for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_k[jj], o.D);
-        if (!o.shared)
-            for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_v[jj], o.Dv);
+        if (!table) {
+            for (int jj = 0; jj < ahead; ++jj) prefetch_row(key_row(j0 + n + jj), o.D);
+            if (!o.shared)
+                for (int jj = 0; jj < ahead; ++jj) prefetch_row(value_row(j0 + n + jj), o.Dv);
+            if (ksc) prefetch_scales(ksc + (j0 + n) * o.kss[2], ahead, o.kss[2]);
+            if (vsc && !o.shared) prefetch_scales(vsc + (j0 + n) * o.vss[2], ahead, o.vss[2]);
+        } else {  // (page_rows asks for their scales)
+            page_rows(j0 + n, ahead, ahead_k, ahead_v, false);
+            for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_k[jj], o.D);
+            if (!o.shared)
+                for (int jj = 0; jj < ahead; ++jj) prefetch_row(ahead_v[jj], o.Dv);
+        }
     }
 
     // Rows of keys j0 .. j0 + n - 1 of a paged pool into kout / vout, a run of keys in one page at a time; with
@@ -760,7 +773,7 @@ int decode_native_layout(int64_t* offsets, int capacity) {
         (int64_t)offsetof(DecodeCall, out), (int64_t)offsetof(DecodeCall, lse), (int64_t)offsetof(DecodeCall, pages),
         (int64_t)offsetof(DecodeCall, pages_stride), (int64_t)offsetof(DecodeCall, page_size),
         (int64_t)offsetof(DecodeCall, lengths), (int64_t)offsetof(DecodeCall, key_offset),
-        (int64_t)sizeof(DecodeCall)};
+        (int64_t)offsetof(DecodeCall, small_pages), (int64_t)sizeof(DecodeCall)};
     const int n = (int)(sizeof(all) / sizeof(all[0]));
     for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
     return n;
@@ -808,6 +821,7 @@ int decode_native(const DecodeCall* call) {
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
     o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
+    o.ask_ahead = c.small_pages != 0;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AVX512 || DN_AVX2

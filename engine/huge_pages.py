@@ -64,9 +64,9 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = N
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: its pages are not mapped yet
     start = -raw.data_ptr() % HUGE_PAGE
     whole = nbytes // HUGE_PAGE * HUGE_PAGE  # the huge pages inside the buffer (its tail stays on small pages)
-    if mode() == "madvise" and _madvise()(raw.data_ptr() + start, whole, _MADV_HUGEPAGE) != 0:
-        return raw[start:start + nbytes].view(dtype).view(*shape).zero_()  # (e.g. EINVAL on an old kernel)
     out = raw[start:start + nbytes].view(dtype).view(*shape)
+    if mode() == "madvise" and _madvise()(out.data_ptr(), whole, _MADV_HUGEPAGE) != 0:
+        return out.zero_()  # (e.g. EINVAL on an old kernel): small pages, never marked
     span = (out.data_ptr(), out.data_ptr() + whole)
     bisect.insort(_MARKED, span)
     weakref.finalize(out, _MARKED.remove, span)  # (a view that outlives the buffer's tensor reads as small pages)

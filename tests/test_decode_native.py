@@ -194,6 +194,35 @@ def test_non_finite_keys_and_values_follow_the_reference(dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_every_row_sees_runs_unmasked_and_one_hidden_key_still_stays_out(dtype):
+    # A block of keys every row sees runs as if there were no mask: an all-ones mask changes no bit. A key hidden from
+    # one row only (the group's last row, a full block's last key; its K large, so a leak would show) stays out of
+    # that row; a key hidden from every row (the last block's last) keeps its NaN / inf out of all.
+    s, t = 300, 4  # R = G * T = 8 rows: more than one register pass
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 8, t, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, 4, s, 64, generator=g).to(dtype) for _ in range(2))
+    qpos = torch.full((1, t), s - 1)
+    plain, plain_lse = run_native(q, k, v, qpos)
+    ones, ones_lse = run_native(q, k, v, qpos, None, torch.ones(1, 1, t, s, dtype=torch.bool))
+    assert torch.equal(ones, plain) and torch.equal(ones_lse, plain_lse)
+    allowed = torch.ones(1, 1, t, s, dtype=torch.bool)
+    allowed[0, 0, t - 1, 127] = False
+    k[0, :, 127] = 4.0 * q[0, ::2, t - 1]  # a score far above the rest for the row it is hidden from
+    allowed[0, 0, :, 299] = False
+    k[0, :, 299], v[0, :, 299] = float("inf"), float("nan")
+    out, lse = run_native(q, k, v, qpos, None, allowed)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(lse).all())
+    visible = visibility(qpos, torch.arange(s).expand(1, s), allowed)
+    clean_k, clean_v = k.clone(), v.clone()
+    clean_k[0, :, 299], clean_v[0, :, 299] = 0.0, 0.0
+    want, want_lse = oracle(q, clean_k, clean_v, visible, 64 ** -0.5)
+    assert_within_precision(out, want, plain_attention(q, clean_k, clean_v, visible, 64 ** -0.5, dtype), dtype)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
 def test_nan_in_q_goes_to_the_torch_kernels_and_stays_in_its_row():
     q, k, v = torch.randn(1, 4, 1, 32), torch.randn(1, 2, 1000, 32), torch.randn(1, 2, 1000, 32)
     q[0, 1, 0, 0] = float("nan")

@@ -370,15 +370,13 @@ struct Item {
         } else {  // (page_rows asks for their scales)
             page_rows(j0 + n, ahead, ahead_k, ahead_v, false);
         }
-        asked = 0, ahead_rows = ahead;
-        if (o.R <= NR) ask_ahead(1, 1);  // one pass of rows: all at once (spread over the passes otherwise)
+        asked = 0, ahead_rows = ahead;  // (asked for by the scores' passes: for_row_groups)
     }
 
-    // The next block's rows asked for, share `part` of `parts` (rows ahead_k / ahead_v, from block_rows). With more
-    // rows than one pass takes, the block computes long: the scores' passes ask a share at each step of keys
-    // (for_row_groups), so the requests do not all wait for fill buffers at the block's start, stalling the
-    // arithmetic (measured on an AVX-512 + AMX Xeon VM, one thread, a 16-node tree's 64 rows over S 4k, fp32: 57%
-    // of the kernel's non-arithmetic time sat on those requests)
+    // The next block's rows asked for, share `part` of `parts` (rows ahead_k / ahead_v, from block_rows). The scores'
+    // passes ask a share at each step of keys (for_row_groups), so the requests do not all wait for fill buffers at
+    // the block's start while the arithmetic stalls (measured on an AVX-512 + AMX Xeon VM, one thread: a 16-node
+    // tree's 64 rows over S 4k, fp32, had 57% of the kernel's non-arithmetic time on those requests)
     int asked = 0, ahead_rows = 0, ask_step = 0, ask_steps = 1;
     void ask_ahead(int part, int parts) {
         const int upto = (int)std::min<int64_t>(ahead_rows, (int64_t)ahead_rows * part / parts);
@@ -445,7 +443,7 @@ struct Item {
                             for (int k = 0; k < 4; ++k) a[k][r] = vfma(qv, x[k], a[k][r]);
                         }
                     }
-                    if (o.R > NR) ask_ahead(++ask_step, ask_steps);  // (N == NR here)
+                    ask_ahead(++ask_step, ask_steps);  // (N == NR here)
                     float sums[16];
                     hsum8(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3], sums);
                     hsum8(a[2][0], a[2][1], a[2][2], a[2][3], a[3][0], a[3][1], a[3][2], a[3][3], sums + 8);
@@ -468,8 +466,7 @@ struct Item {
                         a1[r] = vfma(qv, x1, a1[r]);
                     }
                 }
-                if constexpr (N == NR)
-                    if (o.R > NR) ask_ahead(++ask_step, ask_steps);
+                if constexpr (N == NR) ask_ahead(++ask_step, ask_steps);
                 const float u0 = kunit[jj], u1 = kunit[jj + 1];
                 if constexpr (N == 4) {
                     float sums[8];
@@ -599,12 +596,13 @@ struct Item {
 
     void for_row_groups(int64_t j0, int n, bool masked, bool scores) {
         int64_t r0 = 0;
-        // (with more rows than one pass, the next block's rows are asked for a share at a time through the scores'
-        // passes, one share per step of keys: 0.84-0.99x the time of asking at the start of each pass, one thread,
-        // fp32 and bf16 trees of 64 rows, latents of 16 and 128 rows, top-k prefill of 16)
+        // The next block's rows are asked for a share at a time through the full passes' scores, one share per step
+        // of keys (the rest, and all of them with fewer rows than one pass, before the last pass). One thread,
+        // against asking at the start of each pass: trees of 64 rows, latents of 16 and 128 rows, top-k prefill of
+        // 16: 0.84-0.99x the time; a decode's 4 rows (G 4): 0.74-0.89x, paged or contiguous, fp32 / bf16 / int8.
         if (scores) ask_step = 0, ask_steps = (int)(o.R / NR) * (W_ == 16 ? n / 4 + n % 4 / 2 : n / 2) + 1;
         for (; r0 + NR <= o.R; r0 += NR) rows_pass<NR>(r0, j0, n, masked, scores);
-        if (o.R > NR && scores) ask_ahead(1, 1);
+        if (scores) ask_ahead(1, 1);
         switch (o.R - r0) {
             case 3: rows_pass<3>(r0, j0, n, masked, scores); break;
             case 2: rows_pass<2>(r0, j0, n, masked, scores); break;

@@ -380,9 +380,9 @@ struct Item {
     int asked = 0, ahead_rows = 0, ask_step = 0, ask_steps = 1;
     void ask_ahead(int part, int parts) {
         const int upto = (int)std::min<int64_t>(ahead_rows, (int64_t)ahead_rows * part / parts);
-        for (; asked < upto; ++asked) {
-            prefetch_row(ahead_k[asked], o.D);
-            if (!o.shared) prefetch_row(ahead_v[asked], o.Dv);
+        for (; asked < upto; ++asked) {  // into L2 (T1): 0.96-0.99x the time of T0 for a decode's 4 rows, paged or not
+            prefetch_row<2>(ahead_k[asked], o.D);
+            if (!o.shared) prefetch_row<2>(ahead_v[asked], o.Dv);
         }
     }
 
@@ -416,8 +416,9 @@ struct Item {
         for (int64_t r = 0; r < count; r += step) __builtin_prefetch(first + r * stride, 0, 3);
         __builtin_prefetch(first + (count - 1) * stride, 0, 3);
     }
+    template <int LOCALITY = 3>  // __builtin_prefetch's: 3 T0 (into L1), 2 T1 (L2)
     static void prefetch_row(const char* row, int64_t width) {
-        for (int64_t b = 0; b < elem_size() * width; b += 64) __builtin_prefetch(row + b, 0, 3);
+        for (int64_t b = 0; b < elem_size() * width; b += 64) __builtin_prefetch(row + b, 0, LOCALITY);
     }
 
     // s[r][jj] = q[r] . k[j0 + jj] * key scale, rows r0 .. r0 + N; two keys per pass (2N independent sums)

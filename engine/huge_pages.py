@@ -14,22 +14,19 @@ THP turned off) gets a plain ``torch.zeros``: huge pages change the speed only, 
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import functools
 import math
 import sys
-import weakref
 from pathlib import Path
 
 import torch
 
-__all__ = ["HUGE_PAGE", "holds", "mode", "zeros"]
+__all__ = ["HUGE_PAGE", "mode", "zeros"]
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and most aarch64 kernels' transparent huge page
 _MADV_HUGEPAGE = 14  # <sys/mman.h>
 _SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-_MARKED: list[tuple[int, int]] = []  # (start, end) addresses of the live buffers asked to be huge, sorted
 
 
 @functools.cache
@@ -65,17 +62,7 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = N
     start = -raw.data_ptr() % HUGE_PAGE
     whole = nbytes // HUGE_PAGE * HUGE_PAGE  # the huge pages inside the buffer (its tail stays on small pages)
     out = raw[start:start + nbytes].view(dtype).view(*shape)
-    if mode() == "madvise" and _madvise()(out.data_ptr(), whole, _MADV_HUGEPAGE) != 0:
-        return out.zero_()  # (e.g. EINVAL on an old kernel): small pages, never marked
-    span = (out.data_ptr(), out.data_ptr() + whole)
-    bisect.insort(_MARKED, span)
-    weakref.finalize(out, _MARKED.remove, span)  # (a view that outlives the buffer's tensor reads as small pages)
+    if mode() == "madvise":
+        _madvise()(out.data_ptr(), whole, _MADV_HUGEPAGE)  # (a failure, e.g. EINVAL on an old kernel: small pages)
     return out.zero_()  # the first touch: the kernel maps huge pages here
 
-
-def holds(address: int) -> bool:
-    """Whether ``address`` lies in the 2 MiB-page part of a live buffer from ``zeros``. The native decode kernel asks
-    this of K's first row: rows on 2 MiB pages are left to the hardware's prefetcher, rows on 4 KiB pages (a
-    caller's own tensors) are asked for a block ahead, where that stream stops at every page."""
-    i = bisect.bisect_right(_MARKED, (address, float("inf"))) - 1
-    return i >= 0 and _MARKED[i][0] <= address < _MARKED[i][1]

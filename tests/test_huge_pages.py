@@ -75,23 +75,9 @@ def test_caches_use_huge_pages():
     assert not pool.keys.any()
 
 
-@pytest.mark.skipif(not THP, reason=f"transparent huge pages are {huge_pages.mode()} on this machine")
-def test_holds_names_the_marked_buffers_while_they_live():
-    x = huge_pages.zeros(4, 1 << 20, dtype=torch.float32)  # 16 MiB: all on 2 MiB pages
-    inside = [x.data_ptr(), x[1].data_ptr(), x[3, -1].data_ptr()]
-    assert all(huge_pages.holds(a) for a in inside)
-    plain = torch.zeros(4, 1 << 20)
-    assert not huge_pages.holds(plain.data_ptr()) and not huge_pages.holds(x.data_ptr() + x.nbytes)
-    small = huge_pages.zeros(16, dtype=torch.float32)  # under 2 MiB: a plain torch.zeros, never marked
-    assert not huge_pages.holds(small.data_ptr())
-    del x
-    assert not any(huge_pages.holds(a) for a in inside)  # a freed buffer is forgotten with its tensor
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_reads_the_same_on_either_page_size(dtype):
-    """The kernel asks for a caller's rows (4 KiB pages) a block ahead and leaves a huge-page buffer's to the hardware:
-    the speed differs, the values never (bitwise)."""
+    """A caller's rows (4 KiB pages) and a huge-page buffer's: the speed may differ, the values never (bitwise)."""
     from engine.kernels.decode.decode_native import native_unavailable
     if native_unavailable():
         pytest.skip(native_unavailable())
@@ -100,22 +86,5 @@ def test_decode_reads_the_same_on_either_page_size(dtype):
     q = torch.randn(1, 8, 1, 64).to(dtype)
     k_plain, v_plain = torch.randn(1, 2, 9000, 64).to(dtype), torch.randn(1, 2, 9000, 64).to(dtype)
     k_huge, v_huge = (huge_pages.zeros(*x.shape, dtype=dtype).copy_(x) for x in (k_plain, v_plain))
-    assert huge_pages.holds(k_huge.data_ptr()) == THP and not huge_pages.holds(k_plain.data_ptr())
     p = plan(q, k_plain, v_plain, kernel="decode_native")
     assert torch.equal(p.run(q, k_plain, v_plain), p.run(q, k_huge, v_huge))
-
-
-def test_decode_asks_ahead_on_small_pages_only(monkeypatch):
-    from engine.kernels.decode import decode_native
-    if decode_native.native_unavailable():
-        pytest.skip(decode_native.native_unavailable())
-    from engine import plan
-    seen = []
-    real = decode_native._decode
-    monkeypatch.setattr(decode_native, "_decode", lambda library, call: seen.append(call.small_pages) or
-                        real(library, call))
-    q, k = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 9000, 64)
-    huge = huge_pages.zeros(*k.shape, dtype=k.dtype).copy_(k)
-    p = plan(q, k, k, kernel="decode_native")
-    p.run(q, k, k), p.run(q, huge, huge)
-    assert seen == [1, 0 if THP else 1]

@@ -261,10 +261,6 @@ struct DecodeCall {
     // BLOCK; 0 for a paged cache). Work items end at multiples of SPLIT positions, so a sequence's keys are cut the
     // same way whatever else shares the call, however many threads run it, contiguous or paged.
     int64_t key_offset;
-    // 1: a contiguous K/V on 4 KiB pages (a caller's tensors), whose rows are asked for a block ahead; 0: on 2 MiB
-    // pages (engine.huge_pages: the caches' buffers), left to the hardware prefetcher unless quantized (block_rows).
-    // Speed only.
-    int64_t small_pages;
 };
 
 }  // extern "C"
@@ -285,7 +281,6 @@ struct Operands {
     const int64_t* pages;           // a paged cache's page table (DecodeCall), or null
     int64_t pages_stride, page_size;
     const int64_t* lengths;         // keys per sequence, or null: S each
-    bool ask_ahead;                 // contiguous rows asked for a block ahead (DecodeCall.small_pages)
     bool shared;                    // V is a prefix of K's rows (same rows, Dv <= D: a latent cache): V's rows are
                                     // K's, already asked for, so only K's are requested
 };
@@ -338,13 +333,12 @@ struct Item {
     const char* key_row(int64_t j) const { return (const char*)kb + elem_size() * j * o.ks[2]; }
     const char* value_row(int64_t j) const { return (const char*)vb + elem_size() * j * o.vs[2]; }
 
-    // The rows of keys j0 .. j0 + n - 1 and their scales (kunit, vscale), and the next block's rows asked for while
-    // this block computes (its first block asks for its own rows too), except contiguous rows on 2 MiB pages. A paged
-    // pool is walked a run of keys in one page at a time (one address per run, no division per key). Measured on an
-    // AVX-512 + AMX Xeon VM, one thread, B 1, Hq 32 / Hkv 8, D 128, S 32k, bf16, contiguous: on 2 MiB pages 49-51 ns
-    // per key and head asked for by nothing but the loads, 58-61 asking for the next block (the requests take the
-    // fill buffers the hardware's streams would use), 67-69 asking for each 4 KiB page's first lines only; on 4 KiB
-    // pages, where the hardware's stream stops at every page, 62-66 asking for the next block, 68-71 not.
+    // The rows of keys j0 .. j0 + n - 1 and their scales (kunit, vscale), and the next block's rows to ask for while
+    // this block computes (ask_ahead; its first block asks for its own rows at once). A paged pool is walked a run of
+    // keys in one page at a time (one address per run, no division per key). Every layout asks, 2 MiB pages too:
+    // with the requests spread over the scores' steps, rows on 2 MiB pages took 0.92-0.97x the time of leaving them
+    // to the hardware prefetcher (AVX-512 + AMX Xeon VM, B 1 S 32k and B 8 S 8k, fp32 / bf16 / fp16, 1 and 2 threads).
+    // Asked for all at once at the block's start they had taken 1.15-1.2x (49-51 ns per key and head against 58-61).
     void block_rows(int64_t j0, int n) {
         if (!table) {
             for (int jj = 0; jj < n; ++jj) {
@@ -353,7 +347,6 @@ struct Item {
             }
             if (vscale_needed())
                 for (int jj = 0; jj < n; ++jj) vscale[jj] = o.v_unit * (vsc ? vsc[(j0 + jj) * o.vss[2]] : 1.0f);
-            if (!o.ask_ahead) return;
         } else {
             page_rows(j0, n, krows, vrows, true);
         }
@@ -515,28 +508,18 @@ struct Item {
         if constexpr (SIMD) {
             constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
             const int64_t vectors = o.Dv / W_;
-            // A chunk of keys (4 KiB of V rows) at a time, every tile of it: each V row is read whole before the next
-            // chunk's. One tile over all the block's rows, then the next tile, read each row in strided pieces the
-            // hardware prefetcher follows worse (bf16 0.82x the time, fp16 0.82x on one thread; 16 keys a chunk
-            // for fp32 was 0.96x, 8 keys 0.93x with AVX2 and 0.96x with AVX-512)
-            // That is for rows left to the hardware prefetcher. Rows asked for ahead (block_rows: a paged pool, a
-            // caller's tensors, a quantized cache) and rows read again by more passes than one come from cache: there a
-            // chunk is the whole block, so each tile's accumulators are loaded and stored once a block (0.95-0.975x
-            // the time for a decode's 4 rows, fp32 / bf16 / int8, paged or not; a latent's 16 rows of Dv 512 took 4
-            // keys a chunk otherwise)
-            const int chunk = (o.R > NR || o.ask_ahead || table)
-                                  ? BLOCK
-                                  : (int)std::max<int64_t>(4, std::min<int64_t>(BLOCK, 4096 / (elem_size() * o.Dv)));
-            for (int c0 = 0; c0 < n; c0 += chunk) {
-                const int c1 = std::min(n, c0 + chunk);
-                int64_t t0 = 0;
-                for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, c0, c1, t0 * W_);
-                switch (vectors - t0) {
-                    case 3: accumulate_tile<N, MASKED, 3>(r0, c0, c1, t0 * W_); break;
-                    case 2: accumulate_tile<N, MASKED, 2>(r0, c0, c1, t0 * W_); break;
-                    case 1: accumulate_tile<N, MASKED, 1>(r0, c0, c1, t0 * W_); break;
-                    default: break;
-                }
+            // One register tile over all the block's keys, then the next: the rows were asked for ahead (block_rows),
+            // so they come from cache, and each tile's accumulators are loaded and stored once a block. (Chunks of
+            // 4 KiB of V rows, every tile of each, were for rows left to the hardware prefetcher; with the rows asked
+            // for, whole blocks took 0.95-0.975x their time for a decode's 4 rows, and a latent's 16 rows of Dv 512
+            // had 4 keys a chunk.)
+            int64_t t0 = 0;
+            for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, 0, n, t0 * W_);
+            switch (vectors - t0) {
+                case 3: accumulate_tile<N, MASKED, 3>(r0, 0, n, t0 * W_); break;
+                case 2: accumulate_tile<N, MASKED, 2>(r0, 0, n, t0 * W_); break;
+                case 1: accumulate_tile<N, MASKED, 1>(r0, 0, n, t0 * W_); break;
+                default: break;
             }
         } else {
             const int64_t Dv = o.Dv;
@@ -813,7 +796,7 @@ int decode_native_layout(int64_t* offsets, int capacity) {
         (int64_t)offsetof(DecodeCall, out), (int64_t)offsetof(DecodeCall, lse), (int64_t)offsetof(DecodeCall, pages),
         (int64_t)offsetof(DecodeCall, pages_stride), (int64_t)offsetof(DecodeCall, page_size),
         (int64_t)offsetof(DecodeCall, lengths), (int64_t)offsetof(DecodeCall, key_offset),
-        (int64_t)offsetof(DecodeCall, small_pages), (int64_t)sizeof(DecodeCall)};
+        (int64_t)sizeof(DecodeCall)};
     const int n = (int)(sizeof(all) / sizeof(all[0]));
     for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
     return n;
@@ -861,9 +844,6 @@ int decode_native(const DecodeCall* call) {
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
     o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
-    // (an int8 / fp8 cache is bound by its arithmetic, not the stream: asking ahead keeps its rows in L1 by the
-    // time they are read, 0.92x the time on 2 MiB pages)
-    o.ask_ahead = c.small_pages != 0 || c.k_scale != nullptr;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AVX512 || DN_AVX2

@@ -27,7 +27,6 @@ import ctypes
 
 import torch
 
-from engine.huge_pages import holds
 from engine.inputs import AttentionInputs
 from engine.invariance import is_batch_invariant
 from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, needs_grad, unfold_groups
@@ -219,7 +218,6 @@ def _run(library, template, q_rows, keys, values, out, lse) -> int:
             or (k_scale is not None and _strides_of(q_rows, keys, values) != strides)):
         _fill_strides(call, q_rows, keys, values)
     call.threads = torch.get_num_threads()
-    call.small_pages = not holds(k_data.data_ptr())  # (speed only: contiguous rows asked for ahead, or not)
     call.q, call.k, call.v, call.out, call.lse = (q_rows.data_ptr(), k_data.data_ptr(), v_data.data_ptr(),
                                                   out.data_ptr(), lse.data_ptr())
     if k_scale is not None:

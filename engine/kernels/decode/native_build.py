@@ -60,7 +60,6 @@ class DecodeCall(ctypes.Structure):
         ("visible", _PTR), ("visible_strides", _I64 * 4),
         ("out", _PTR), ("lse", _PTR),
         ("pages", _PTR), ("pages_stride", _I64), ("page_size", _I64), ("lengths", _PTR), ("key_offset", _I64),
-        ("small_pages", _I64),
     ]
 
 

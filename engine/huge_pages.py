@@ -53,7 +53,13 @@ def _madvise():
 
 def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
     """``torch.zeros(*shape, dtype=dtype, device=device)``, contiguous; on a Linux CPU a buffer of 2 MiB or more
-    starts on a 2 MiB boundary and its pages are asked to be huge before they are touched."""
+    starts on a 2 MiB boundary and its pages are asked to be huge before they are touched. ``shape`` is ints, or one
+    tuple / ``torch.Size`` of them, as torch.zeros takes it."""
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise ValueError(f"huge_pages.zeros takes a shape of ints >= 0 (or one tuple / torch.Size of them), got "
+                         f"{shape!r}")
     device = torch.device("cpu") if device is None else torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < HUGE_PAGE or mode() not in ("always", "madvise"):

@@ -88,3 +88,12 @@ def test_decode_reads_the_same_on_either_page_size(dtype):
     k_huge, v_huge = (huge_pages.zeros(*x.shape, dtype=dtype).copy_(x) for x in (k_plain, v_plain))
     p = plan(q, k_plain, v_plain, kernel="decode_native")
     assert torch.equal(p.run(q, k_plain, v_plain), p.run(q, k_huge, v_huge))
+
+
+def test_zeros_takes_a_size_like_torch_zeros_and_names_a_bad_shape():
+    assert huge_pages.zeros(torch.Size([2, 3]), dtype=torch.float32).shape == (2, 3)
+    assert huge_pages.zeros((4, 1 << 19), dtype=torch.float32).shape == (4, 1 << 19)  # 8 MiB: the huge-page path
+    for bad in ((2, 3.0), (2, -1), (True, 2)):
+        with pytest.raises(ValueError, match="shape of ints"):
+            huge_pages.zeros(*bad, dtype=torch.float32)
+

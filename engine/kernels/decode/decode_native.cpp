@@ -7,13 +7,15 @@
 // Shape of the work (R = G * T query rows of one KV head, read together):
 //
 //     for each work item (b, kv_head, keys [j0, j1))          items split B * Hkv * S evenly across threads
-//       for each block of BLOCK keys                          K/V rows read once, converted in registers
-//         scores  s[r][j] = q[r] . k[j]  (* k_scale[j])       two keys at a time, NR rows per pass
+//       for each block of BLOCK keys                          K/V rows read once, converted in registers; a block
+//                                                              every row sees runs unmasked
+//         scores  s[r][j] = q[r] . k[j]  (* k_scale[j])       4 keys at a time (AVX2: 2), NR rows a pass; the next
+//                                                              block's rows asked for (into L2) a share per step
 //         online softmax: m[r] running max, l[r] running sum of p = exp(s - m)
 //         acc[r] = acc[r] * l_old / l_new                       acc is the output so far, normalised as it goes,
 //         acc[r] += p[r][j] / l_new * v[j]  (* v_scale[j])      so it never leaves V's range (no overflow near
-//                                                              the float max); Dv in register tiles, each V row
-//                                                              loaded once
+//                                                              the float max); Dv in register tiles, each over
+//                                                              the whole block
 //     merge the items of one (b, kv_head) by log-sum-exp       out = sum of acc * (item's share), lse = m + log(l)
 //
 // Element kinds of K and V: fp32, bf16, fp16, int8 and fp8 e4m3 (the last two with per-key scales); every

@@ -71,4 +71,3 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = N
     if mode() == "madvise":
         _madvise()(out.data_ptr(), whole, _MADV_HUGEPAGE)  # (a failure, e.g. EINVAL on an old kernel: small pages)
     return out.zero_()  # the first touch: the kernel maps huge pages here
-

@@ -516,11 +516,11 @@ struct Item {
             // for, whole blocks took 0.95-0.975x their time for a decode's 4 rows, and a latent's 16 rows of Dv 512
             // had 4 keys a chunk.)
             int64_t t0 = 0;
-            for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, 0, n, t0 * W_);
+            for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, n, t0 * W_);
             switch (vectors - t0) {
-                case 3: accumulate_tile<N, MASKED, 3>(r0, 0, n, t0 * W_); break;
-                case 2: accumulate_tile<N, MASKED, 2>(r0, 0, n, t0 * W_); break;
-                case 1: accumulate_tile<N, MASKED, 1>(r0, 0, n, t0 * W_); break;
+                case 3: accumulate_tile<N, MASKED, 3>(r0, n, t0 * W_); break;
+                case 2: accumulate_tile<N, MASKED, 2>(r0, n, t0 * W_); break;
+                case 1: accumulate_tile<N, MASKED, 1>(r0, n, t0 * W_); break;
                 default: break;
             }
         } else {
@@ -539,14 +539,14 @@ struct Item {
 
     // the register tile: channels d0 .. d0 + TILES * W of N rows, over the block's keys
     template <int N, bool MASKED, int TILES>
-    void accumulate_tile(int64_t r0, int c0, int c1, int64_t d0) {
+    void accumulate_tile(int64_t r0, int n, int64_t d0) {
 #if DN_AVX512 || DN_AVX2
         const int64_t Dv = o.Dv;
         float* acc = part.acc.data();
         vec a[N][TILES];
         for (int r = 0; r < N; ++r)
             for (int t = 0; t < TILES; ++t) a[r][t] = vloadf(acc + (r0 + r) * Dv + d0 + t * W);
-        for (int jj = c0; jj < c1; ++jj) {
+        for (int jj = 0; jj < n; ++jj) {
             if (MASKED && !seen_key[jj]) continue;
             const void* vrow = vrows[jj];
             vec vv[TILES];
@@ -607,7 +607,8 @@ struct Item {
     Seen block_visibility(int64_t j0, int n) {
         if (o.vis[3] == 1) {
             bool all = true;
-            for (int64_t r = 0; r < o.R && all; ++r) {
+            const int64_t rows = o.vis[2] == 0 ? 1 : o.R;  // (one mask row broadcast to every query row)
+            for (int64_t r = 0; r < rows && all; ++r) {
                 const uint8_t* row = visb + r * o.vis[2] + j0;
                 uint8_t zero = 0;
                 for (int jj = 0; jj < n; ++jj) zero |= (uint8_t)(row[jj] == 0);

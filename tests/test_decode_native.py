@@ -506,6 +506,43 @@ def test_a_nan_or_inf_key_inside_an_unmasked_full_block_poisons_its_rows_on_each
 
 
 @needs_native
+@pytest.mark.skipif(FP8 not in QUANTIZED, reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "plain_cpp"])
+def test_e4m3_nan_codes_read_as_nan_on_each_vector_path(variant, variant_library):
+    # e4m3fn has no inf, and its codes 0x7F / 0xFF are NaN (torch reads them so). The vector paths widen the codes
+    # without that case and read a block holding one apart: a NaN key code poisons its rows, a NaN value code its
+    # channel, a hidden one nothing; every other block is the oracle's.
+    from engine.kernels.decode.decode_native import _call
+
+    library = variant_library(variant)
+    b, hkv, rows, s, d = 2, 2, 4, 256, 64
+    g = torch.Generator().manual_seed(8)
+    q_rows = torch.randn(b, hkv, rows, d, generator=g) / 8  # [B, Hkv, R, D], already scaled
+    kq, vq = (quantize(torch.randn(b, hkv, s, d, generator=g), FP8) for _ in range(2))
+    k_codes, v_codes = kq.data.view(torch.uint8), vq.data.view(torch.uint8)  # (views: written through)
+    k_codes[0, 0, 70, 5] = 0x7F  # batch row 0, KV head 0: every row sees it
+    v_codes[1, 1, 130, 7] = 0xFF  # batch row 1, KV head 1: channel 7
+    k_codes[1, 0, 200, 0] = v_codes[1, 0, 200, 1] = 0x7F  # hidden from every row
+    visible = torch.ones(1, 1, rows, s, dtype=torch.bool)
+    visible[..., 200] = False
+    out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
+    _call(library, q_rows, 1.0, (kq.data, kq.scale), (vq.data, vq.scale), visible, out, lse)
+    k64, v64 = kq.dequantize(torch.float64), vq.dequantize(torch.float64)
+    assert bool(k64[0, 0, 70, 5].isnan()) and bool(v64[1, 1, 130, 7].isnan())  # what torch reads
+    assert bool(out[0, 0].isnan().all()) and bool((lse[0, 0] == float("-inf")).all())
+    assert bool(out[1, 1, :, 7].isnan().all()) and int(out[1, 1].isnan().sum()) == rows
+    poisoned = torch.zeros(b, hkv, rows, d, dtype=torch.bool)
+    poisoned[0, 0], poisoned[1, 1, :, 7] = True, True
+    assert torch.equal(out.isnan(), poisoned)
+    k64, v64 = k64.nan_to_num(0.0), v64.nan_to_num(0.0)  # the rest against the oracle
+    want, want_lse = oracle(q_rows, k64, v64, visible, 1.0)
+    torch.testing.assert_close(out[~poisoned].double(), want[~poisoned], rtol=1e-5, atol=1e-5)
+    seen = lse != float("-inf")
+    assert int(seen.sum()) == b * hkv * rows - rows
+    torch.testing.assert_close(lse[seen].double(), want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("d, dv", [(32, 48), (0, 16), (16, 8)], ids=["dv_wider", "d_zero", "dv_narrower"])
 def test_value_width_other_than_the_key_width_and_d_zero(d, dv):
     # Dv != D (the torch decode kernel's fused op cannot take it; this one can) and D = 0 (scores all 0)

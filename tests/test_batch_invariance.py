@@ -57,12 +57,17 @@ def contiguous(batch, window=None):
     return list(step.run(q, k, v)[:, :, 0])
 
 
-def paged(batch, page_size, quantized=False, window=None, seed=0):
-    """Each request's output ``[Hq, D]`` from one paged call, its pages shuffled through one pool."""
+def paged(batch, page_size, quantized=False, window=None, seed=0, head_major=False):
+    """Each request's output ``[Hq, D]`` from one paged call, its pages shuffled through one pool: ``[num_pages,
+    page_size, Hkv, D]`` in memory (NHD), or with ``head_major`` ``[num_pages, Hkv, page_size, D]`` as PagedKVCache
+    holds it (the kernel reads a page's two heads of a pair in turn: engine/kernels/decode/decode_native.cpp,
+    heads_in_turn)."""
     g = torch.Generator().manual_seed(seed + 1)
     owned = [-(-k.shape[1] // page_size) for _, k, _ in batch]
     order = torch.randperm(sum(owned) + 2, generator=g)
-    pools = [torch.zeros(sum(owned) + 2, page_size, HKV, D, dtype=batch[0][1].dtype) for _ in "kv"]
+    heads = batch[0][1].shape[0]
+    pools = [torch.zeros(sum(owned) + 2, heads, page_size, D, dtype=batch[0][1].dtype).transpose(1, 2) if head_major
+             else torch.zeros(sum(owned) + 2, page_size, heads, D, dtype=batch[0][1].dtype) for _ in "kv"]
     table = torch.zeros(len(batch), max(owned), dtype=torch.long)
     taken = 0
     for b, ((_, k, v), n) in enumerate(zip(batch, owned)):
@@ -100,6 +105,7 @@ def test_a_request_is_bitwise_the_same_alone_in_any_batch_contiguous_or_paged_on
                 assert torch.equal(contiguous(batch, window)[at], alone)
                 for page_size in (1, 16, 256):
                     assert torch.equal(paged(batch, page_size, window=window)[at], alone), (n, page_size, len(batch))
+                assert torch.equal(paged(batch, 16, window=window, head_major=True)[at], alone), (n, len(batch))
 
 
 def test_an_int8_request_is_bitwise_the_same_in_any_batch_and_page_size():
@@ -111,7 +117,22 @@ def test_an_int8_request_is_bitwise_the_same_in_any_batch_and_page_size():
                 at = next(i for i, r in enumerate(batch) if r is mine)
                 for page_size in (1, 16, 256):
                     assert torch.equal(paged(batch, page_size, quantized=True)[at], alone)
+                assert torch.equal(paged(batch, 16, quantized=True, head_major=True)[at], alone)
     torch.testing.assert_close(alone, contiguous([quantized_request(mine)])[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [3, 5], ids=str)
+def test_kv_heads_read_in_pairs_from_a_head_major_pool_give_each_heads_own_result(kv_heads):
+    # a head-major pool with pages of 16 has its heads read two at a time; an odd head count leaves one alone, and
+    # two threads may cut between a pair: every request is still bitwise its contiguous self
+    g = torch.Generator().manual_seed(kv_heads)
+    batch = [tuple(torch.randn(h, n, D, generator=g) for h, n in ((kv_heads * 2, 1), (kv_heads, s), (kv_heads, s)))
+             for s in (2500, 33, 4100)]
+    for n in (1, 2):
+        with threads(n):
+            want = [contiguous([request])[0] for request in batch]
+            got = paged(batch, 16, head_major=True)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), n
 
 
 @pytest.mark.parametrize("length", [17, 18, 19, 2049, 3003], ids=str)

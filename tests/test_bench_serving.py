@@ -94,3 +94,33 @@ def test_main_runs_the_softcap_sinks_group_and_writes_its_files(tmp_path, capsys
 def test_main_rejects_unknown_groups(tmp_path, capsys):
     assert serving.main(parse("--groups", "smollm2,nope", "--out", str(tmp_path))) == 2
     assert "--groups takes a comma-separated list of smollm2, softcap-sinks" in capsys.readouterr().out
+
+
+def test_the_prefix_group_shares_pages_and_keeps_the_greedy_tokens(tmp_path, monkeypatch):
+    # requests with a common 40-token prefix (two full pages of 16), one after another: with block sharing the later
+    # ones prefill only their own tokens (counted at the engine's planning), and every request's tokens are the
+    # same either way
+    import engine.integrations.transformers.continuous as continuous
+    from lab.bench import serving_prefix
+
+    planned, plan_batch = [], continuous.plan_batch
+    monkeypatch.setattr(continuous, "plan_batch", lambda q, k, v, cu_q, *rest: (
+        planned.append(int(cu_q[-1])), plan_batch(q, k, v, cu_q, *rest))[1])
+    args = parse(*SMALL, "--prefix", "40")
+    model = build("llama-gqa", "engine")
+    requests = serving_prefix.prefix_requests(3, 40, 4, range(3, VOCAB), args.seed)
+    assert all(r.prompt[:40] == requests[0].prompt[:40] and 56 <= len(r.prompt) <= 104 for r in requests)
+    queried = {}
+    for share in (False, True):
+        planned.clear()
+        served = serving_prefix.serve_in_turn(model, requests, share, 16, 32)
+        queried[share] = sum(planned)
+        assert [len(t) for t in served["tokens"]] == [4, 4, 4] and all(t > 0 for t in served["ttft"])
+    assert queried[True] <= queried[False] - 2 * 32  # the two later requests skipped their two shared pages
+    args.requests, args.new = 3, (4, 4)
+    rows, chosen = serving_prefix.prefix_rows(model, "tiny llama", range(3, VOCAB), args)
+    assert [r["way"] for r in rows] == list(serving_prefix.WAYS)
+    assert all(r["differing"] == 0 and set(serving_prefix.COLUMNS) <= set(r) for r in rows)
+    assert rows[1]["speed-up"] == 1.0 and all(0 < r["later TTFT p50 ms"] <= r["later TTFT p99 ms"] for r in rows)
+    serving_prefix.plot(rows, chosen, tmp_path / "prefix.png")
+    assert (tmp_path / "prefix.png").stat().st_size > 0

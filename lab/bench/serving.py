@@ -15,6 +15,8 @@ exactly ``new[r]`` tokens). The request set is drawn once from ``--seed``: promp
        order; a batch runs to its longest request's count, a request is finished at its own last token.
 - ``dtypes``: the model of ``--model`` in float32 and in bfloat16 (``run.py serve --dtype``), each served by the
   engine's continuous batching: throughput, latencies, and the requests whose greedy tokens differ from float32's.
+- ``prefix``: requests sharing a ``--prefix``-token prefix, each arriving when the one before has finished, served
+  by the engine with transformers' block sharing on and off: TTFT (lab.bench.serving_prefix; its own files).
 - ``softcap-sinks``: random-weight Gemma 2 (score softcap, sliding window) and gpt-oss (sinks, sliding window, MoE)
   models (hidden 256, 4 layers) on the same request lengths, served by ``engine`` and ``eager CB`` (transformers'
   continuous batching with "eager", which its manager runs as ``paged|eager``; neither model supports sdpa).
@@ -57,12 +59,12 @@ import numpy as np
 import torch
 
 from lab import plots
-from lab.bench import serving_peer
+from lab.bench import serving_peer, serving_prefix
 from lab.bench.serving_ways import Request, Served, batching_config, serve_continuous, serve_static
 from lab.measure import format_table, machine_info, progress, save_results
 from lab.options import add_common, apply_threads, positive_int
 
-GROUPS = ("smollm2", "softcap-sinks", "dtypes")
+GROUPS = ("smollm2", "softcap-sinks", "dtypes", "prefix")
 TARGET = 1.2  # engine tokens/s over sdpa CB's, at least
 NOTES = {"gemma2 softcap": "eager CB (transformers' paged|eager) drops Gemma 2's attention softcap, so its tokens "
                            "differ from the engine's; the engine's equal static generate's"}
@@ -93,6 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--page-size", type=positive_int, default=256, help="continuous batching: tokens per page")
     parser.add_argument("--batch-tokens", type=positive_int, default=512,
                         help="continuous batching: tokens per step (default 512)")
+    parser.add_argument("--prefix", type=positive_int, help="prefix group: tokens every request shares (default "
+                        "1024; 512 with --quick)")
     serving_peer.add_arguments(parser)
 
 
@@ -288,6 +292,10 @@ def main(args: argparse.Namespace) -> int:
     if "softcap-sinks" in groups:
         rows += softcap_sinks_rows(args)
         _print_group([r for r in rows if r["group"] == "softcap-sinks"])
+    if "prefix" in groups:
+        serving_prefix.run(args)
+        if groups == ["prefix"]:
+            return 0
     notes = {case: note for case, note in NOTES.items() if any(r["case"] == case for r in rows)}
     for case, note in notes.items():
         print(f"note ({case}): {note}")

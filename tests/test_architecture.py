@@ -117,8 +117,9 @@ def test_lab_commands_import_shared_modules_never_each_other():
                "lab.bench.kernel_suite": {cases, "lab.bench.kernel_cases_decode"},
                "lab.bench.modifier_cases": {cases},
                "lab.bench.cp": {"lab.bench.cp_worker", "lab.bench.cp_model"},
-               "lab.bench.serving": {"lab.bench.serving_ways", "lab.bench.serving_peer"},
+               "lab.bench.serving": {"lab.bench.serving_ways", "lab.bench.serving_peer", "lab.bench.serving_prefix"},
                "lab.bench.serving_peer": {"lab.bench.serving_http"},
+               "lab.bench.serving_prefix": {"lab.bench.serving_ways"},
                "lab.bench.paged": {"lab.bench.paged_pools", "lab.bench.paged_step"},
                "lab.bench.paged_step": {"lab.bench.paged_pools"}}
     assert sideways == allowed, sideways

@@ -1,10 +1,12 @@
-"""run.py bench paged: its pools hold the keys where the page table says, and the memory group counts slots."""
+"""run.py bench paged: its pools hold the keys where the page table says (on 2 MiB pages too), the decode group
+compares the same keys every way, and the memory group counts slots."""
 
 from __future__ import annotations
 
 import argparse
 import json
 
+import pytest
 import torch
 
 import engine
@@ -99,3 +101,31 @@ def test_the_tree_group_times_a_tree_verify_against_a_decode_step_and_checks_its
     assert rows["tree 16"]["max |diff|"] < 1e-5 and rows["tree 64"]["max |diff|"] < 1e-5  # = the contiguous tree call
     assert rows["tree 16"]["met"] in ("yes", "no") and rows["tree 16"]["target"] == "<= 1.5x"
     assert rows["decode (1 query)"]["time/decode"] == 1.0 and (tmp_path / "paged_tree.png").exists()
+
+
+def test_on_huge_pages_copies_values_and_memory_order():
+    from engine.quantized import quantize
+    from lab.bench.paged_pools import on_huge_pages
+
+    x = torch.randn(3, 4, 5, 6).permute(0, 2, 1, 3)  # [3, 5, 4, 6] viewing [3, 4, 5, 6] memory
+    held = on_huge_pages(x)
+    assert torch.equal(held, x) and held.stride() == x.stride()
+    q = quantize(torch.randn(2, 3, 4, 8))
+    held_q = on_huge_pages(q)
+    assert torch.equal(held_q.data, q.data) and torch.equal(held_q.scale, q.scale)
+    assert held_q.data.stride() == q.data.stride() and held_q.scale.stride() == q.scale.stride()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=str)
+def test_the_decode_group_rows_hold_the_same_keys_every_way(dtype, monkeypatch):
+    # a small shape (the group's logic, not its timing): every layout gives the contiguous result bitwise, and the
+    # held (2 MiB-page) paged row is measured against the held contiguous row
+    for name, value in (("B", 2), ("HQ", 8), ("HKV", 2), ("D", 32)):
+        monkeypatch.setattr(bench_paged, name, value)
+    rows = {r["impl"]: r for r in bench_paged._decode_case(512, 16, dtype, torch.Generator().manual_seed(0), 1, 1)}
+    assert list(rows) == ["contiguous", "paged", "paged NHD", "contiguous held", "paged held"]
+    assert rows["paged"]["max |diff|"] == 0.0
+    held = rows["paged held"]
+    assert held["time/contiguous"] == pytest.approx(held["ms"] / rows["contiguous held"]["ms"])
+    assert held["target"] == rows["paged"]["target"] == f"<= {bench_paged.TARGET}x" and held["met"] in ("yes", "no")
+    assert rows["contiguous held"]["target"] is None

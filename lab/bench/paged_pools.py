@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from engine import huge_pages
 from engine.quantized import QuantizedKV, quantize
 
-__all__ = ["pools", "quantized_pool"]
+__all__ = ["on_huge_pages", "pools", "quantized_pool"]
 
 
 def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator, head_major: bool):
@@ -30,3 +31,14 @@ def quantized_pool(pool: torch.Tensor) -> QuantizedKV:
     head-major stays head-major)."""
     stored = quantize(pool.permute(0, 2, 1, 3))  # [num_pages, Hkv, page_size, D] as stored
     return QuantizedKV(stored.data.permute(0, 2, 1, 3), stored.scale.permute(0, 2, 1))
+
+
+def on_huge_pages(x):
+    """A copy of ``x`` (a tensor or a QuantizedKV) in ``engine.huge_pages`` buffers, as KVCache / PagedKVCache hold
+    theirs, its elements in the same memory order (the same strides up to a permutation)."""
+    if isinstance(x, QuantizedKV):
+        return QuantizedKV(on_huge_pages(x.data), on_huge_pages(x.scale))
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first
+    held = huge_pages.zeros(*(x.shape[d] for d in order), dtype=x.dtype)
+    held.copy_(x.permute(order))
+    return held.permute([order.index(d) for d in range(x.dim())])

@@ -852,11 +852,12 @@ void dispatch_kind(int kind, const Operands& o, Partial* p, int count) {
 }
 
 // How many KV heads of a paged pool run in turn (run_items): 2 where a head's rows of one page are one run shorter
-// than 16 KiB (a head-major pool, [page, head, slot, D] in memory), else 1. A head's run of 2-8 KiB leaves what
-// the hardware prefetcher fetches past it to the next head's run; read together, the two heads use it. Measured on
-// an AVX-512 + AMX Xeon VM, one thread, B 8, S 8k, Hq 32 / Hkv 8, D 128, shuffled pages of 16: int8 0.84-0.89x the
-// time, bf16 0.95x, fp32 0.95x. Not for contiguous K/V, pages of one key or pools whose slots hold every head side
-// by side (NHD): there each head is its own stream, and heads in turn took 1.02-1.9x the time.
+// than 16 KiB (a head-major pool, [page, head, slot, D] in memory), else 1. Alone, a head's run of 2-8 KiB read
+// slower than longer runs (int8 pages of 32, 4 KiB runs: 1.02x contiguous where pages of 16 took 1.19x), likely as
+// the hardware prefetcher fetches past it into the next head's run; read together, the two heads use it. Measured
+// on an AVX-512 + AMX Xeon VM, one thread, B 8, S 8k, Hq 32 / Hkv 8, D 128, shuffled pages of 16: int8 0.84-0.89x
+// the time, bf16 0.95x, fp32 0.95x. Not for contiguous K/V or pages of one key (each head its own stream: heads in
+// turn took 1.25-1.9x the time), nor for pools whose slots hold every head side by side (NHD: 1.00-1.04x).
 int64_t heads_in_turn(const Operands& o, int64_t elem) {
     if (!o.pages || o.H < 2 || o.page_size < 2) return 1;
     const int64_t strides[2][2] = {{o.ks[1], o.ks[2]}, {o.vs[1], o.vs[2]}};  // (slot, head) of K and V

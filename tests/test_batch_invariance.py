@@ -122,16 +122,18 @@ def test_an_int8_request_is_bitwise_the_same_in_any_batch_and_page_size():
 
 
 @pytest.mark.parametrize("kv_heads", [3, 5], ids=str)
-def test_kv_heads_read_in_pairs_from_a_head_major_pool_give_each_heads_own_result(kv_heads):
-    # a head-major pool with pages of 16 has its heads read two at a time; an odd head count leaves one alone, and
-    # two threads may cut between a pair: every request is still bitwise its contiguous self
+@pytest.mark.parametrize("head_major", [True, False], ids=["head_major", "nhd"])
+def test_kv_heads_read_in_turn_give_each_heads_own_result(kv_heads, head_major):
+    # pages of 16: a head-major pool has its heads read two at a time (an odd head count leaves one alone), an NHD
+    # pool all of them with their next rows asked for in address order; two threads may cut between heads read
+    # together: every request is still bitwise its contiguous self
     g = torch.Generator().manual_seed(kv_heads)
     batch = [tuple(torch.randn(h, n, D, generator=g) for h, n in ((kv_heads * 2, 1), (kv_heads, s), (kv_heads, s)))
              for s in (2500, 33, 4100)]
     for n in (1, 2):
         with threads(n):
             want = [contiguous([request])[0] for request in batch]
-            got = paged(batch, 16, head_major=True)
+            got = paged(batch, 16, head_major=head_major)
             assert all(torch.equal(a, b) for a, b in zip(got, want)), n
 
 

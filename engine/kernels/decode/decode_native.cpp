@@ -8,7 +8,8 @@
 //
 //     for each work item (b, kv_head, keys [j0, j1))          items split B * Hkv * S evenly across threads; a
 //                                                              head-major pool's pages of 2-8 KiB per head: two
-//                                                              heads' items in turn, a block each (heads_in_turn)
+//                                                              heads' items in turn, a block each; an NHD pool's:
+//                                                              every head's (heads_in_turn)
 //       for each block of BLOCK keys                          K/V rows read once, converted in registers; a block
 //                                                              every row sees runs unmasked
 //         scores  s[r][j] = q[r] . k[j]  (* k_scale[j])       4 keys at a time (AVX2: 2), NR rows a pass; the next
@@ -358,8 +359,10 @@ struct Item {
     int64_t head, end;              // this item's KV head; its last key + 1 (clamped to the sequence's length)
     const char* krows[BLOCK];       // where each key / value row of the current block starts (block_rows)
     const char* vrows[BLOCK];
-    const char* ahead_k[BLOCK];     // a paged pool's rows of the next block (block_rows asks for them)
-    const char* ahead_v[BLOCK];
+    const char* ahead_k[BLOCK + 16]; // rows of the next block to ask for (block_rows; heads side by side: run_items)
+    const char* ahead_v[BLOCK + 16];
+    bool group_asks = false;        // run_items fills ahead_k / ahead_v for this item (group_rows of them)
+    int group_rows = 0;
     float kunit[BLOCK];             // each key's dequantisation factor (1 for fp32 / bf16 / fp16), from block_rows
     const uint8_t* visb;
     const float* qb;
@@ -417,6 +420,10 @@ struct Item {
             for (int jj = 0; jj < n; ++jj) prefetch_row(krows[jj], o.D);
             if (!o.shared)
                 for (int jj = 0; jj < n; ++jj) prefetch_row(vrows[jj], o.Dv);
+        }
+        if (group_asks) {
+            asked = 0, ahead_rows = group_rows;
+            return;
         }
         const int ahead = (int)std::max<int64_t>(0, std::min<int64_t>(end, j0 + n + BLOCK) - (j0 + n));
         if (!table) {
@@ -823,8 +830,17 @@ struct Item {
     }
 };
 
+// A paged pool whose slots hold every head's row side by side (NHD: [page, slot, head, D] in memory).
+bool heads_side_by_side(const Operands& o) {
+    return o.pages && o.page_size >= 2 && o.H >= 2 && o.ks[2] > 0 && o.ks[2] < o.ks[1] && o.vs[2] > 0 &&
+           o.vs[2] < o.vs[1];
+}
+
 // Items p[0 .. count) (the same sequence and keys, consecutive KV heads) a block at a time in turn, so the heads'
-// rows of a page are read close together (heads_in_turn); each item computes exactly as alone.
+// rows of a page are read close together (heads_in_turn); each item computes exactly as alone. With the heads side
+// by side, the next block's rows are asked for in address order (every head's row of a key, then the next key's),
+// item i asking for its slice of the keys while its scores run: NHD pools of pages of 16, B 8, S 8k, Hkv 8, one
+// thread, took 0.78x the time in fp32 and 0.72x in bf16 (each item asking for its own head's rows: 0.96-1.04x).
 template <int KIND, bool SIMD>
 void run_items(const Operands& o, Partial* p, int count) {
     if (count == 1) {
@@ -835,8 +851,24 @@ void run_items(const Operands& o, Partial* p, int count) {
     std::vector<Item<KIND, SIMD>> group;
     group.reserve(count);
     for (int i = 0; i < count; ++i) group.emplace_back(o, p[i]);
-    for (int64_t j0 = p[0].j0; j0 < group[0].end; j0 += BLOCK)
+    const bool ordered = heads_side_by_side(o);
+    std::vector<const char*> rows_k(ordered ? count * BLOCK : 0), rows_v(rows_k.size());  // [head][key]
+    for (auto& item : group) item.group_asks = ordered;
+    for (int64_t j0 = p[0].j0; j0 < group[0].end; j0 += BLOCK) {
+        if (ordered) {
+            const int m = (int)std::max<int64_t>(0, std::min<int64_t>(group[0].end, j0 + 2 * BLOCK) - (j0 + BLOCK));
+            for (int h = 0; h < count; ++h) group[h].page_rows(j0 + BLOCK, m, &rows_k[h * BLOCK], &rows_v[h * BLOCK], false);
+            const int share = (m + count - 1) / count;  // keys a slice (its rows: share * count <= BLOCK + 15)
+            for (int i = 0; i < count; ++i) {
+                int r = 0;
+                for (int jj = i * share; jj < std::min(m, (i + 1) * share); ++jj)
+                    for (int h = 0; h < count; ++h, ++r)
+                        group[i].ahead_k[r] = rows_k[h * BLOCK + jj], group[i].ahead_v[r] = rows_v[h * BLOCK + jj];
+                group[i].group_rows = r;
+            }
+        }
         for (auto& item : group) item.step(j0);
+    }
 }
 
 template <bool SIMD>
@@ -851,14 +883,16 @@ void dispatch_kind(int kind, const Operands& o, Partial* p, int count) {
     }
 }
 
-// How many KV heads of a paged pool run in turn (run_items): 2 where a head's rows of one page are one run shorter
-// than 16 KiB (a head-major pool, [page, head, slot, D] in memory), else 1. Alone, a head's run of 2-8 KiB read
-// slower than longer runs (int8 pages of 32, 4 KiB runs: 1.02x contiguous where pages of 16 took 1.19x), likely as
-// the hardware prefetcher fetches past it into the next head's run; read together, the two heads use it. Measured
-// on an AVX-512 + AMX Xeon VM, one thread, B 8, S 8k, Hq 32 / Hkv 8, D 128, shuffled pages of 16: int8 0.84-0.89x
-// the time, bf16 0.95x, fp32 0.95x. Not for contiguous K/V or pages of one key (each head its own stream: heads in
-// turn took 1.25-1.9x the time), nor for pools whose slots hold every head side by side (NHD: 1.00-1.04x).
+// How many KV heads of a paged pool run in turn (run_items), at most 16: every head where a slot holds every head's
+// row side by side (NHD; run_items asks for their rows in address order); 2 where a head's rows of one page are one
+// run shorter than 16 KiB (a head-major pool, [page, head, slot, D] in memory); else 1. Alone, a head-major run of
+// 2-8 KiB read slower than longer runs (int8 pages of 32, 4 KiB runs: 1.02x contiguous where pages of 16 took 1.19x),
+// likely as the hardware prefetcher fetches past it into the next head's run; read together, the two heads use it.
+// Measured on an AVX-512 + AMX Xeon VM, one thread, B 8, S 8k, Hq 32 / Hkv 8, D 128, shuffled pages of 16: int8
+// 0.84-0.89x the time, bf16 0.95x, fp32 0.95x (more heads, or asking in address order: 1.02-1.2x). Not for
+// contiguous K/V or pages of one key: each head its own stream, heads in turn took 1.25-1.9x the time.
 int64_t heads_in_turn(const Operands& o, int64_t elem) {
+    if (heads_side_by_side(o)) return std::min<int64_t>(o.H, 16);
     if (!o.pages || o.H < 2 || o.page_size < 2) return 1;
     const int64_t strides[2][2] = {{o.ks[1], o.ks[2]}, {o.vs[1], o.vs[2]}};  // (slot, head) of K and V
     for (const auto& st : strides) {

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from lab import plots
-from lab.bench.serving_ways import STALL_S, Request, ResidentPeak
+from lab.bench.serving_ways import STALL_S, Request, ResidentPeak, batching_config, greedy
 from lab.measure import format_table, machine_info, progress, save_results
 
 WAYS = {"engine, prefix shared": True, "engine, no sharing": False}  # way -> allow_block_sharing
@@ -46,15 +46,10 @@ def serve_in_turn(model, requests: list[Request], share: bool, page_size: int, b
                   ticks: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """One manager on the engine serves ``requests`` one after another: per request its tokens and its TTFT (s,
     from its submission); the wall time and the resident-memory peak."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
     from engine.integrations.transformers import continuous_batching
 
-    blocks = sum(-(-(len(r.prompt) + r.new_tokens) // page_size) + 1 for r in requests)
-    config = ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=batch_tokens,
-                                      auto_switch_to_flash=False, allow_block_sharing=share)
-    generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
-                                  max_new_tokens=max(r.new_tokens for r in requests))
+    config = batching_config(requests, page_size, batch_tokens, allow_block_sharing=share)
+    generation = greedy(requests)
     model.set_attn_implementation("engine")
     tokens, ttft = [], []
     with ResidentPeak() as peak, continuous_batching(model), torch.inference_mode():

@@ -16,7 +16,7 @@ import torch
 
 STALL_S = 300  # seconds without any output before a continuous-batching run is abandoned
 
-__all__ = ["Request", "Served", "ResidentPeak", "batching_config", "serve_continuous", "serve_static"]
+__all__ = ["Request", "Served", "ResidentPeak", "batching_config", "greedy", "serve_continuous", "serve_static"]
 
 
 class Request(NamedTuple):
@@ -66,25 +66,31 @@ class ResidentPeak:
             self.extra_bytes = max(0, peak - self.baseline) * 1024
 
 
-def batching_config(requests: Sequence[Request], page_size: int, batch_tokens: int):
-    """The continuous ways' config: blocks for every request at once, ``batch_tokens`` tokens per step."""
+def batching_config(requests: Sequence[Request], page_size: int, batch_tokens: int, **options):
+    """The continuous ways' config: blocks for every request at once, ``batch_tokens`` tokens per step; ``options``
+    (e.g. ``allow_block_sharing``) passed on."""
     from transformers import ContinuousBatchingConfig
 
     blocks = sum(-(-(len(r.prompt) + r.new_tokens) // page_size) + 1 for r in requests)
     return ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks, max_batch_tokens=batch_tokens,
-                                    auto_switch_to_flash=False)
+                                    auto_switch_to_flash=False, **options)
+
+
+def greedy(requests: Sequence[Request]):
+    """Greedy decoding with eos disabled, so request r produces exactly ``r.new_tokens`` tokens."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
+                            max_new_tokens=max(r.new_tokens for r in requests))
 
 
 def serve_continuous(model, requests: Sequence[Request], attn: str, config, on_engine: bool,
                      ticks: Callable[[], None] = lambda: None) -> Served:
     """Serve ``requests`` (all submitted at t = 0) with transformers' continuous batching under ``attn``, on the
     engine when ``on_engine`` (``attn`` "engine"); per-token times come from ``record_timestamps``."""
-    from transformers import GenerationConfig
-
     from engine.integrations.transformers import continuous_batching
 
-    generation = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0,
-                                  max_new_tokens=max(r.new_tokens for r in requests))
+    generation = greedy(requests)
     model.set_attn_implementation(attn)
     with ResidentPeak() as peak, (continuous_batching(model) if on_engine else contextlib.nullcontext()), \
             torch.inference_mode():

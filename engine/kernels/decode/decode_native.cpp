@@ -52,6 +52,7 @@ constexpr int NR = 4;      // query rows per register pass
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4 };
+constexpr int64_t kind_bytes(int kind) { return kind == F32 ? 4 : (kind == BF16 || kind == F16) ? 2 : 1; }
 
 // ---- scalar conversions (the readable definition of each kind) --------------------------------------------
 
@@ -118,19 +119,18 @@ template <> inline vec vload<I8>(const void* p, int64_t i) {
     __m128i b = _mm_loadu_si128((const __m128i*)((const int8_t*)p + i));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
-template <> inline vec vload<F8E4M3>(const void* p, int64_t i) {
-    // sign-extended to 16 bits and shifted left by 7: the sign lands in bit 15 and (again) in bit 14, the other
-    // seven bits in 13 .. 7; clearing bit 14 leaves e4m3_as_half_bits (3 instructions where masking each part took
-    // 6: 0.86x the time of a decode from an fp8 cache). The NaN codes come out finite: a block holding one reads
-    // its rows with vload_e4m3_nan (Item::nan_codes).
-    __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
-    return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16((short)0xBFFF)));
+// e4m3_as_half_bits of 16 codes: sign-extended to 16 bits and shifted left by 7, the sign lands in bit 15 and (again)
+// in bit 14, the other seven bits in 13 .. 7; clearing bit 14 leaves them (3 instructions where masking each part
+// took 6: 0.86x the time of a decode from an fp8 cache). The NaN codes come out finite: a block holding one reads
+// its rows with vload_e4m3_nan (Item::nan_codes).
+inline __m256i e4m3_half_bits(const void* p, int64_t i) {
+    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
+    return _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16((short)0xBFFF));
 }
+template <> inline vec vload<F8E4M3>(const void* p, int64_t i) { return _mm512_cvtph_ps(e4m3_half_bits(p, i)); }
 // vload<F8E4M3> with the NaN codes (the seven low bits set) read as NaN
 inline vec vload_e4m3_nan(const void* p, int64_t i) {
-    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)((const uint8_t*)p + i)));
-    const __m256i bits = _mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16((short)0xBFFF));
-    const __m256i seven = _mm256_set1_epi16(0x3F80);
+    const __m256i bits = e4m3_half_bits(p, i), seven = _mm256_set1_epi16(0x3F80);
     const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(bits, seven), seven);
     return _mm512_cvtph_ps(_mm256_blendv_epi8(bits, _mm256_set1_epi16(0x7E00), nan));
 }
@@ -181,14 +181,13 @@ template <> inline vec vload<I8>(const void* p, int64_t i) {
     __m128i b = _mm_loadl_epi64((const __m128i*)((const int8_t*)p + i));
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
-template <> inline vec vload<F8E4M3>(const void* p, int64_t i) {
-    __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i)));  // (as AVX-512's)
-    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xBFFF)));
-}
-inline vec vload_e4m3_nan(const void* p, int64_t i) {
+inline __m128i e4m3_half_bits(const void* p, int64_t i) {  // (8 codes, as AVX-512's)
     const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i*)((const uint8_t*)p + i)));
-    const __m128i bits = _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xBFFF));
-    const __m128i seven = _mm_set1_epi16(0x3F80);
+    return _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xBFFF));
+}
+template <> inline vec vload<F8E4M3>(const void* p, int64_t i) { return _mm256_cvtph_ps(e4m3_half_bits(p, i)); }
+inline vec vload_e4m3_nan(const void* p, int64_t i) {
+    const __m128i bits = e4m3_half_bits(p, i), seven = _mm_set1_epi16(0x3F80);
     const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(bits, seven), seven);
     return _mm256_cvtph_ps(_mm_blendv_epi8(bits, _mm_set1_epi16(0x7E00), nan));
 }
@@ -392,7 +391,7 @@ struct Item {
         return vload<KIND>(row, d);
     }
 #endif
-    static constexpr int64_t elem_size() { return KIND == F32 ? 4 : (KIND == BF16 || KIND == F16) ? 2 : 1; }
+    static constexpr int64_t elem_size() { return kind_bytes(KIND); }
 
     // Where key (value) j of this item's sequence and head starts in an unpaged [S, D] (a paged cache's rows come
     // from block_rows' walk of the pages).
@@ -992,8 +991,7 @@ int decode_native(const DecodeCall* call) {
     // alone (batch invariance), not on the batch, the thread count or the cache's layout.
     // With heads run in turn (heads_in_turn > 1), a sequence's items go chunk by chunk, each chunk's heads side by
     // side; the merge below reads each head's items in the same order either way.
-    const int64_t elem = kind == F32 ? 4 : (kind == BF16 || kind == F16) ? 2 : 1;
-    const int64_t in_turn = heads_in_turn(o, elem);
+    const int64_t in_turn = heads_in_turn(o, kind_bytes(kind));
     std::vector<Partial> items;
     int64_t total = 0;
     for (int64_t b = 0; b < B; ++b) {

@@ -236,8 +236,9 @@ class _silenced_stderr:
         os.close(self._saved)
 
 
-def interleaved_us(impls: dict[str, Callable[[], Any]], rounds: int, calls: int, warmup: int = 20) -> dict[str, float]:
-    """Median over rounds of each implementation's mean microseconds per call; every round runs each
+def interleaved_rounds(impls: dict[str, Callable[[], Any]], rounds: int, calls: int,
+                       warmup: int = 20) -> dict[str, list[float]]:
+    """Each implementation's mean microseconds per call in every round (lists indexed by round); a round runs each
     implementation ``calls`` times, in an order that rotates from round to round."""
     names = list(impls)
     for name in names:
@@ -251,4 +252,21 @@ def interleaved_us(impls: dict[str, Callable[[], Any]], rounds: int, calls: int,
             for _ in range(calls):
                 fn()
             per_round[name].append((time.perf_counter() - start) / calls * 1e6)
-    return {name: statistics.median(times) for name, times in per_round.items()}
+    return per_round
+
+
+def interleaved_us(impls: dict[str, Callable[[], Any]], rounds: int, calls: int, warmup: int = 20) -> dict[str, float]:
+    """Median over rounds of each implementation's mean microseconds per call (``interleaved_rounds``)."""
+    return {name: statistics.median(times) for name, times in interleaved_rounds(impls, rounds, calls, warmup).items()}
+
+
+def paired_ratio(times: Sequence[float], base: Sequence[float]) -> float:
+    """The median over rounds of ``times[i] / base[i]``: a ratio of two implementations timed in the same rounds.
+
+    On a shared machine the speed drifts for seconds at a time (another tenant's memory traffic: 1.5-2x slower
+    stretches were seen), so each implementation's median can fall in a different stretch; the ratio within a round
+    does not (both ran within a fraction of a second), which makes the median of those ratios the steadier figure."""
+    if len(times) != len(base) or not times:
+        raise ValueError(f"paired_ratio needs two equal, non-empty lists of round times, got {len(times)} and "
+                         f"{len(base)}")
+    return statistics.median(t / b for t, b in zip(times, base))

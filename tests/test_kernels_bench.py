@@ -113,3 +113,37 @@ def test_bandwidth_targets_read_the_caches_rows_two_threads_and_quantized_caches
     int8 = targets["29 int8 cache vs bf16, keys/s"]
     assert int8["measured"] == 2.0 and int8["met"]
     assert "29 fp8 cache vs bf16, keys/s" not in targets  # not measured: no row, no target
+
+
+def test_bandwidth_targets_take_ratios_repeat_by_repeat_where_rows_kept_their_repeats():
+    # the machine slowed 2x for the last two repeats: each row's median falls in a different stretch (copy's in the
+    # fast one, the engine's in the slow one), but within every repeat the engine took 2x the copy's time and the
+    # int8 cache half the bf16 cache's
+    def row(impl, rounds, gbs=None):
+        return {"group": "bandwidth", "case": "a", "impl": impl, "role": "engine", "ms": sorted(rounds)[1],
+                "round ms": rounds, **({"GB/s": gbs} if gbs is not None else {})}
+    engine_rounds, copy_rounds = [2.0, 4.0, 4.0], [1.0, 1.0, 2.0]
+    rows = [row("engine (decode_native), cache buffers", engine_rounds, 10.0 / 4.0),  # GB/s of the median, 4 ms
+            row("engine int8 cache", [1.0, 2.0, 2.0]), row("engine, 2 threads", [1.0, 2.0, 2.0]),
+            row("copy", copy_rounds, 10.0 / 1.0)]  # (the same bytes as the engine's K/V, for the check below)
+    targets = {t["target"]: t for t in bench_kernels.check_targets(rows)}
+    assert targets["29 decode K/V GB/s / copy"]["measured"] == 0.5  # each repeat: twice the copy's time
+    assert targets["29 int8 cache vs bf16, keys/s"]["measured"] == 2.0
+    assert targets["29 decode 2 threads vs 1"]["measured"] == 2.0
+    unpaired = [{k: v for k, v in r.items() if k != "round ms"} for r in rows]  # without repeats: the medians
+    assert {t["target"]: t for t in bench_kernels.check_targets(unpaired)}["29 decode K/V GB/s / copy"][
+        "measured"] == 0.25
+
+
+def test_paired_ratio_is_the_median_of_each_rounds_ratio_and_refuses_unpaired_lists():
+    import pytest
+
+    from lab.measure import interleaved_rounds, paired_ratio
+
+    assert paired_ratio([2.0, 4.0, 8.0], [1.0, 2.0, 2.0]) == 2.0
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_ratio([1.0, 2.0], [1.0])
+    calls = []
+    rounds = interleaved_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, 2, warmup=1)
+    assert [len(rounds["a"]), len(rounds["b"])] == [3, 3] and calls.count("a") == calls.count("b") == 1 + 3 * 2
+    assert calls[2:] == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]  # the order rotates by round

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from lab.measure import paired_ratio
+
 SDPA_CUDA_BACKENDS = ("sdpa flash", "sdpa cudnn", "sdpa efficient")  # on CUDA "vs sdpa" is the best of them
 
 
@@ -113,12 +115,24 @@ def _bandwidth_targets(rows, add) -> None:
     def of(prefix):
         return {r["case"]: r for r in find_rows(rows, "bandwidth", prefix)}
     one, two, copies = of("engine ("), of("engine, 2 threads"), of("copy")
-    add("29 decode K/V GB/s / copy", [(c, r["GB/s"] / copies[c]["GB/s"]) for c, r in one.items() if c in copies], 0.7,
+
+    def of_copy(r, copy):  # (bytes / s) / (copy bytes / s), the times' ratio taken repeat by repeat
+        return r["GB/s"] * r["ms"] / (copy["GB/s"] * copy["ms"]) / time_ratio(r, copy)
+    add("29 decode K/V GB/s / copy", [(c, of_copy(r, copies[c])) for c, r in one.items() if c in copies], 0.7,
         "one thread, K/V in the caches' buffers (stretch 0.85)")
-    add("29 decode 2 threads vs 1", [(c, one[c]["ms"] / r["ms"]) for c, r in two.items() if c in one], 1.6, "speed-up")
+    add("29 decode 2 threads vs 1", [(c, time_ratio(one[c], r)) for c, r in two.items() if c in one], 1.6, "speed-up")
     for kind in ("int8", "fp8"):
-        add(f"29 {kind} cache vs bf16, keys/s", [(c, one[c]["ms"] / r["ms"]) for c, r in of(f"engine {kind}").items()
+        add(f"29 {kind} cache vs bf16, keys/s", [(c, time_ratio(one[c], r)) for c, r in of(f"engine {kind}").items()
                                                 if c in one], 1.6, "speed-up over the bf16 cache")
+
+
+def time_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Row a's time over row b's: the median of the repeats' ratios where both rows kept their repeats (``round ms``,
+    timed in the same rounds: ``lab.measure.paired_ratio``), else the ratio of their medians."""
+    ra, rb = a.get("round ms"), b.get("round ms")
+    if ra and rb and len(ra) == len(rb):
+        return paired_ratio(ra, rb)
+    return a["ms"] / b["ms"]
 
 
 def _of_copy_bandwidth(rows) -> list[tuple[str, float]]:

@@ -159,6 +159,8 @@ def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None, devic
             seconds = statistics.median(times[impl.label]) if times[impl.label] else first[impl.label]
             row["ms"] = seconds * 1e3
             row["runs"] = max(1, len(times[impl.label]))
+            if times[impl.label]:  # each repeat's time: ratios of two rows are taken repeat by repeat (targets)
+                row["round ms"] = [round(t * 1e3, 4) for t in times[impl.label]]
             row["peak MiB"] = peak[impl.label] / 2 ** 20
             if impl.role == "overhead":  # a step of a call (the block-mask build), not attention: time only
                 pass

@@ -5,7 +5,8 @@
   decode kernel), ``paged`` (the step planned once, ``engine.plan_paged(...).run``, as serving runs it, on pools
   laid out as ``PagedKVCache`` keeps them, head-major),
   ``paged NHD`` (the same pages in FlashInfer's ``[num_pages, page_size, Hkv, D]`` storage order) and ``copy`` (the
-  machine's copy bandwidth on as many bytes). Timed interleaved; K/V GB/s and the ratio to contiguous. Both
+  machine's copy bandwidth on as many bytes). Timed interleaved; K/V GB/s and the ratio to contiguous (the median
+  of each round's ratio). Both
   ``held`` rows hold the same keys on 2 MiB pages, as KVCache and PagedKVCache do (``engine.huge_pages``):
   ``contiguous held`` and ``paged held``, the latter's ratio taken over the former (the others' 4 KiB pages make
   each page of a pool a page walk).
@@ -43,6 +44,7 @@ Target: paged decode within 1.1x of contiguous decode's time.
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 import torch
@@ -54,7 +56,15 @@ from engine.quantized import quantize
 from lab import plots
 from lab.bench.paged_pools import on_huge_pages, pools, quantized_pool
 from lab.bench.paged_step import continuous_rows, invariant_rows, mixed_rows, step_rows
-from lab.measure import format_table, interleaved_us, machine_info, progress, save_results
+from lab.measure import (
+    format_table,
+    interleaved_rounds,
+    interleaved_us,
+    machine_info,
+    paired_ratio,
+    progress,
+    save_results,
+)
 from lab.options import add_common, apply_threads
 
 B, HQ, HKV, D = 8, 32, 8, 128
@@ -109,15 +119,18 @@ def _decode_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator,
     want = step.run(q, k, v)[:, :, 0]
     diff = max((impls[name]() - want).abs().max().item() for name in ("paged", "paged NHD", "paged held"))
     diff = max(diff, (impls["contiguous held"]()[:, :, 0] - want).abs().max().item())
-    ms = {name: us / 1000 for name, us in interleaved_us(impls, rounds, calls, warmup=1).items()}
+    times = interleaved_rounds(impls, rounds, calls, warmup=1)
+    ms = {name: statistics.median(us) / 1000 for name, us in times.items()}
     kv_bytes = 2 * (k.nbytes if quantized else k.numel() * k.element_size())
-    copy_gbs = 2 * src.numel() * src.element_size() / ms["copy"] / 1e6  # read + written
+    copy_bytes = 2 * src.numel() * src.element_size()  # read + written
     rows = []
     for name in ("contiguous", "paged", "paged NHD", "contiguous held", "paged held"):
-        ratio = ms[name] / ms["contiguous held" if name == "paged held" else "contiguous"]
+        # ratios within each round (paired_ratio): steadier than a ratio of medians when the machine drifts
+        ratio = paired_ratio(times[name], times["contiguous held" if name == "paged held" else "contiguous"])
         gbs = kv_bytes / ms[name] / 1e6
+        of_copy = kv_bytes / copy_bytes / paired_ratio(times[name], times["copy"])
         rows.append({"group": "decode", "case": f"B={B} S={s} page {page_size} {str(dtype)[6:]}", "impl": name,
-                     "ms": ms[name], "time/contiguous": ratio, "K/V GB/s": gbs, "of copy": gbs / copy_gbs,
+                     "ms": ms[name], "time/contiguous": ratio, "K/V GB/s": gbs, "of copy": of_copy,
                      "target": f"<= {TARGET}x" if name in ("paged", "paged held") else None,
                      "met": ("yes" if ratio <= TARGET else "no") if name in ("paged", "paged held") else None,
                      "max |diff|": diff, "S": s, "page": page_size, "dtype": str(dtype)})

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 import torch
 
 from lab.bench import kernels as bench_kernels
 from lab.bench.kernel_cases import Case, Impl, causal_pairs, window_pairs
+from lab.measure import interleaved_rounds, paired_ratio
 
 
 def test_useful_work_counts_visible_pairs():
@@ -136,11 +138,8 @@ def test_bandwidth_targets_take_ratios_repeat_by_repeat_where_rows_kept_their_re
 
 
 def test_paired_ratio_is_the_median_of_each_rounds_ratio_and_refuses_unpaired_lists():
-    import pytest
-
-    from lab.measure import interleaved_rounds, paired_ratio
-
-    assert paired_ratio([2.0, 4.0, 8.0], [1.0, 2.0, 2.0]) == 2.0
+    # rounds' ratios 1, 3, 2: their median is 2 where the medians' ratio would be 3 / 1
+    assert paired_ratio([1.0, 3.0, 10.0], [1.0, 1.0, 5.0]) == 2.0
     with pytest.raises(ValueError, match="equal, non-empty"):
         paired_ratio([1.0, 2.0], [1.0])
     calls = []

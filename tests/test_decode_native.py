@@ -543,6 +543,32 @@ def test_e4m3_nan_codes_read_as_nan_on_each_vector_path(variant, variant_library
 
 
 @needs_native
+@pytest.mark.parametrize("variant", ["avx512", "avx2", "plain_cpp"])
+def test_bf16_head_dims_read_sixteen_or_eight_at_a_time_match_the_oracle_on_each_vector_path(variant,
+                                                                                          variant_library):
+    # AVX2 reads bf16 sixteen values at a time where D and Dv are both multiples of 16 (q kept in that read's lane
+    # order, the output put back in order), else eight at a time: each mix, with a hidden NaN value and a hidden
+    # key in an otherwise full block, against the oracle channel by channel
+    from engine.kernels.decode.decode_native import _call
+
+    library = variant_library(variant)
+    b, hkv, rows, s = 2, 2, 4, 200
+    g = torch.Generator().manual_seed(9)
+    for d, dv in [(32, 32), (32, 24), (24, 32), (48, 16), (16, 8), (128, 64)]:
+        q_rows = torch.randn(b, hkv, rows, d, generator=g) / 4  # [B, Hkv, R, D], already scaled
+        k = torch.randn(b, hkv, s, d, generator=g).bfloat16()
+        v = torch.randn(b, hkv, s, dv, generator=g).bfloat16()
+        v[1, 0, 100] = float("nan")
+        visible = torch.ones(1, 1, rows, s, dtype=torch.bool)
+        visible[..., 100] = False
+        out, lse = torch.zeros(b, hkv, rows, dv), torch.zeros(b, hkv, rows)
+        _call(library, q_rows, 1.0, (k, None), (v, None), visible, out, lse)
+        want, want_lse = oracle(q_rows, k.double(), v.double().nan_to_num(0.0), visible, 1.0)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5, msg=f"D {d}, Dv {dv}")
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5, msg=f"D {d}, Dv {dv}")
+
+
+@needs_native
 @pytest.mark.parametrize("d, dv", [(32, 48), (0, 16), (16, 8)], ids=["dv_wider", "d_zero", "dv_narrower"])
 def test_value_width_other_than_the_key_width_and_d_zero(d, dv):
     # Dv != D (the torch decode kernel's fused op cannot take it; this one can) and D = 0 (scores all 0)

@@ -51,8 +51,12 @@ constexpr int64_t SPLIT = 2048;  // keys per work item at most, cut at multiples
 constexpr int NR = 4;      // query rows per register pass
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4 };
-constexpr int64_t kind_bytes(int kind) { return kind == F32 ? 4 : (kind == BF16 || kind == F16) ? 2 : 1; }
+// BF16_PAIRS is bf16 read sixteen values at a time as two vectors, the even-indexed and the odd-indexed ones (AVX2
+// only, D and Dv multiples of 16: vload_pair); the call's kind is BF16 either way.
+enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4, BF16_PAIRS = 5 };
+constexpr int64_t kind_bytes(int kind) {
+    return kind == F32 ? 4 : (kind == BF16 || kind == F16 || kind == BF16_PAIRS) ? 2 : 1;
+}
 
 // ---- scalar conversions (the readable definition of each kind) --------------------------------------------
 
@@ -186,6 +190,16 @@ inline __m128i e4m3_half_bits(const void* p, int64_t i) {  // (8 codes, as AVX-5
     return _mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16((short)0xBFFF));
 }
 template <> inline vec vload<F8E4M3>(const void* p, int64_t i) { return _mm256_cvtph_ps(e4m3_half_bits(p, i)); }
+// bf16 values i .. i + 15 (i a multiple of 16) as two vectors from one 256-bit load: each dword holds two values, the
+// low one shifted up 16 bits is value 2k as fp32, the high one with the low bits cleared is value 2k + 1. One
+// instruction per 8 values (the load folded in), where widening 8 (vpmovzxwd, then the shift) takes two. The lanes
+// come in the order 0 2 4 .. 14 (HALF 0), 1 3 .. 15 (HALF 1): q is stored in that order and the output put back
+// (paired_order), scores and weighted sums being sums over the lanes in any order.
+template <int HALF> inline vec vload_pair(const void* p, int64_t i) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)((const uint16_t*)p + i));
+    if constexpr (HALF == 0) return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    else return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
 inline vec vload_e4m3_nan(const void* p, int64_t i) {
     const __m128i bits = e4m3_half_bits(p, i), seven = _mm_set1_epi16(0x3F80);
     const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(bits, seven), seven);
@@ -276,6 +290,9 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
     return _mm_movemask_epi8(_mm_cmpeq_epi8(top, _mm_set1_epi8((char)0xFF))) != 0;
 }
 #endif
+
+// Where channel d of q (and of the output) sits for BF16_PAIRS: within each 16, the even ones first (vload_pair).
+constexpr int64_t paired_order(int64_t d) { return (d & ~int64_t(15)) | ((d & 1) << 3) | ((d & 15) >> 1); }
 
 // ---- the call: one descriptor, the whole boundary with Python ------------------------------------------------
 
@@ -389,6 +406,16 @@ struct Item {
         if constexpr (KIND == F8E4M3)
             if (nan) return vload_e4m3_nan(row, d);
         return vload<KIND>(row, d);
+    }
+    // Vectors are read STEP at a time: vector h of the STEP at channel d (d a multiple of STEP * W). BF16_PAIRS reads
+    // its two from one load (vload_pair); the other kinds read vector d + h * W.
+    static constexpr int STEP = KIND == BF16_PAIRS ? 2 : 1;
+    static vec load_at(const void* row, int64_t d, int h, bool nan) {
+#if DN_AVX2
+        if constexpr (KIND == BF16_PAIRS) return h == 0 ? vload_pair<0>(row, d) : vload_pair<1>(row, d);
+        else
+#endif
+            return load(row, d + h * W, nan);
     }
 #endif
     static constexpr int64_t elem_size() { return kind_bytes(KIND); }
@@ -522,14 +549,15 @@ struct Item {
                 const void* k1 = krows[jj + 1];
                 vec a0[N], a1[N];
                 for (int r = 0; r < N; ++r) a0[r] = a1[r] = vzero();
-                for (int64_t d = 0; d < D; d += W) {
-                    const vec x0 = load(k0, d, nan), x1 = load(k1, d, nan);
-                    for (int r = 0; r < N; ++r) {
-                        const vec qv = vloadf(qb + (r0 + r) * D + d);
-                        a0[r] = vfma(qv, x0, a0[r]);
-                        a1[r] = vfma(qv, x1, a1[r]);
+                for (int64_t d = 0; d < D; d += STEP * W)
+                    for (int h = 0; h < STEP; ++h) {
+                        const vec x0 = load_at(k0, d, h, nan), x1 = load_at(k1, d, h, nan);
+                        for (int r = 0; r < N; ++r) {
+                            const vec qv = vloadf(qb + (r0 + r) * D + d + h * W);
+                            a0[r] = vfma(qv, x0, a0[r]);
+                            a1[r] = vfma(qv, x1, a1[r]);
+                        }
                     }
-                }
                 if constexpr (N == NR) ask_ahead(++ask_step, ask_steps);
                 const float u0 = kunit[jj], u1 = kunit[jj + 1];
                 if constexpr (N == 4) {
@@ -550,10 +578,11 @@ struct Item {
                 const void* k0 = krows[jj];
                 vec a0[N];
                 for (int r = 0; r < N; ++r) a0[r] = vzero();
-                for (int64_t d = 0; d < D; d += W) {
-                    const vec x0 = load(k0, d, nan);
-                    for (int r = 0; r < N; ++r) a0[r] = vfma(vloadf(qb + (r0 + r) * D + d), x0, a0[r]);
-                }
+                for (int64_t d = 0; d < D; d += STEP * W)
+                    for (int h = 0; h < STEP; ++h) {
+                        const vec x0 = load_at(k0, d, h, nan);
+                        for (int r = 0; r < N; ++r) a0[r] = vfma(vloadf(qb + (r0 + r) * D + d + h * W), x0, a0[r]);
+                    }
                 const float u0 = kunit[jj];
                 for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = hsum1(a0[r]) * u0;
             }
@@ -577,6 +606,7 @@ struct Item {
     void accumulate_rows(int64_t r0, int64_t j0, int n) {
         if constexpr (SIMD) {
             constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
+            // (BF16_PAIRS: Dv / W is even, so every tile is TILE's 2 vectors, a pair from one load)
             const int64_t vectors = o.Dv / W_;
             // One register tile over all the block's keys, then the next: the rows were asked for ahead (block_rows),
             // so they come from cache, and each tile's accumulators are loaded and stored once a block. (Chunks of
@@ -619,7 +649,7 @@ struct Item {
             if (MASKED && !seen_key[jj]) continue;
             const void* vrow = vrows[jj];
             vec vv[TILES];
-            for (int t = 0; t < TILES; ++t) vv[t] = load(vrow, d0 + t * W, nan);
+            for (int t = 0; t < TILES; ++t) vv[t] = load_at(vrow, d0 + (t - t % STEP) * W, t % STEP, nan);
             for (int r = 0; r < N; ++r) {
                 const vec p = vset(s[(r0 + r) * BLOCK + jj]);
                 if (MASKED) {  // a hidden key adds 0 * 0 (its value may be NaN); a seen one the unmasked FMA
@@ -875,6 +905,11 @@ void dispatch_kind(int kind, const Operands& o, Partial* p, int count) {
     switch (kind) {
         case F32: run_items<F32, SIMD>(o, p, count); break;
         case BF16: run_items<BF16, SIMD>(o, p, count); break;
+#if DN_AVX2
+        case BF16_PAIRS:
+            if constexpr (SIMD) run_items<BF16_PAIRS, SIMD>(o, p, count);
+            break;
+#endif
         case F16: run_items<F16, SIMD>(o, p, count); break;
         case I8: run_items<I8, SIMD>(o, p, count); break;
         case F8E4M3: run_items<F8E4M3, SIMD>(o, p, count); break;
@@ -944,7 +979,18 @@ int decode_native(const DecodeCall* call) {
     const int64_t B = c.B, H = c.H, R = c.R, S = c.S, D = c.D, Dv = c.Dv;
     float* out = c.out;
     float* lse = c.lse;
-    // q rows times the scale, contiguous [B, Hkv, R, D] (tiny: R rows per KV head), checked finite on the way
+#if DN_AVX512 || DN_AVX2
+    const bool simd = D % W == 0 && Dv % W == 0;
+#else
+    const bool simd = false;
+#endif
+#if DN_AVX2
+    const bool pairs = simd && kind == BF16 && D % 16 == 0 && Dv % 16 == 0;  // read as BF16_PAIRS
+#else
+    const bool pairs = false;
+#endif
+    // q rows times the scale, contiguous [B, Hkv, R, D] (tiny: R rows per KV head), checked finite on the way; for
+    // BF16_PAIRS each 16 channels in paired_order
     std::vector<float> q_scaled(B * H * R * D);
     const float scale = (float)c.scale;
     bool q_finite = true;
@@ -955,7 +1001,7 @@ int decode_native(const DecodeCall* call) {
                 float* dst = &q_scaled[((b * H + h) * R + r) * D];
                 for (int64_t d = 0; d < D; ++d) {
                     q_finite &= std::isfinite(src[d]);
-                    dst[d] = src[d] * scale;
+                    dst[pairs ? paired_order(d) : d] = src[d] * scale;
                 }
             }
     if (!q_finite) return 2;
@@ -979,11 +1025,6 @@ int decode_native(const DecodeCall* call) {
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
-#if DN_AVX512 || DN_AVX2
-    const bool simd = D % W == 0 && Dv % W == 0;
-#else
-    const bool simd = false;
-#endif
 
     // Work items: each (b, kv_head)'s keys cut at multiples of SPLIT positions (from key_offset), in order; a
     // sequence's keys past its length (paged) make none. The items go to the threads in runs of about equal keys,
@@ -1031,7 +1072,7 @@ int decode_native(const DecodeCall* call) {
             while (count < in_turn && i + count < first[t + 1] && items[i + count].bh == items[i].bh + count &&
                    items[i + count].j0 == items[i].j0 && items[i].bh % H + count < H)
                 ++count;
-            if (simd) dispatch_kind<true>(kind, o, &items[i], count);
+            if (simd) dispatch_kind<true>(pairs ? BF16_PAIRS : kind, o, &items[i], count);
             else dispatch_kind<false>(kind, o, &items[i], count);
             i += count;
         }
@@ -1077,6 +1118,15 @@ int decode_native(const DecodeCall* call) {
                 m[row] = m_new;
             }
         }
+    }
+    if (pairs) {  // each 16 channels back from paired_order
+        float chunk[16];
+        for (int64_t row = 0; row < B * H * R; ++row)
+            for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+                float* dst = out + row * Dv + d0;
+                for (int d = 0; d < 16; ++d) chunk[d] = dst[paired_order(d)];
+                std::memcpy(dst, chunk, sizeof(chunk));
+            }
     }
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int64_t row = 0; row < B * H * R; ++row) {

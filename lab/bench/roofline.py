@@ -143,7 +143,8 @@ def plot(rows: list[dict], peak: float, bandwidth: float, path, title_extra: str
 
 
 def _quick(args: argparse.Namespace) -> None:
-    args.heads, args.head_dim, args.prefill_t, args.decode_s = 2, 32, 128, 1024
+    # the prefill is one of scaling --quick's points (Flex compiles each shape once per process, seconds on a CPU)
+    args.heads, args.head_dim, args.prefill_t, args.decode_s = 1, 32, 128, 1024
     args.gemm_n, args.stream_mib, args.repeats = 256, 16, 1
 
 

@@ -169,8 +169,8 @@ def plot(rows: list[dict], fits: list[dict], memory: int, path) -> None:
 
 
 def _quick(args: argparse.Namespace) -> None:
-    args.min_t, args.max_t, args.heads, args.head_dim = 32, 256, 1, 32
-    args.repeats, args.fit_from, args.max_seconds = 1, 32, min(args.max_seconds, 2.0)
+    args.min_t, args.max_t, args.heads, args.head_dim = 64, 128, 1, 32  # two points (Flex compiles each shape)
+    args.repeats, args.fit_from, args.max_seconds = 1, 64, min(args.max_seconds, 2.0)
 
 
 def main(args: argparse.Namespace) -> int:

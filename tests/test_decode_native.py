@@ -544,17 +544,18 @@ def test_e4m3_nan_codes_read_as_nan_on_each_vector_path(variant, variant_library
 
 @needs_native
 @pytest.mark.parametrize("variant", ["avx512", "avx2", "plain_cpp"])
-def test_bf16_head_dims_read_sixteen_or_eight_at_a_time_match_the_oracle_on_each_vector_path(variant,
-                                                                                          variant_library):
-    # AVX2 reads bf16 sixteen values at a time where D and Dv are both multiples of 16 (q kept in that read's lane
-    # order, the output put back in order), else eight at a time: each mix, with a hidden NaN value and a hidden
-    # key in an otherwise full block, against the oracle channel by channel
+def test_bf16_head_dims_read_two_vectors_or_one_at_a_time_match_the_oracle_on_each_vector_path(variant,
+                                                                                            variant_library):
+    # A vector path reads bf16 2 * W values at a time where D and Dv are both multiples of 2 * W (AVX2: 16, AVX-512:
+    # 32; q kept in that read's lane order, the output put back in order), else W at a time: each mix, with a hidden
+    # NaN value and a hidden key in an otherwise full block, against the oracle channel by channel
     from engine.kernels.decode.decode_native import _call
 
     library = variant_library(variant)
     b, hkv, rows, s = 2, 2, 4, 200
     g = torch.Generator().manual_seed(9)
-    for d, dv in [(32, 32), (32, 24), (24, 32), (48, 16), (16, 8), (128, 64)]:
+    # (pairs on both paths: (32, 32), (128, 64), (64, 96); on AVX2 alone: (48, 16), (32, 48), (96, 16); neither: the rest)
+    for d, dv in [(32, 32), (32, 24), (24, 32), (48, 16), (16, 8), (128, 64), (64, 96), (32, 48), (96, 16)]:
         q_rows = torch.randn(b, hkv, rows, d, generator=g) / 4  # [B, Hkv, R, D], already scaled
         k = torch.randn(b, hkv, s, d, generator=g).bfloat16()
         v = torch.randn(b, hkv, s, dv, generator=g).bfloat16()

@@ -51,8 +51,8 @@ constexpr int64_t SPLIT = 2048;  // keys per work item at most, cut at multiples
 constexpr int NR = 4;      // query rows per register pass
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-// BF16_PAIRS is bf16 read sixteen values at a time as two vectors, the even-indexed and the odd-indexed ones (AVX2
-// only, D and Dv multiples of 16: vload_pair); the call's kind is BF16 either way.
+// BF16_PAIRS is bf16 read 2 * W values at a time as two vectors, the even-indexed and the odd-indexed ones (vector
+// paths, D and Dv multiples of 2 * W: vload_pair); the call's kind is BF16 either way.
 enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4, BF16_PAIRS = 5 };
 constexpr int64_t kind_bytes(int kind) {
     return kind == F32 ? 4 : (kind == BF16 || kind == F16 || kind == BF16_PAIRS) ? 2 : 1;
@@ -122,6 +122,13 @@ template <> inline vec vload<F16>(const void* p, int64_t i) {
 template <> inline vec vload<I8>(const void* p, int64_t i) {
     __m128i b = _mm_loadu_si128((const __m128i*)((const int8_t*)p + i));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+// bf16 values i .. i + 31 as two vectors from one 512-bit load (AVX2's vload_pair below, twice as wide): lanes 0 2 4
+// .. 30 (HALF 0), then 1 3 .. 31 (HALF 1)
+template <int HALF> inline vec vload_pair(const void* p, int64_t i) {
+    const __m512i x = _mm512_loadu_si512((const void*)((const uint16_t*)p + i));
+    if constexpr (HALF == 0) return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    else return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 // e4m3_as_half_bits of 16 codes: sign-extended to 16 bits and shifted left by 7, the sign lands in bit 15 and (again)
 // in bit 14, the other seven bits in 13 .. 7; clearing bit 14 leaves them (3 instructions where masking each part
@@ -291,8 +298,10 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
 }
 #endif
 
-// Where channel d of q (and of the output) sits for BF16_PAIRS: within each 16, the even ones first (vload_pair).
-constexpr int64_t paired_order(int64_t d) { return (d & ~int64_t(15)) | ((d & 1) << 3) | ((d & 15) >> 1); }
+// Where channel d of q (and of the output) sits for BF16_PAIRS: within each 2 * W, the even ones first (vload_pair).
+// With W = 8: channels 0 1 2 3 .. 15 sit at 0 8 1 9 .. 15.
+constexpr int64_t PAIR = 2 * W_;
+constexpr int64_t paired_order(int64_t d) { return (d & ~(PAIR - 1)) | ((d & 1) * W_) | ((d & (PAIR - 1)) >> 1); }
 
 // ---- the call: one descriptor, the whole boundary with Python ------------------------------------------------
 
@@ -411,11 +420,8 @@ struct Item {
     // its two from one load (vload_pair); the other kinds read vector d + h * W.
     static constexpr int STEP = KIND == BF16_PAIRS ? 2 : 1;
     static vec load_at(const void* row, int64_t d, int h, bool nan) {
-#if DN_AVX2
         if constexpr (KIND == BF16_PAIRS) return h == 0 ? vload_pair<0>(row, d) : vload_pair<1>(row, d);
-        else
-#endif
-            return load(row, d + h * W, nan);
+        else return load(row, d + h * W, nan);
     }
 #endif
     static constexpr int64_t elem_size() { return kind_bytes(KIND); }
@@ -526,14 +532,15 @@ struct Item {
                     vec a[4][N];  // [key][row]
                     for (int k = 0; k < 4; ++k)
                         for (int r = 0; r < N; ++r) a[k][r] = vzero();
-                    for (int64_t d = 0; d < D; d += W) {
-                        vec x[4];
-                        for (int k = 0; k < 4; ++k) x[k] = load(kr[k], d, nan);
-                        for (int r = 0; r < N; ++r) {
-                            const vec qv = vloadf(qb + (r0 + r) * D + d);
-                            for (int k = 0; k < 4; ++k) a[k][r] = vfma(qv, x[k], a[k][r]);
+                    for (int64_t d = 0; d < D; d += STEP * W)
+                        for (int h = 0; h < STEP; ++h) {
+                            vec x[4];
+                            for (int k = 0; k < 4; ++k) x[k] = load_at(kr[k], d, h, nan);
+                            for (int r = 0; r < N; ++r) {
+                                const vec qv = vloadf(qb + (r0 + r) * D + d + h * W);
+                                for (int k = 0; k < 4; ++k) a[k][r] = vfma(qv, x[k], a[k][r]);
+                            }
                         }
-                    }
                     ask_ahead(++ask_step, ask_steps);  // (N == NR here)
                     float sums[16];
                     hsum8(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3], sums);
@@ -905,7 +912,7 @@ void dispatch_kind(int kind, const Operands& o, Partial* p, int count) {
     switch (kind) {
         case F32: run_items<F32, SIMD>(o, p, count); break;
         case BF16: run_items<BF16, SIMD>(o, p, count); break;
-#if DN_AVX2
+#if DN_AVX512 || DN_AVX2
         case BF16_PAIRS:
             if constexpr (SIMD) run_items<BF16_PAIRS, SIMD>(o, p, count);
             break;
@@ -984,13 +991,9 @@ int decode_native(const DecodeCall* call) {
 #else
     const bool simd = false;
 #endif
-#if DN_AVX2
-    const bool pairs = simd && kind == BF16 && D % 16 == 0 && Dv % 16 == 0;  // read as BF16_PAIRS
-#else
-    const bool pairs = false;
-#endif
+    const bool pairs = simd && kind == BF16 && D % PAIR == 0 && Dv % PAIR == 0;  // read as BF16_PAIRS
     // q rows times the scale, contiguous [B, Hkv, R, D] (tiny: R rows per KV head), checked finite on the way; for
-    // BF16_PAIRS each 16 channels in paired_order
+    // BF16_PAIRS each PAIR channels in paired_order
     std::vector<float> q_scaled(B * H * R * D);
     const float scale = (float)c.scale;
     bool q_finite = true;
@@ -1119,12 +1122,12 @@ int decode_native(const DecodeCall* call) {
             }
         }
     }
-    if (pairs) {  // each 16 channels back from paired_order
-        float chunk[16];
+    if (pairs) {  // each PAIR channels back from paired_order
+        float chunk[PAIR];
         for (int64_t row = 0; row < B * H * R; ++row)
-            for (int64_t d0 = 0; d0 < Dv; d0 += 16) {
+            for (int64_t d0 = 0; d0 < Dv; d0 += PAIR) {
                 float* dst = out + row * Dv + d0;
-                for (int d = 0; d < 16; ++d) chunk[d] = dst[paired_order(d)];
+                for (int d = 0; d < PAIR; ++d) chunk[d] = dst[paired_order(d)];
                 std::memcpy(dst, chunk, sizeof(chunk));
             }
     }

@@ -554,7 +554,7 @@ def test_bf16_head_dims_read_two_vectors_or_one_at_a_time_match_the_oracle_on_ea
     library = variant_library(variant)
     b, hkv, rows, s = 2, 2, 4, 200
     g = torch.Generator().manual_seed(9)
-    # (pairs on both paths: (32, 32), (128, 64), (64, 96); on AVX2 alone: (48, 16), (32, 48), (96, 16); neither: the rest)
+    # pairs on both paths: (32, 32), (128, 64), (64, 96); on AVX2 alone: (48, 16), (32, 48), (96, 16); else neither
     for d, dv in [(32, 32), (32, 24), (24, 32), (48, 16), (16, 8), (128, 64), (64, 96), (32, 48), (96, 16)]:
         q_rows = torch.randn(b, hkv, rows, d, generator=g) / 4  # [B, Hkv, R, D], already scaled
         k = torch.randn(b, hkv, s, d, generator=g).bfloat16()

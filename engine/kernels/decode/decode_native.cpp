@@ -432,7 +432,7 @@ struct Item {
     const char* value_row(int64_t j) const { return (const char*)vb + elem_size() * j * o.vs[2]; }
 
     // The rows of keys j0 .. j0 + n - 1 and their scales (kunit, vscale), and the next block's rows to ask for while
-    // this block computes (ask_ahead; its first block asks for its own rows at once). A paged pool is walked a run of
+    // this block computes (ask_next; its first block asks for its own rows at once). A paged pool is walked a run of
     // keys in one page at a time (one address per run, no division per key). Every layout asks, 2 MiB pages too:
     // with the requests spread over the scores' steps, rows on 2 MiB pages took 0.92-0.97x the time of leaving them
     // to the hardware prefetcher (AVX-512 + AMX Xeon VM, B 1 S 32k and B 8 S 8k, fp32 / bf16 / fp16, 1 and 2 threads).
@@ -468,13 +468,18 @@ struct Item {
         asked = 0, ahead_rows = ahead;  // (asked for by the scores' passes: for_row_groups)
     }
 
-    // The next block's rows asked for, share `part` of `parts` (rows ahead_k / ahead_v, from block_rows). The scores'
-    // passes ask a share at each step of keys (for_row_groups), so the requests do not all wait for fill buffers at
-    // the block's start while the arithmetic stalls (measured on an AVX-512 + AMX Xeon VM, one thread: a 16-node
-    // tree's 64 rows over S 4k, fp32, had 57% of the kernel's non-arithmetic time on those requests)
-    int asked = 0, ahead_rows = 0, ask_step = 0, ask_steps = 1;
-    void ask_ahead(int part, int parts) {
-        const int upto = (int)std::min<int64_t>(ahead_rows, (int64_t)ahead_rows * part / parts);
+    // The next block's rows asked for (rows ahead_k / ahead_v, from block_rows). The scores' passes and the value
+    // pass's tiles ask a share at each step of keys (ask_next; for_row_groups), so the requests do not all wait for
+    // fill buffers at the block's start while the arithmetic stalls (measured on an AVX-512 + AMX Xeon VM, one
+    // thread: a 16-node tree's 64 rows over S 4k, fp32, had 57% of the kernel's non-arithmetic time on those
+    // requests), nor leave the memory idle while the value pass runs.
+    int asked = 0, ahead_rows = 0, ask_step = 0;
+    int64_t ask_rate = 0;           // rows per step, in 1/65536ths (no division per step)
+    bool pass_asks = false;         // the current rows pass asks (for_row_groups)
+    bool values_ask = false;        // and its value tiles too, every ask_mask + 1 keys
+    int ask_mask = 3;
+    void ask_next() { ask_upto((int)std::min<int64_t>(ahead_rows, (++ask_step * ask_rate) >> 16)); }
+    void ask_upto(int upto) {
         for (; asked < upto; ++asked) {  // into L2 (T1): 0.96-0.99x the time of T0 for a decode's 4 rows, paged or not
             prefetch_row<2>(ahead_k[asked], o.D);
             if (!o.shared) prefetch_row<2>(ahead_v[asked], o.Dv);
@@ -541,7 +546,7 @@ struct Item {
                                 for (int k = 0; k < 4; ++k) a[k][r] = vfma(qv, x[k], a[k][r]);
                             }
                         }
-                    ask_ahead(++ask_step, ask_steps);  // (N == NR here)
+                    if (pass_asks) ask_next();
                     float sums[16];
                     hsum8(a[0][0], a[0][1], a[0][2], a[0][3], a[1][0], a[1][1], a[1][2], a[1][3], sums);
                     hsum8(a[2][0], a[2][1], a[2][2], a[2][3], a[3][0], a[3][1], a[3][2], a[3][3], sums + 8);
@@ -565,7 +570,7 @@ struct Item {
                             a1[r] = vfma(qv, x1, a1[r]);
                         }
                     }
-                if constexpr (N == NR) ask_ahead(++ask_step, ask_steps);
+                if (pass_asks) ask_next();
                 const float u0 = kunit[jj], u1 = kunit[jj + 1];
                 if constexpr (N == 4) {
                     float sums[8];
@@ -608,11 +613,12 @@ struct Item {
         }
     }
 
+    static constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
+
     // acc[r] += p[r][jj] * v[j0 + jj] for rows r0 .. r0 + N (p already holds the value scale; keep masks it)
     template <int N, bool MASKED>
     void accumulate_rows(int64_t r0, int64_t j0, int n) {
         if constexpr (SIMD) {
-            constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
             // (BF16_PAIRS: Dv / W is even, so every tile is TILE's 2 vectors, a pair from one load)
             const int64_t vectors = o.Dv / W_;
             // One register tile over all the block's keys, then the next: the rows were asked for ahead (block_rows),
@@ -621,6 +627,8 @@ struct Item {
             // for, whole blocks took 0.95-0.975x their time for a decode's 4 rows, and a latent's 16 rows of Dv 512
             // had 4 keys a chunk.)
             int64_t t0 = 0;
+            if (pass_asks && values_ask)  // (its tiles ask for the next block's rows: for_row_groups)
+                for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE, true>(r0, n, t0 * W_);
             for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, n, t0 * W_);
             switch (vectors - t0) {
                 case 3: accumulate_tile<N, MASKED, 3>(r0, n, t0 * W_); break;
@@ -642,8 +650,9 @@ struct Item {
         }
     }
 
-    // the register tile: channels d0 .. d0 + TILES * W of N rows, over the block's keys
-    template <int N, bool MASKED, int TILES>
+    // the register tile: channels d0 .. d0 + TILES * W of N rows, over the block's keys (ASK: a share of the next
+    // block's rows asked for every ask_mask + 1 keys)
+    template <int N, bool MASKED, int TILES, bool ASK = false>
     void accumulate_tile(int64_t r0, int n, int64_t d0) {
 #if DN_AVX512 || DN_AVX2
         const int64_t Dv = o.Dv;
@@ -653,6 +662,7 @@ struct Item {
         for (int r = 0; r < N; ++r)
             for (int t = 0; t < TILES; ++t) a[r][t] = vloadf(acc + (r0 + r) * Dv + d0 + t * W);
         for (int jj = 0; jj < n; ++jj) {
+            if (ASK && (jj & ask_mask) == ask_mask) ask_next();
             if (MASKED && !seen_key[jj]) continue;
             const void* vrow = vrows[jj];
             vec vv[TILES];
@@ -691,19 +701,38 @@ struct Item {
 
     void for_row_groups(int64_t j0, int n, bool masked, bool scores) {
         int64_t r0 = 0;
-        // The next block's rows are asked for a share at a time through the full passes' scores, one share per step
-        // of keys (the rest, and all of them with fewer rows than one pass, before the last pass). One thread,
-        // against asking at the start of each pass: trees of 64 rows, latents of 16 and 128 rows, top-k prefill of
-        // 16: 0.84-0.99x the time; a decode's 4 rows (G 4): 0.74-0.89x, paged or contiguous, fp32 / bf16 / int8.
-        if (scores) ask_step = 0, ask_steps = (int)(o.R / NR) * (W_ == 16 ? n / 4 + n % 4 / 2 : n / 2) + 1;
+        // The next block's rows are asked for a share at a time through the passes' scores and value tiles, one share
+        // per step of keys: the full passes', or with fewer rows than one pass, the one pass's (the rest after the
+        // asking value passes; on the plain C++ path all of them before the scores' remainder pass). One thread,
+        // against asking at the start of each pass: trees of 64 rows, latents of 16 and 128 rows, top-k prefill of 16:
+        // 0.84-0.99x the time; a decode's 4 rows (G 4): 0.74-0.89x, paged or contiguous, fp32 / bf16 / int8. The value
+        // tiles asking too, against the scores alone (from DRAM, one thread, B 1 S 32k and B 8 S 8k, contiguous or
+        // pages of 16 or 256): fp32 / bf16 / fp16 0.89-0.91, int8 0.95, fp8 0.99; many rows (trees, latents) 1.00
+        // (one tile alone asking: fp32 and bf16 0.92, int8 1.0; every 2 keys instead of 4: 1.03).
+        const int64_t rest = o.R % NR;
+        const int passes = (int)(o.R / NR), asking_passes = passes > 0 ? passes : rest > 0;
+        const int scores_steps = W_ == 16 && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;  // (scores_rows' passes)
+        // value tiles ask for a decode's rows (one pass: many passes' scores already span the block), about 32 times
+        const int tiles = (int)(o.Dv / W_ / TILE);
+        values_ask = asking_passes == 1 && tiles > 0;
+        ask_mask = 3;
+        while (values_ask && (ask_mask + 1) * 2 < 4 * tiles) ask_mask = ask_mask * 2 + 1;
+        if (scores) {
+            const int steps = asking_passes * scores_steps + (values_ask ? n / (ask_mask + 1) * tiles : 0) + 1;
+            ask_step = 0, ask_rate = ((int64_t)ahead_rows << 16) / steps;
+        }
+        const bool asking = SIMD && asking_passes > 0, finish = scores != asking;
+        pass_asks = asking;
         for (; r0 + NR <= o.R; r0 += NR) rows_pass<NR>(r0, j0, n, masked, scores);
-        if (scores) ask_ahead(1, 1);
-        switch (o.R - r0) {
+        if (finish && (passes > 0 || !asking)) ask_upto(ahead_rows);
+        pass_asks = asking && passes == 0;
+        switch (rest) {
             case 3: rows_pass<3>(r0, j0, n, masked, scores); break;
             case 2: rows_pass<2>(r0, j0, n, masked, scores); break;
             case 1: rows_pass<1>(r0, j0, n, masked, scores); break;
             default: break;
         }
+        if (finish && passes == 0 && asking) ask_upto(ahead_rows);
     }
 
     // Which keys of the block each row sees (keep, seen_key): NONE when no row sees any, ALL when every row sees

@@ -381,7 +381,7 @@ struct Item {
     const void *kb, *vb;
     const float *ksc, *vsc;
     const int64_t* table;           // this sequence's pages (a paged cache), else null
-    int64_t head, end;              // this item's KV head; its last key + 1 (clamped to the sequence's length)
+    int64_t head, end, seq_end;              // this item's KV head; its last key + 1 (clamped to the sequence's length)
     const char* krows[BLOCK];       // where each key / value row of the current block starts (block_rows)
     const char* vrows[BLOCK];
     const char* ahead_k[BLOCK + 16]; // rows of the next block to ask for (block_rows; heads side by side: run_items)
@@ -406,6 +406,7 @@ struct Item {
         vsc = !o.v_scale ? nullptr : table ? o.v_scale : o.v_scale + b * o.vss[0] + h * o.vss[1];
         head = h;
         end = o.lengths ? std::min<int64_t>(p_.j1, std::max<int64_t>(p_.j0, o.lengths[b])) : p_.j1;
+        seq_end = o.lengths ? std::min<int64_t>(o.S, o.lengths[b]) : o.S;
         visb = o.visible ? o.visible + b * o.vis[0] + h * o.vis[1] : nullptr;
         qb = o.q + p_.bh * o.R * o.D;
     }
@@ -457,7 +458,8 @@ struct Item {
             asked = 0, ahead_rows = group_rows;
             return;
         }
-        const int ahead = (int)std::max<int64_t>(0, std::min<int64_t>(end, j0 + n + BLOCK) - (j0 + n));
+        const int64_t stop = table ? end : seq_end;
+        const int ahead = (int)std::max<int64_t>(0, std::min<int64_t>(stop, j0 + n + BLOCK) - (j0 + n));
         if (!table) {
             for (int jj = 0; jj < ahead; ++jj) ahead_k[jj] = key_row(j0 + n + jj), ahead_v[jj] = value_row(j0 + n + jj);
             if (ksc) prefetch_scales(ksc + (j0 + n) * o.kss[2], ahead, o.kss[2]);

@@ -709,8 +709,9 @@ struct Item {
         // against asking at the start of each pass: trees of 64 rows, latents of 16 and 128 rows, top-k prefill of 16:
         // 0.84-0.99x the time; a decode's 4 rows (G 4): 0.74-0.89x, paged or contiguous, fp32 / bf16 / int8. The value
         // tiles asking too, against the scores alone (from DRAM, one thread, B 1 S 32k and B 8 S 8k, contiguous or
-        // pages of 16 or 256): fp32 / bf16 / fp16 0.89-0.91, int8 0.95, fp8 0.99; many rows (trees, latents) 1.00
-        // (one tile alone asking: fp32 and bf16 0.92, int8 1.0; every 2 keys instead of 4: 1.03).
+        // pages of 16 or 256): fp32 / bf16 / fp16 0.89-0.91, int8 0.95, fp8 0.99, one row a KV head (MHA) 0.81, many
+        // rows (trees, latents) 1.00 (one tile alone asking: fp32 and bf16 0.92, int8 1.0; every 2 keys: 1.03; every
+        // tile of a many-row call, or on AVX2 every 4 keys: 1.02-1.06). docs/BENCHMARKS.md, round 8.
         const int64_t rest = o.R % NR;
         const int passes = (int)(o.R / NR), asking_passes = passes > 0 ? passes : rest > 0;
         const int scores_steps = W_ == 16 && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;  // (scores_rows' passes)

@@ -440,12 +440,9 @@ struct Item {
     // Asked for all at once at the block's start they had taken 1.15-1.2x (49-51 ns per key and head against 58-61).
     void block_rows(int64_t j0, int n) {
         if (!table) {
-            for (int jj = 0; jj < n; ++jj) {
-                krows[jj] = key_row(j0 + jj), vrows[jj] = value_row(j0 + jj);
-                kunit[jj] = o.k_unit * (ksc ? ksc[(j0 + jj) * o.kss[2]] : 1.0f);
-            }
-            if (vscale_needed())
-                for (int jj = 0; jj < n; ++jj) vscale[jj] = o.v_unit * (vsc ? vsc[(j0 + jj) * o.vss[2]] : 1.0f);
+            for (int jj = 0; jj < n; ++jj) krows[jj] = key_row(j0 + jj), vrows[jj] = value_row(j0 + jj);
+            fill_units(kunit, ksc ? ksc + j0 * o.kss[2] : nullptr, o.kss[2], n, o.k_unit);
+            if (vscale_needed()) fill_units(vscale.data(), vsc ? vsc + j0 * o.vss[2] : nullptr, o.vss[2], n, o.v_unit);
         } else {
             page_rows(j0, n, krows, vrows, true);
         }
@@ -510,6 +507,19 @@ struct Item {
         }
     }
     bool vscale_needed() const { return vsc || o.v_unit != 1.0f; }
+
+    // dst[0 .. n) = unit * src[i * stride] (src null: unit), unit strides in a loop of their own that the compiler
+    // vectorises: int8 / fp8 caches' contiguous scales, one thread from DRAM, 0.96x / 0.98x the time of the per-key
+    // loop (AVX2 build: int8 0.97x); a paged pool's runs of 16 keep their per-key loop, where this took 1.02x
+    static void fill_units(float* dst, const float* src, int64_t stride, int n, float unit) {
+        if (!src) {
+            for (int i = 0; i < n; ++i) dst[i] = unit;
+        } else if (stride == 1) {
+            for (int i = 0; i < n; ++i) dst[i] = unit * src[i];
+        } else {
+            for (int i = 0; i < n; ++i) dst[i] = unit * src[i * stride];
+        }
+    }
 
     // a run of `count` per-key scales `stride` floats apart (a paged int8 / fp8 pool's): one request per cache line
     static void prefetch_scales(const float* first, int64_t count, int64_t stride) {

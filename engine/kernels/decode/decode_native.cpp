@@ -381,7 +381,8 @@ struct Item {
     const void *kb, *vb;
     const float *ksc, *vsc;
     const int64_t* table;           // this sequence's pages (a paged cache), else null
-    int64_t head, end, seq_end;              // this item's KV head; its last key + 1 (clamped to the sequence's length)
+    int64_t head, end;              // this item's KV head; its last key + 1 (clamped to the sequence's length)
+    int64_t seq_end;                // the sequence's keys (a contiguous item's last block asks for the next keys)
     const char* krows[BLOCK];       // where each key / value row of the current block starts (block_rows)
     const char* vrows[BLOCK];
     const char* ahead_k[BLOCK + 16]; // rows of the next block to ask for (block_rows; heads side by side: run_items)

@@ -78,6 +78,27 @@ def test_a_quantized_decode_step_is_read_in_place_and_equals_the_oracle(problem,
     torch.testing.assert_close(lse.double(), want_lse, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("page_size", [48, 96])
+@pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
+def test_quantized_pages_whose_runs_split_a_block_equal_the_oracle(dtype, page_size):
+    # A block of 64 keys over pages of 48 or 96 is read as two runs of keys, each its own page (48 + 16, 32 + 32):
+    # each run's scales must land at its own keys (runs of 32 or more are filled in a loop of their own). Keys of
+    # very different sizes make every scale count.
+    g = torch.Generator().manual_seed(11)
+    hkv, d, lens = 2, 32, torch.tensor([300, 217])
+    per_sequence = -(-300 // page_size)
+    sizes = torch.exp(3 * torch.randn(2 * per_sequence, page_size, hkv, 1, generator=g))  # per key and head
+    k_pages = torch.randn(2 * per_sequence, page_size, hkv, d, generator=g) * sizes
+    v_pages = torch.randn(2 * per_sequence, page_size, hkv, d, generator=g) * sizes.flip(1)
+    table = torch.randperm(2 * per_sequence, generator=g).view(2, per_sequence)
+    q, indptr = torch.randn(2, 8, d, generator=g) / 8, torch.arange(3)
+    k_q, v_q = quantized_pool(k_pages, dtype), quantized_pool(v_pages, dtype)
+    out, lse = paged_attention(q, k_q, v_q, table, lens, indptr, return_lse=True)
+    want, want_lse = oracle(q, dequantized_pool(k_q), dequantized_pool(v_q), table, lens, indptr)
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("dtype", QUANTIZED, ids=str)
 def test_quantized_pages_stay_within_the_quantization_bound_of_full_precision(dtype):
     # the error against the unquantized pools is the cache's, not the kernel's: int8 and fp8 both well under 0.1

@@ -601,8 +601,11 @@ struct Item {
                     // [row][key] sums, times each key's scale, four rows of four keys stored at once
                     const __m512 units = _mm512_broadcast_f32x4(_mm_loadu_ps(&kunit[jj]));
                     const __m512 scaled = _mm512_mul_ps(hsum16_rows(a), units);
-                    for (int r = 0; r < N; ++r)
-                        _mm_storeu_ps(&s[(r0 + r) * BLOCK + jj], _mm512_extractf32x4_ps(scaled, r));
+                    float* row = &s[r0 * BLOCK + jj];  // (the lane index must be a constant: no loop over r)
+                    _mm_storeu_ps(row, _mm512_castps512_ps128(scaled));
+                    _mm_storeu_ps(row + BLOCK, _mm512_extractf32x4_ps(scaled, 1));
+                    _mm_storeu_ps(row + 2 * BLOCK, _mm512_extractf32x4_ps(scaled, 2));
+                    _mm_storeu_ps(row + 3 * BLOCK, _mm512_extractf32x4_ps(scaled, 3));
                 }
             }
 #endif

@@ -438,6 +438,11 @@ struct Item {
         seq_end = o.lengths ? std::min<int64_t>(o.S, o.lengths[b]) : o.S;
         visb = o.visible ? o.visible + b * o.vis[0] + h * o.vis[1] : nullptr;
         qb = o.q + p_.bh * o.R * o.D;
+        // value tiles ask for a decode's rows (one pass of rows: many passes' scores already span the block), every
+        // ask_mask + 1 keys, about 32 times a block whatever Dv and the vector width (for_row_groups)
+        const int64_t tiles = o.Dv / W_ / TILE;
+        values_ask = SIMD && (o.R / NR == 1 || (o.R < NR && o.R > 0)) && tiles > 0;
+        while (values_ask && (ask_mask + 1) * 2 < 4 * tiles) ask_mask = ask_mask * 2 + 1;
     }
 
 #if DN_AVX512 || DN_AVX2
@@ -504,7 +509,7 @@ struct Item {
     int asked = 0, ahead_rows = 0, ask_step = 0;
     int64_t ask_rate = 0;           // rows per step, in 1/65536ths (no division per step)
     bool pass_asks = false;         // the current rows pass asks (for_row_groups)
-    bool values_ask = false;        // and its value tiles too, every ask_mask + 1 keys
+    bool values_ask = false;        // and its value tiles too, every ask_mask + 1 keys (decided once: the constructor)
     int ask_mask = 3;
     void ask_next() { ask_upto((int)std::min<int64_t>(ahead_rows, (++ask_step * ask_rate) >> 16)); }
     void ask_upto(int upto) {
@@ -767,13 +772,9 @@ struct Item {
         const int64_t rest = o.R % NR;
         const int passes = (int)(o.R / NR), asking_passes = passes > 0 ? passes : rest > 0;
         const int scores_steps = W_ == 16 && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;  // (scores_rows' passes)
-        // value tiles ask for a decode's rows (one pass: many passes' scores already span the block), about 32 times
-        const int tiles = (int)(o.Dv / W_ / TILE);
-        values_ask = asking_passes == 1 && tiles > 0;
-        ask_mask = 3;
-        while (values_ask && (ask_mask + 1) * 2 < 4 * tiles) ask_mask = ask_mask * 2 + 1;
         if (scores) {
-            const int steps = asking_passes * scores_steps + (values_ask ? n / (ask_mask + 1) * tiles : 0) + 1;
+            const int values_steps = values_ask ? n / (ask_mask + 1) * (int)(o.Dv / W_ / TILE) : 0;
+            const int steps = asking_passes * scores_steps + values_steps + 1;
             ask_step = 0, ask_rate = ((int64_t)ahead_rows << 16) / steps;
         }
         const bool asking = SIMD && asking_passes > 0, finish = scores != asking;

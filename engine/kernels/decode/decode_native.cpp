@@ -43,6 +43,12 @@
 #include <immintrin.h>
 #define DN_AVX2 1
 #endif
+// int8 K/V on AMX tiles (amx_usable): a build for a CPU with AMX-INT8, where Linux grants the tiles
+#if DN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define DN_AMX 1
+#endif
 
 namespace {
 
@@ -326,6 +332,84 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
 }
 #endif
 
+#if DN_AMX
+// ---- int8 on AMX tiles ----------------------------------------------------------------------------------------
+//
+// An int8 key row times a q row is an integer dot product once q is in fixed point: q / 2^e rounded to an integer
+// of at most 26 bits (2^e the power of two that puts the row's largest |q| in [2^25, 2^26)), written in four signed
+// base-128 digits of [-64, 63] (digits4). One TDPBSSD then computes 16 keys x 64 channels against all four digits of
+// four query rows (the B tile's 16 columns: row r's digit p in column 4 r + p), exactly, in int32; the digits'
+// sums are weighted by 2^21, 2^14, 2^7, 1 in fp32 and scaled by 2^e. The values likewise: a block's weights p (times
+// the value scales), per row in fixed point against the block's largest, against V rows in the tile layout TDPBSSD
+// takes (4 keys' bytes of one channel in each 32-bit lane: amx_values). The only rounding before fp32's is q's and
+// p's to 2^-26 of their row's largest: the error is below fp32's own in a dot product of D terms.
+// Tiles: 0, 4, 5, 6 sums; 1 and 7 key rows; 2 and 3 q's digits (64 channels each); then 1, 2, 3 V and 7 p's digits.
+struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+constexpr int AMX_MAX_D = 128;  // q's digits in tiles 2 and 3
+
+// Linux hands a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), once.
+inline bool amx_granted() {
+    static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return granted;
+}
+
+// Every tile 16 rows of 64 bytes, for this thread (the caller's tiles are released after: amx_tiles)
+inline void amx_configure() {
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+
+// tile C = 16 key rows (base, stride apart) . q's digits (tiles 2 and 3), 64 channels a product (A tiles 1 and 7)
+#define DN_AMX_DOT(C, base, stride, D)                 \
+    do {                                               \
+        _tile_zero(C);                                 \
+        _tile_loadd(1, (base), (stride));              \
+        _tile_dpbssd(C, 1, 2);                         \
+        if ((D) > 64) {                                \
+            _tile_loadd(7, (base) + 64, (stride));     \
+            _tile_dpbssd(C, 7, 3);                     \
+        }                                              \
+    } while (0)
+
+// 16 integers x (|x| < 2^27) each as sum of digit p * 128^(3 - p), every digit in [-64, 63]: digit p of lane i to
+// out[p * stride + i]
+inline void digits4(__m512i x, int8_t* out, int64_t stride) {
+    for (int p = 3; p > 0; --p) {
+        const __m512i low = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(x, _mm512_set1_epi32(64)),
+                                                              _mm512_set1_epi32(127)), _mm512_set1_epi32(64));
+        _mm_storeu_si128((__m128i*)(out + p * stride), _mm512_cvtepi32_epi8(low));
+        x = _mm512_srai_epi32(_mm512_sub_epi32(x, low), 7);
+    }
+    _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(x));
+}
+
+// The power of two 2^e that puts max_abs (> 0, finite) in [2^25, 2^26) once divided by it: 2^(ilogb - 25); 0 where
+// max_abs < 2^-100 (2^e would leave fp32's normal range: such rows take the vector path)
+inline float fixed_point_unit(float max_abs) {
+    const int e = std::ilogb(max_abs);
+    return e < -100 ? 0.0f : std::ldexp(1.0f, e - 25);
+}
+
+// Four vectors of sums [16 x 16] int32 (rows i .. i + 3 of a stored sums tile, lanes 4 r + p) to one vector, lane
+// 4 r + a: sum over p of row (i + a)'s lane 4 r + p times 128^(3 - p)
+inline __m512 digit_sums(const int32_t* rows) {
+    __m512 y[4];
+    for (int a = 0; a < 4; ++a) y[a] = _mm512_cvtepi32_ps(_mm512_loadu_si512(rows + 16 * a));
+    const __m512 t0 = _mm512_unpacklo_ps(y[0], y[1]), t1 = _mm512_unpackhi_ps(y[0], y[1]);
+    const __m512 t2 = _mm512_unpacklo_ps(y[2], y[3]), t3 = _mm512_unpackhi_ps(y[2], y[3]);
+    const __m512 p0 = _mm512_shuffle_ps(t0, t2, 0x44), p1 = _mm512_shuffle_ps(t0, t2, 0xEE);
+    const __m512 p2 = _mm512_shuffle_ps(t1, t3, 0x44), p3 = _mm512_shuffle_ps(t1, t3, 0xEE);
+    __m512 sum = _mm512_fmadd_ps(p2, _mm512_set1_ps(128.0f), p3);
+    sum = _mm512_fmadd_ps(p1, _mm512_set1_ps(16384.0f), sum);
+    return _mm512_fmadd_ps(p0, _mm512_set1_ps(2097152.0f), sum);
+}
+#endif
+
 // Where channel d of q (and of the output) sits for BF16_PAIRS: within each 2 * W, the even ones first (vload_pair).
 // With W = 8: channels 0 1 2 3 .. 15 sit at 0 8 1 9 .. 15.
 constexpr int64_t PAIR = 2 * W_;
@@ -394,6 +478,15 @@ struct Operands {
                                     // K's, already asked for, so only K's are requested
 };
 
+#if DN_AMX
+// int8 K/V on AMX tiles: q's rows in one tile's columns (R <= 4), D in 64-channel tiles (up to AMX_MAX_D), Dv in
+// 64-channel halves, K and V their own rows; and Linux granting the tiles
+inline bool amx_usable(const Operands& o) {
+    return o.R >= 1 && o.R <= NR && o.D % 64 == 0 && o.D <= AMX_MAX_D && o.Dv % 64 == 0 && !o.shared &&
+           amx_granted();
+}
+#endif
+
 struct Partial {                    // one work item's online-softmax state
     int64_t bh, j0, j1;
     std::vector<float> m, l, acc;   // [R], [R], [R * Dv]
@@ -417,7 +510,7 @@ struct Item {
     const char* ahead_v[BLOCK + 16];
     bool group_asks = false;        // run_items fills ahead_k / ahead_v for this item (group_rows of them)
     int group_rows = 0;
-    float kunit[BLOCK];             // each key's dequantisation factor (1 for fp32 / bf16 / fp16), from block_rows
+    float kunit[BLOCK] = {};        // each key's dequantisation factor (1 for fp32 / bf16 / fp16), from block_rows
     const uint8_t* visb;
     const float* qb;
     bool nan_codes = false;         // (fp8) the block's rows hold an e4m3 NaN code: read with vload_e4m3_nan
@@ -443,6 +536,16 @@ struct Item {
         const int64_t tiles = o.Dv / W_ / TILE;
         values_ask = SIMD && (o.R / NR == 1 || (o.R < NR && o.R > 0)) && tiles > 0;
         while (values_ask && (ask_mask + 1) * 2 < 4 * tiles) ask_mask = ask_mask * 2 + 1;
+#if DN_AMX
+        if constexpr (KIND == I8 && SIMD) {
+            amx = amx_usable(o);
+            if (amx) amx = amx_digits();
+            if (amx) {
+                k_rows.resize(64 * o.D);
+                v_tiles.resize(64 * o.Dv);
+            }
+        }
+#endif
     }
 
 #if DN_AVX512 || DN_AVX2
@@ -930,6 +1033,210 @@ struct Item {
         return b != 0;
     }
 
+#if DN_AMX
+    // int8 on AMX tiles (the section "int8 on AMX tiles" above): decided once per item, like the asks
+    bool amx = false;
+    std::vector<int8_t> q_digits;   // [D / 64][16][64]: q's digits as B tiles, row r's digit p in column 4 r + p
+    float q_unit[NR] = {};          // 2^e of each row's fixed point
+    std::vector<int8_t> k_rows;     // [16][D]: a group of 16 keys whose rows are not evenly spaced, or the last keys
+    std::vector<int8_t> v_tiles;    // [Dv / 16][16][64]: the block's V rows as B tiles (4 keys' bytes a lane)
+    alignas(64) int8_t p_digits[16 * 64];
+    alignas(64) int32_t sums[4][16 * 16];  // the scores' sums tiles, stored
+
+    // false where a row's largest |q| is below 2^-100 (fixed_point_unit)
+    bool amx_digits() {  // (in vectors: per work item, this took 2 ns per key and head as scalar code)
+        const int64_t D = o.D;
+        q_digits.assign(16 * D, 0);
+        for (int64_t r = 0; r < o.R; ++r) {
+            const float* q = qb + r * D;
+            __m512 top = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
+            const float t = _mm512_reduce_max_ps(top);
+            q_unit[r] = t > 0.0f ? fixed_point_unit(t) : 1.0f;
+            if (q_unit[r] == 0.0f) return false;
+            const __m512 inv = _mm512_set1_ps(1.0f / q_unit[r]);
+            for (int64_t d = 0; d < D; d += 16) {
+                int8_t digit[4 * 16];
+                digits4(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv)), digit, 16);
+                for (int i = 0; i < 16; ++i)
+                    for (int p = 0; p < 4; ++p)
+                        q_digits[((d + i) / 64) * 1024 + ((d + i) % 64) / 4 * 64 + (4 * r + p) * 4 + (d + i) % 4] =
+                            digit[16 * p + i];
+            }
+        }
+        return true;
+    }
+
+    // the scores of the block's keys, 16 at a time: 16 key rows x 64 channels a TDPBSSD against q's digits; the
+    // block's four groups each in its own sums tile, so their products overlap (tiles are not renamed). Issued here,
+    // read back by amx_scores_finish (work in between overlaps with them)
+    void amx_scores(int n) {
+        const int64_t D = o.D;
+        _tile_loadd(2, q_digits.data(), 64);
+        if (D > 64) _tile_loadd(3, q_digits.data() + 1024, 64);
+        const int groups = (n + 15) / 16;
+        for (int g = 0; g < groups; ++g) {
+            const int jj = 16 * g, m = std::min(16, n - jj);
+            const char* base = krows[jj];
+            int64_t stride = m > 1 ? krows[jj + 1] - base : 0;
+            bool even = m == 16 && stride > 0;
+            for (int i = 2; even && i < 16; ++i) even = krows[jj + i] == base + i * stride;
+            if (!even) {  // copied into 16 evenly spaced rows (a tile's rows are one stride apart)
+                int8_t* rows = &k_rows[g * 16 * D];
+                for (int i = 0; i < 16; ++i) {
+                    if (i < m) std::memcpy(rows + i * D, krows[jj + i], D);
+                    else std::memset(rows + i * D, 0, D);
+                }
+                base = (const char*)rows, stride = D;
+            }
+            switch (g) {  // (tile numbers are constants: the intrinsics name the registers)
+                case 0: DN_AMX_DOT(0, base, stride, D); break;
+                case 1: DN_AMX_DOT(4, base, stride, D); break;
+                case 2: DN_AMX_DOT(5, base, stride, D); break;
+                default: DN_AMX_DOT(6, base, stride, D); break;
+            }
+        }
+    }
+    // the scores' sums from their tiles, weighted, scaled and stored (s[r][jj])
+    void amx_scores_finish(int n) {
+        const int groups = (n + 15) / 16;
+        const __m512 row_units = _mm512_setr_ps(q_unit[0], q_unit[0], q_unit[0], q_unit[0], q_unit[1], q_unit[1],
+                                                q_unit[1], q_unit[1], q_unit[2], q_unit[2], q_unit[2], q_unit[2],
+                                                q_unit[3], q_unit[3], q_unit[3], q_unit[3]);
+        for (int g = 0; g < groups; ++g) {
+            switch (g) {
+                case 0: _tile_stored(0, sums[0], 64); break;
+                case 1: _tile_stored(4, sums[1], 64); break;
+                case 2: _tile_stored(5, sums[2], 64); break;
+                default: _tile_stored(6, sums[3], 64); break;
+            }
+            const int jj = 16 * g, m = std::min(16, n - jj);
+            for (int i = 0; i < m; i += 4) {  // lane 4 r + a: row r, key jj + i + a (keys past n: softmax_step's -inf)
+                const __m512 units = _mm512_broadcast_f32x4(_mm_loadu_ps(&kunit[jj + i]));
+                const __m512 scores = _mm512_mul_ps(_mm512_mul_ps(digit_sums(&sums[g][16 * i]), row_units), units);
+                float* row = &s[jj + i];
+                _mm_storeu_ps(row, _mm512_castps512_ps128(scores));
+                if (o.R > 1) _mm_storeu_ps(row + BLOCK, _mm512_extractf32x4_ps(scores, 1));
+                if (o.R > 2) _mm_storeu_ps(row + 2 * BLOCK, _mm512_extractf32x4_ps(scores, 2));
+                if (o.R > 3) _mm_storeu_ps(row + 3 * BLOCK, _mm512_extractf32x4_ps(scores, 3));
+            }
+            if (pass_asks) ask_next();
+        }
+    }
+    // acc[r] += p[r] . V of the block (p: softmax_step's weights times the value scales), one TDPBSSD per 16 channels;
+    // false (nothing added) when a visible weight is not finite (a NaN / inf value scale) or a row's are all below
+    // 2^-100: the vector pass then adds them, NaN and all
+    bool amx_values(int n, bool masked) {
+        const int64_t R = o.R, Dv = o.Dv, halves = Dv / 64;
+        float p_unit[NR] = {};
+        std::memset(p_digits + 64 * 4 * R, 0, 64 * 4 * (NR - R));
+        for (int64_t r = 0; r < R; ++r) {
+            __m512 x[4], top = _mm512_setzero_ps();
+            __mmask16 finite = 0xFFFF;
+            for (int v = 0; v < 4; ++v) {
+                x[v] = _mm512_maskz_loadu_ps(n >= 16 * (v + 1) ? 0xFFFF : n <= 16 * v ? 0 : (1u << (n - 16 * v)) - 1,
+                                             &s[r * BLOCK + 16 * v]);  // (keys past n weigh 0)
+                if (masked) x[v] = _mm512_and_ps(x[v], _mm512_loadu_ps(&keep[r * BLOCK + 16 * v]));
+                finite &= _mm512_cmp_ps_mask(_mm512_sub_ps(x[v], x[v]), _mm512_setzero_ps(), _CMP_EQ_OQ);
+                top = _mm512_max_ps(top, _mm512_abs_ps(x[v]));
+            }
+            if (finite != 0xFFFF) return false;
+            const float t = _mm512_reduce_max_ps(top);
+            p_unit[r] = t > 0.0f ? fixed_point_unit(t) : 1.0f;
+            if (p_unit[r] == 0.0f) return false;
+            const __m512 inv = _mm512_set1_ps(1.0f / p_unit[r]);
+            for (int v = 0; v < 4; ++v)
+                digits4(_mm512_cvtps_epi32(_mm512_mul_ps(x[v], inv)), &p_digits[4 * r * 64 + 16 * v], 64);
+        }
+        amx_v_tiles(n);
+        _tile_loadd(7, p_digits, 64);
+        for (int64_t h = 0; h < halves; ++h) {
+            amx_products(&v_tiles[4 * h * 1024]);
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(4, sums[1], 64);
+            _tile_stored(5, sums[2], 64);
+            _tile_stored(6, sums[3], 64);
+            if (pass_asks) ask_next(), ask_next(), ask_next(), ask_next();
+            for (int64_t r = 0; r < R; ++r) {
+                __m512 y[4];  // tile q's channels of row r: digits weighted and summed
+                for (int q = 0; q < 4; ++q) {
+                    const int32_t* d = &sums[q][4 * r * 16];
+                    __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d + 32)),
+                                                 _mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(_mm512_loadu_si512(d + 48)));
+                    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d + 16)), _mm512_set1_ps(16384.0f), sum);
+                    y[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d)), _mm512_set1_ps(2097152.0f), sum);
+                }
+                // 128-bit block L of tile q is channels 16 L + 4 q .. + 3: transposed, vector L is channels 16 L ..
+                const __m512 t01 = _mm512_shuffle_f32x4(y[0], y[1], 0x44), t23 = _mm512_shuffle_f32x4(y[2], y[3], 0x44);
+                const __m512 u01 = _mm512_shuffle_f32x4(y[0], y[1], 0xEE), u23 = _mm512_shuffle_f32x4(y[2], y[3], 0xEE);
+                const __m512 z[4] = {_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD),
+                                     _mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD)};
+                float* acc = &part.acc[r * Dv + 64 * h];
+                const __m512 unit = _mm512_set1_ps(p_unit[r]);
+                for (int c = 0; c < 4; ++c)
+                    _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(z[c], unit, _mm512_loadu_ps(acc + 16 * c)));
+            }
+        }
+        return true;
+    }
+
+    // the four products of p's digits (tile 7) with one 64-channel half's V tiles, each in its own sums tile
+    static void amx_products(const int8_t* tiles) {
+        _tile_zero(0);
+        _tile_loadd(1, tiles, 64);
+        _tile_dpbssd(0, 7, 1);
+        _tile_zero(4);
+        _tile_loadd(2, tiles + 1024, 64);
+        _tile_dpbssd(4, 7, 2);
+        _tile_zero(5);
+        _tile_loadd(3, tiles + 2048, 64);
+        _tile_dpbssd(5, 7, 3);
+        _tile_zero(6);
+        _tile_loadd(1, tiles + 3072, 64);
+        _tile_dpbssd(6, 7, 1);
+    }
+
+    void amx_v_tiles(int n) {
+        const int64_t halves = o.Dv / 64;
+        // V rows to B tiles: 4 keys' rows interleaved bytewise, then by pairs: lane 4 L + i of tile (h, q) holds
+        // channel 64 h + 16 L + 4 q + i of keys 4 g .. 4 g + 3 (row g)
+        for (int g = 0; g < 16; ++g) {
+            if (pass_asks) ask_next();
+            for (int64_t h = 0; h < halves; ++h) {
+                __m512i v[4];
+                for (int a = 0; a < 4; ++a)
+                    v[a] = 4 * g + a < n ? _mm512_loadu_si512(vrows[4 * g + a] + 64 * h) : _mm512_setzero_si512();
+                const __m512i lo01 = _mm512_unpacklo_epi8(v[0], v[1]), hi01 = _mm512_unpackhi_epi8(v[0], v[1]);
+                const __m512i lo23 = _mm512_unpacklo_epi8(v[2], v[3]), hi23 = _mm512_unpackhi_epi8(v[2], v[3]);
+                int8_t* tile = &v_tiles[(4 * h * 16 + g) * 64];
+                _mm512_storeu_si512(tile, _mm512_unpacklo_epi16(lo01, lo23));
+                _mm512_storeu_si512(tile + 1024, _mm512_unpackhi_epi16(lo01, lo23));
+                _mm512_storeu_si512(tile + 2048, _mm512_unpacklo_epi16(hi01, hi23));
+                _mm512_storeu_si512(tile + 3072, _mm512_unpackhi_epi16(hi01, hi23));
+            }
+        }
+    }
+
+    void amx_step(int64_t j0, int n, bool masked) {
+        ask_step = 0;
+        // a share of the next block's rows asked for at each of these steps: a group of scores, 4 keys' V rows to
+        // tiles, a product of V; where fewer, larger shares (asking at the scores' groups and the products alone) took
+        // 1.07x the time, and more, smaller ones (every 4 keys' scores, or every 4 keys and 64 channels of V) 1.08-1.11x
+        const int64_t steps = (n + 15) / 16 + 16 + o.Dv / 16 + 1;
+        ask_rate = ((int64_t)ahead_rows << 16) / steps;
+        pass_asks = true;
+        amx_scores(n);
+        amx_scores_finish(n);
+        softmax_step(j0, n, masked);
+        if (!amx_values(n, masked)) {
+            pass_asks = false;
+            ask_upto(ahead_rows);
+            for_row_groups(j0, n, masked, false);
+        }
+        ask_upto(ahead_rows);
+    }
+#endif
+
     void run() {
         for (int64_t j0 = part.j0; j0 < end; j0 += BLOCK) step(j0);
     }
@@ -941,6 +1248,12 @@ struct Item {
         if (seen == NONE) return;  // no row sees these keys: never read
         const bool masked = seen == SOME;
         block_rows(j0, n);
+#if DN_AMX
+        if (amx) {
+            amx_step(j0, n, masked);
+            return;
+        }
+#endif
 #if DN_AVX512 || DN_AVX2
         if constexpr (KIND == F8E4M3 && SIMD)
             nan_codes = e4m3_nan_codes(krows, n, o.D) || (!o.shared && e4m3_nan_codes(vrows, n, o.Dv));
@@ -964,6 +1277,13 @@ bool heads_side_by_side(const Operands& o) {
 // thread, took 0.78x the time in fp32 and 0.72x in bf16 (each item asking for its own head's rows: 0.96-1.04x).
 template <int KIND, bool SIMD>
 void run_items(const Operands& o, Partial* p, int count) {
+#if DN_AMX
+    struct Tiles {  // this thread's tiles configured for the items, released after
+        bool held;
+        explicit Tiles(bool on) : held(on) { if (held) amx_configure(); }
+        ~Tiles() { if (held) _tile_release(); }
+    } tiles(KIND == I8 && SIMD && amx_usable(o));
+#endif
     if (count == 1) {
         Item<KIND, SIMD> item(o, p[0]);
         item.run();
@@ -1038,6 +1358,15 @@ int decode_native_lanes() {
     return W;
 #else
     return 1;
+#endif
+}
+
+// 1 when int8 K/V run on AMX tiles where they fit (amx_usable): built for a CPU with AMX-INT8 and granted the tiles
+int decode_native_amx() {
+#if DN_AMX
+    return amx_granted() ? 1 : 0;
+#else
+    return 0;
 #endif
 }
 

@@ -64,6 +64,19 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
     return None
 
 
+def native_amx_fits(inputs: AttentionInputs) -> bool:
+    """Whether the kernel computes these inputs' int8 K/V on AMX tiles (decode_native.cpp, "int8 on AMX tiles": its
+    ``amx_usable``): a library with AMX, an int8 cache, at most 4 query rows per KV head (G * T), D 64 or 128 and Dv a
+    multiple of 64, K and V not one tensor. Scores and weighted values are then integer dot products of q's and the
+    weights' fixed-point digits (26 bits of each row's largest), exact in int32."""
+    library = load_native()
+    k, v, q = inputs.k, inputs.v, inputs.q
+    if isinstance(library, str) or not library.amx or not isinstance(k, QuantizedKV) or k.data.dtype != torch.int8:
+        return False
+    rows, d, dv = q.shape[1] // k.shape[1] * q.shape[2], q.shape[3], v.shape[3]
+    return rows <= 4 and d in (64, 128) and dv % 64 == 0 and k is not v
+
+
 def native_decode_pays_off(inputs: AttentionInputs) -> str | None:
     """Why ``auto`` would not pick it for inputs it fits: only for top-k keys (``key_indices``) of more than
     MAX_QUERIES queries it cannot read in place (batch-invariant mode: the sparse kernel gathers them). Planned once,

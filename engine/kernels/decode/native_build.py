@@ -69,8 +69,8 @@ OK, UNKNOWN_KIND, NON_FINITE_Q = 0, 1, 2
 
 class NativeLibrary:
     """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``listed_tables`` builds a list of keys' page
-    table, ``lanes`` is its vector width, ``build_s`` the seconds the build took in this process (0 when the cache
-    had it)."""
+    table, ``lanes`` is its vector width, ``amx`` whether it computes int8 K/V on AMX tiles (a CPU with AMX-INT8,
+    granted by Linux), ``build_s`` the seconds the build took in this process (0 when the cache had it)."""
 
     def __init__(self, path: Path, build_s: float) -> None:
         self.path, self.build_s = path, build_s
@@ -88,6 +88,8 @@ class NativeLibrary:
         self.decode.argtypes = [ctypes.POINTER(DecodeCall)]
         self.lib.decode_native_lanes.restype = ctypes.c_int
         self.lanes = int(self.lib.decode_native_lanes())
+        self.lib.decode_native_amx.restype = ctypes.c_int
+        self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (native_amx_fits)
         self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
         self.listed_tables.restype = ctypes.c_int
         self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,

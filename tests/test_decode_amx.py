@@ -1,0 +1,139 @@
+"""int8 K/V on AMX tiles (decode_native.cpp, "int8 on AMX tiles"), against the float64 oracle over the dequantized
+cache: where the CPU has AMX-INT8 and Linux grants the tiles, an int8 cache's scores and weighted values are integer
+dot products of fixed-point digits of q and of the weights. These tests check that path where it runs (the library
+says so: ``amx``), its edges (partial blocks and groups, masks, rows copied because they are not evenly spaced,
+non-finite and extreme scales, extreme q) and that explain() names it. Elsewhere they skip; the same calls' vector
+paths are checked by tests/test_decode_native.py (its AVX-512 build has no AMX)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine
+from engine import paged_attention
+from engine.kernels.decode.decode_native import _call
+from engine.kernels.decode.native_build import load_native
+from engine.quantized import QuantizedKV, quantize
+from tests.test_decode_native import oracle
+from tests.test_paged_quantized import dequantized_pool, quantized_pool
+
+LIBRARY = load_native()
+AMX = not isinstance(LIBRARY, str) and LIBRARY.amx
+pytestmark = pytest.mark.skipif(not AMX, reason="no AMX tiles here (a CPU without AMX-INT8, or not granted)")
+
+
+def call(q_rows, kq, vq, visible):
+    """The kernel on q rows ``[B, Hkv, R, D]`` (already scaled) and int8 K/V: (out, lse), checked to return OK."""
+    b, hkv, rows, _ = q_rows.shape
+    out, lse = torch.zeros(b, hkv, rows, vq.shape[-1]), torch.zeros(b, hkv, rows)
+    assert _call(LIBRARY, q_rows, 1.0, (kq.data, kq.scale), (vq.data, vq.scale), visible, out, lse) == 0
+    return out, lse
+
+
+def dequantized(x: QuantizedKV) -> torch.Tensor:
+    return x.data.double() * x.scale.double()[..., None]
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), s=st.integers(1, 300), d=st.sampled_from([64, 128]), dv=st.sampled_from([64, 128, 192]),
+       masked=st.booleans(), seed=st.integers(0, 2**16))
+def test_int8_on_amx_tiles_matches_the_float64_oracle(rows, s, d, dv, masked, seed):
+    # every block shape: S from 1 (a group of one key) past several blocks, blocks masked or run unmasked
+    g = torch.Generator().manual_seed(seed)
+    q_rows = torch.randn(2, 2, rows, d, generator=g) * 0.3
+    kq = quantize(torch.randn(2, 2, s, d, generator=g), torch.int8)
+    vq = quantize(torch.randn(2, 2, s, dv, generator=g), torch.int8)
+    visible = torch.rand(2, 1, rows, s, generator=g) > 0.3 if masked else torch.ones(2, 1, rows, s, dtype=torch.bool)
+    out, lse = call(q_rows, kq, vq, visible)
+    want, want_lse = oracle(q_rows, dequantized(kq), dequantized(vq), visible, 1.0)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("magnitude", [0.0, 1e-36, 1e-20, 1.0, 1e15])
+def test_q_rows_of_any_magnitude_match_the_oracle(magnitude):
+    # q's fixed point is relative to each row's largest |q|: zero rows, rows too small for it (below 2^-100: the
+    # vector path) and large ones (scores far past the max: one key takes all the weight)
+    g = torch.Generator().manual_seed(1)
+    q_rows = torch.randn(1, 2, 4, 128, generator=g)
+    q_rows[:, :, 1] *= magnitude
+    kq, vq = (quantize(torch.randn(1, 2, 200, 128, generator=g), torch.int8) for _ in range(2))
+    visible = torch.ones(1, 1, 4, 200, dtype=torch.bool)
+    out, lse = call(q_rows, kq, vq, visible)
+    want, want_lse = oracle(q_rows.double(), dequantized(kq), dequantized(vq), visible, 1.0)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_value_scales_of_any_magnitude_match_the_oracle():
+    # the weights' fixed point is relative to each block's largest weight times its value scale: a block of tiny
+    # scales (below 2^-100 after the softmax: the vector path), one of huge ones
+    g = torch.Generator().manual_seed(2)
+    q_rows = torch.randn(1, 1, 4, 64, generator=g)
+    kq = quantize(torch.randn(1, 1, 256, 64, generator=g), torch.int8)
+    vq = quantize(torch.randn(1, 1, 256, 64, generator=g), torch.int8)
+    vq.scale[..., :64] *= 1e-35
+    vq.scale[..., 128:192] *= 1e20
+    visible = torch.ones(1, 1, 4, 256, dtype=torch.bool)
+    out, _ = call(q_rows, kq, vq, visible)
+    want, _ = oracle(q_rows, dequantized(kq), dequantized(vq), visible, 1.0)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=want.abs().max().item() * 1e-6)
+
+
+def test_non_finite_scales_poison_only_the_rows_that_see_them():
+    # a NaN key scale makes the rows that see the key NaN (lse -inf); a NaN value scale the channels of the rows that
+    # see it (the block's values then take the vector path); rows that do not see them are untouched
+    g = torch.Generator().manual_seed(3)
+    q_rows = torch.randn(1, 1, 4, 128, generator=g)
+    kq, vq = (quantize(torch.randn(1, 1, 150, 128, generator=g), torch.int8) for _ in range(2))
+    kq.scale[0, 0, 10] = float("nan")
+    vq.scale[0, 0, 100] = float("inf")
+    visible = torch.ones(1, 1, 4, 150, dtype=torch.bool)
+    visible[0, 0, 0:2, 10] = False  # rows 0, 1 do not see the NaN key
+    visible[0, 0, 0, 100] = False   # row 0 does not see the inf value
+    out, lse = call(q_rows, kq, vq, visible)
+    assert bool(out[0, 0, 2:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 2:]).all())
+    assert bool(out[0, 0, 1].isnan().all())
+    clean_k, clean_v = dequantized(kq).nan_to_num(0.0), dequantized(vq).nan_to_num(0.0, 0.0, 0.0)
+    want, want_lse = oracle(q_rows, clean_k, clean_v, visible, 1.0)
+    torch.testing.assert_close(out[0, 0, 0].double(), want[0, 0, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[0, 0, :2].double(), want_lse[0, 0, :2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [16, 24, 5])
+def test_pages_of_any_size_match_the_oracle(page_size):
+    # pages of 16 give each group of 16 keys one evenly spaced run (read in place by the tile loads); pages of 24
+    # or 5 give groups spanning pages, copied into 16 evenly spaced rows first
+    g = torch.Generator().manual_seed(page_size)
+    lengths = [300, 77]
+    pages_per = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per) + 3
+    kq, vq = (quantized_pool(torch.randn(num_pages, page_size, 2, 128, generator=g), torch.int8) for _ in range(2))
+    order = torch.randperm(num_pages, generator=g)
+    table = torch.zeros(2, max(pages_per), dtype=torch.int64)
+    table[0, :pages_per[0]], table[1, :pages_per[1]] = order[:pages_per[0]], order[pages_per[0]:sum(pages_per)]
+    kv_lens, indptr = torch.tensor(lengths), torch.tensor([0, 1, 2])
+    q = torch.randn(2, 8, 128, generator=g)  # one query per sequence, G 4: four rows per KV head
+    text = engine.explain_paged(q, kq, vq, table, kv_lens, indptr)
+    assert "decode_native reads K/V in place" in text, text
+    out = paged_attention(q, kq, vq, table, kv_lens, indptr)
+    k64, v64 = dequantized_pool(kq), dequantized_pool(vq)  # [num_pages, page_size, Hkv, D]
+    for b, n in enumerate(lengths):
+        pages = table[b, torch.arange(n) // page_size]
+        k_seq = k64[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]  # [1, Hkv, n, D]
+        v_seq = v64[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]
+        want, _ = oracle(q[b][None, :, None], k_seq, v_seq, torch.ones(1, 1, 1, n, dtype=torch.bool), 128 ** -0.5)
+        torch.testing.assert_close(out[b].double(), want[0, :, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_explain_names_the_tiles_where_they_run():
+    q, k = torch.randn(1, 8, 1, 128), quantize(torch.randn(1, 2, 300, 128), torch.int8)
+    assert "AMX tiles" not in str(engine.explain(q, k, k))  # K and V one tensor (a latent's): the vector path
+    v = quantize(torch.randn(1, 2, 300, 128), torch.int8)
+    assert "AMX tiles" in str(engine.explain(q, k, v))
+    assert "AMX tiles" not in str(engine.explain(torch.randn(1, 16, 1, 128), k, v))  # G 8: 8 rows, the vector path
+    k96, v96 = (quantize(torch.randn(1, 2, 300, 96), torch.int8) for _ in range(2))
+    assert "AMX tiles" not in str(engine.explain(torch.randn(1, 8, 1, 96), k96, v96))  # D 96: not in 64-channel tiles

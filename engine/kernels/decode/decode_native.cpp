@@ -340,10 +340,13 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
 // base-128 digits of [-64, 63] (digits4). One TDPBSSD then computes 16 keys x 64 channels against all four digits of
 // four query rows (the B tile's 16 columns: row r's digit p in column 4 r + p), exactly, in int32; the digits'
 // sums are weighted by 2^21, 2^14, 2^7, 1 in fp32 and scaled by 2^e. The values likewise: a block's weights p (times
-// the value scales), per row in fixed point against the block's largest, against V rows in the tile layout TDPBSSD
-// takes (4 keys' bytes of one channel in each 32-bit lane: amx_values). The only rounding before fp32's is q's and
-// p's to 2^-26 of their row's largest: the error is below fp32's own in a dot product of D terms.
-// Tiles: 0, 4, 5, 6 sums; 1 and 7 key rows; 2 and 3 q's digits (64 channels each); then 1, 2, 3 V and 7 p's digits.
+// the value scales, >= 0), per row in fixed point against the block's largest, as three unsigned base-256 digits
+// (24 bits), one TDPBUSD against V rows in the tile layout it takes (4 keys' bytes of one channel in each 32-bit
+// lane: amx_v_tiles). (Four signed digits for p, as q's, took 1.13x the time in L2, 1.04x from DRAM.) The only
+// rounding before fp32's is q's to 2^-26 and p's to 2^-24 of their row's largest: the error is at or below fp32's
+// own in a dot product of D terms.
+// Tiles: 0, 4, 5, 6 sums; 1 and 7 key rows; 2 and 3 q's digits (64 channels each); then 1, 2, 3 V and 7 p's digits
+// (rows 3 r + p, p = 0 .. 2).
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -388,11 +391,13 @@ inline void digits4(__m512i x, int8_t* out, int64_t stride) {
     _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(x));
 }
 
-// The power of two 2^e that puts max_abs (> 0, finite) in [2^25, 2^26) once divided by it: 2^(ilogb - 25); 0 where
-// max_abs < 2^-100 (2^e would leave fp32's normal range: such rows take the vector path)
+// The power of two 2^e that puts max_abs (> 0, finite) in [2^(BITS - 1), 2^BITS) once divided by it (so every
+// |x| <= max_abs rounds to at most 2^BITS - 1): 2^(ilogb - BITS + 1); 0 where max_abs < 2^-100 (2^e would leave
+// fp32's normal range: such rows take the vector path)
+template <int BITS>
 inline float fixed_point_unit(float max_abs) {
     const int e = std::ilogb(max_abs);
-    return e < -100 ? 0.0f : std::ldexp(1.0f, e - 25);
+    return e < -100 ? 0.0f : std::ldexp(1.0f, e - BITS + 1);
 }
 
 // Four vectors of sums [16 x 16] int32 (rows i .. i + 3 of a stored sums tile, lanes 4 r + p) to one vector, lane
@@ -1052,7 +1057,7 @@ struct Item {
             __m512 top = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
             const float t = _mm512_reduce_max_ps(top);
-            q_unit[r] = t > 0.0f ? fixed_point_unit(t) : 1.0f;
+            q_unit[r] = t > 0.0f ? fixed_point_unit<26>(t) : 1.0f;
             if (q_unit[r] == 0.0f) return false;
             const __m512 inv = _mm512_set1_ps(1.0f / q_unit[r]);
             for (int64_t d = 0; d < D; d += 16) {
@@ -1123,30 +1128,36 @@ struct Item {
             if (pass_asks) ask_next();
         }
     }
-    // acc[r] += p[r] . V of the block (p: softmax_step's weights times the value scales), one TDPBSSD per 16 channels;
-    // false (nothing added) when a visible weight is not finite (a NaN / inf value scale) or a row's are all below
-    // 2^-100: the vector pass then adds them, NaN and all
+    // acc[r] += p[r] . V of the block (p: softmax_step's weights times the value scales), one TDPBUSD per 16 channels;
+    // false (nothing added) when a visible weight is not finite or below 0 (a NaN / inf / negative value scale) or a
+    // row's are all below 2^-100: the vector pass then adds them, NaN and all
     bool amx_values(int n, bool masked) {
         const int64_t R = o.R, Dv = o.Dv, halves = Dv / 64;
         float p_unit[NR] = {};
-        std::memset(p_digits + 64 * 4 * R, 0, 64 * 4 * (NR - R));
+        std::memset(p_digits + 64 * 3 * R, 0, 64 * (16 - 3 * R));
         for (int64_t r = 0; r < R; ++r) {
             __m512 x[4], top = _mm512_setzero_ps();
-            __mmask16 finite = 0xFFFF;
+            __mmask16 fits = 0xFFFF;  // finite and >= 0 (a negative value scale: the vector path)
             for (int v = 0; v < 4; ++v) {
                 x[v] = _mm512_maskz_loadu_ps(n >= 16 * (v + 1) ? 0xFFFF : n <= 16 * v ? 0 : (1u << (n - 16 * v)) - 1,
                                              &s[r * BLOCK + 16 * v]);  // (keys past n weigh 0)
                 if (masked) x[v] = _mm512_and_ps(x[v], _mm512_loadu_ps(&keep[r * BLOCK + 16 * v]));
-                finite &= _mm512_cmp_ps_mask(_mm512_sub_ps(x[v], x[v]), _mm512_setzero_ps(), _CMP_EQ_OQ);
-                top = _mm512_max_ps(top, _mm512_abs_ps(x[v]));
+                fits &= _mm512_cmp_ps_mask(_mm512_sub_ps(x[v], x[v]), _mm512_setzero_ps(), _CMP_EQ_OQ) &
+                        _mm512_cmp_ps_mask(x[v], _mm512_setzero_ps(), _CMP_GE_OQ);
+                top = _mm512_max_ps(top, x[v]);
             }
-            if (finite != 0xFFFF) return false;
+            if (fits != 0xFFFF) return false;
             const float t = _mm512_reduce_max_ps(top);
-            p_unit[r] = t > 0.0f ? fixed_point_unit(t) : 1.0f;
+            p_unit[r] = t > 0.0f ? fixed_point_unit<24>(t) : 1.0f;
             if (p_unit[r] == 0.0f) return false;
             const __m512 inv = _mm512_set1_ps(1.0f / p_unit[r]);
-            for (int v = 0; v < 4; ++v)
-                digits4(_mm512_cvtps_epi32(_mm512_mul_ps(x[v], inv)), &p_digits[4 * r * 64 + 16 * v], 64);
+            for (int v = 0; v < 4; ++v) {  // three unsigned base-256 digits, rows 3 r .. 3 r + 2
+                const __m512i x24 = _mm512_cvtps_epi32(_mm512_mul_ps(x[v], inv));
+                int8_t* out = &p_digits[3 * r * 64 + 16 * v];
+                _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(_mm512_srli_epi32(x24, 16)));
+                _mm_storeu_si128((__m128i*)(out + 64), _mm512_cvtepi32_epi8(_mm512_srli_epi32(x24, 8)));
+                _mm_storeu_si128((__m128i*)(out + 128), _mm512_cvtepi32_epi8(x24));
+            }
         }
         amx_v_tiles(n);
         _tile_loadd(7, p_digits, 64);
@@ -1160,11 +1171,11 @@ struct Item {
             for (int64_t r = 0; r < R; ++r) {
                 __m512 y[4];  // tile q's channels of row r: digits weighted and summed
                 for (int q = 0; q < 4; ++q) {
-                    const int32_t* d = &sums[q][4 * r * 16];
-                    __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d + 32)),
-                                                 _mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(_mm512_loadu_si512(d + 48)));
-                    sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d + 16)), _mm512_set1_ps(16384.0f), sum);
-                    y[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d)), _mm512_set1_ps(2097152.0f), sum);
+                    const int32_t* d = &sums[q][3 * r * 16];
+                    const __m512 low = _mm512_cvtepi32_ps(_mm512_loadu_si512(d + 32));
+                    const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d + 16)),
+                                                       _mm512_set1_ps(256.0f), low);
+                    y[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d)), _mm512_set1_ps(65536.0f), sum);
                 }
                 // 128-bit block L of tile q is channels 16 L + 4 q .. + 3: transposed, vector L is channels 16 L ..
                 const __m512 t01 = _mm512_shuffle_f32x4(y[0], y[1], 0x44), t23 = _mm512_shuffle_f32x4(y[2], y[3], 0x44);
@@ -1180,20 +1191,20 @@ struct Item {
         return true;
     }
 
-    // the four products of p's digits (tile 7) with one 64-channel half's V tiles, each in its own sums tile
+    // the four products of p's digits (tile 7, unsigned) with one 64-channel half's V tiles, each in its own sums tile
     static void amx_products(const int8_t* tiles) {
         _tile_zero(0);
         _tile_loadd(1, tiles, 64);
-        _tile_dpbssd(0, 7, 1);
+        _tile_dpbusd(0, 7, 1);
         _tile_zero(4);
         _tile_loadd(2, tiles + 1024, 64);
-        _tile_dpbssd(4, 7, 2);
+        _tile_dpbusd(4, 7, 2);
         _tile_zero(5);
         _tile_loadd(3, tiles + 2048, 64);
-        _tile_dpbssd(5, 7, 3);
+        _tile_dpbusd(5, 7, 3);
         _tile_zero(6);
         _tile_loadd(1, tiles + 3072, 64);
-        _tile_dpbssd(6, 7, 1);
+        _tile_dpbusd(6, 7, 1);
     }
 
     void amx_v_tiles(int n) {
@@ -1220,8 +1231,9 @@ struct Item {
     void amx_step(int64_t j0, int n, bool masked) {
         ask_step = 0;
         // a share of the next block's rows asked for at each of these steps: a group of scores, 4 keys' V rows to
-        // tiles, a product of V; where fewer, larger shares (asking at the scores' groups and the products alone) took
-        // 1.07x the time, and more, smaller ones (every 4 keys' scores, or every 4 keys and 64 channels of V) 1.08-1.11x
+        // tiles, a product of V; where fewer, larger shares (asking at the scores' groups and the products alone)
+        // took 1.07x the time, more, smaller ones (every 4 keys' scores, or every 4 keys and 64 channels of V)
+        // 1.08-1.11x, and all asked by mid-block 1.09-1.20x
         const int64_t steps = (n + 15) / 16 + 16 + o.Dv / 16 + 1;
         ask_rate = ((int64_t)ahead_rows << 16) / steps;
         pass_asks = true;

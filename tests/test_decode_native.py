@@ -55,6 +55,13 @@ def run_native(q, k, v, qpos=None, kpos=None, allowed=None, **kwargs):
     return causal_attention(q, k, v, qpos, kpos, allowed, kernel="decode_native", return_lse=True, **kwargs)
 
 
+@needs_native
+def test_explain_knows_without_building_whether_the_library_uses_amx_tiles():
+    from engine.kernels.decode.native_build import native_amx
+
+    assert native_amx() == load_native().amx  # (explain asks native_amx; the library says what it compiled and got)
+
+
 def test_the_native_kernel_is_built_where_ci_runs():
     # CI has g++: there the native path must really run (not skip), so both paths are tested.
     if os.environ.get("CI") == "true":

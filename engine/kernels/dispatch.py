@@ -55,14 +55,13 @@ from engine.kernels.cuda.sdpa_cuda import sdpa_cuda_attention, sdpa_cuda_fits
 from engine.kernels.decode import decode_native
 from engine.kernels.decode.decode import decode_attention, decode_fits, decode_pays_off
 from engine.kernels.decode.decode_native import (
-    native_amx_fits,
     native_decode_attention,
     native_decode_fits,
+    native_decode_notes,
     native_decode_pays_off,
     native_decode_runner,
 )
 from engine.kernels.decode.dequantized import dequantized_attention, dequantized_fits
-from engine.kernels.decode.native_listed import listed_fits
 from engine.kernels.flex.flex import flex_attention, flex_fits, flex_pays_off
 from engine.kernels.paged_rows import FLEX_PAGED, NATIVE_PAGED, PagedRow
 from engine.kernels.reference import reference_attention
@@ -229,11 +228,8 @@ def _with_modifiers(choice: KernelChoice, inputs: AttentionInputs) -> KernelChoi
         choice.modifiers.append(f"{', '.join(options)}: computed by {choice.kernel}")
     if inputs.modifiers.sinks is not None:
         choice.modifiers.append(f"sinks: applied to {choice.kernel}'s out and lse after it runs (any kernel)")
-    if choice.kernel == "decode_native" and listed_fits(inputs) is None:
-        choice.modifiers.append("key_indices: read in place, only each query's listed keys (native_listed)")
-    elif choice.kernel == "decode_native" and native_amx_fits(inputs):
-        choice.modifiers.append("int8 K/V on AMX tiles: scores and weighted values as integer dot products of "
-                                "fixed-point digits (decode_native.cpp)")
+    if choice.kernel == "decode_native":
+        choice.modifiers += native_decode_notes(inputs)
     if is_batch_invariant():
         why_not = choice.passed_over.get("decode_native", "forced away from it")
         choice.modifiers.append("batch-invariant mode: " + ("decode_native, 16 queries at a time" if choice.kernel ==

@@ -546,8 +546,10 @@ struct Item {
             amx = amx_usable(o);
             if (amx) amx = amx_digits();
             if (amx) {
-                k_rows.resize(64 * o.D);
-                v_tiles.resize(64 * o.Dv);
+                // (this thread's, shared by its items: each uses them within one block; not zeroed, written first)
+                static thread_local std::vector<int8_t> scratch;
+                if (scratch.size() < (size_t)(64 * (o.D + o.Dv))) scratch.resize(64 * (o.D + o.Dv));
+                k_rows = scratch.data(), v_tiles = scratch.data() + 64 * o.D;
             }
         }
 #endif
@@ -1041,17 +1043,17 @@ struct Item {
 #if DN_AMX
     // int8 on AMX tiles (the section "int8 on AMX tiles" above): decided once per item, like the asks
     bool amx = false;
-    std::vector<int8_t> q_digits;   // [D / 64][16][64]: q's digits as B tiles, row r's digit p in column 4 r + p
+    alignas(64) int8_t q_digits[16 * AMX_MAX_D];  // [D / 64][16][64]: q's digits as B tiles (row r's p: column 4 r + p)
     float q_unit[NR] = {};          // 2^e of each row's fixed point
-    std::vector<int8_t> k_rows;     // [16][D]: a group of 16 keys whose rows are not evenly spaced, or the last keys
-    std::vector<int8_t> v_tiles;    // [Dv / 16][16][64]: the block's V rows as B tiles (4 keys' bytes a lane)
+    int8_t* k_rows = nullptr;       // [4][16][D]: a group of 16 keys whose rows are not evenly spaced, or the last
+    int8_t* v_tiles = nullptr;      // [Dv / 16][16][64]: the block's V rows as B tiles (4 keys' bytes a lane)
     alignas(64) int8_t p_digits[16 * 64];
     alignas(64) int32_t sums[4][16 * 16];  // the scores' sums tiles, stored
 
     // false where a row's largest |q| is below 2^-100 (fixed_point_unit)
     bool amx_digits() {  // (in vectors: per work item, this took 2 ns per key and head as scalar code)
         const int64_t D = o.D;
-        q_digits.assign(16 * D, 0);
+        std::memset(q_digits, 0, 16 * D);
         for (int64_t r = 0; r < o.R; ++r) {
             const float* q = qb + r * D;
             __m512 top = _mm512_setzero_ps();
@@ -1077,8 +1079,8 @@ struct Item {
     // read back by amx_scores_finish (work in between overlaps with them)
     void amx_scores(int n) {
         const int64_t D = o.D;
-        _tile_loadd(2, q_digits.data(), 64);
-        if (D > 64) _tile_loadd(3, q_digits.data() + 1024, 64);
+        _tile_loadd(2, q_digits, 64);
+        if (D > 64) _tile_loadd(3, q_digits + 1024, 64);
         const int groups = (n + 15) / 16;
         for (int g = 0; g < groups; ++g) {
             const int jj = 16 * g, m = std::min(16, n - jj);
@@ -1289,13 +1291,6 @@ bool heads_side_by_side(const Operands& o) {
 // thread, took 0.78x the time in fp32 and 0.72x in bf16 (each item asking for its own head's rows: 0.96-1.04x).
 template <int KIND, bool SIMD>
 void run_items(const Operands& o, Partial* p, int count) {
-#if DN_AMX
-    struct Tiles {  // this thread's tiles configured for the items, released after
-        bool held;
-        explicit Tiles(bool on) : held(on) { if (held) amx_configure(); }
-        ~Tiles() { if (held) _tile_release(); }
-    } tiles(KIND == I8 && SIMD && amx_usable(o));
-#endif
     if (count == 1) {
         Item<KIND, SIMD> item(o, p[0]);
         item.run();
@@ -1496,6 +1491,13 @@ int decode_native(const DecodeCall* call) {
         if (keys * threads >= total * t) first[t++] = i + 1;
     }
     auto worker = [&](int t) {
+#if DN_AMX
+        struct Tiles {  // this thread's tiles configured for its items (once a call: 1 us a time), released after
+            bool held;
+            explicit Tiles(bool on) : held(on) { if (held) amx_configure(); }
+            ~Tiles() { if (held) _tile_release(); }
+        } tiles(simd && kind == I8 && amx_usable(o));
+#endif
         for (size_t i = first[t]; i < first[t + 1];) {
             int count = 1;  // this item and the next heads' items of the same keys, up to in_turn of them
             while (count < in_turn && i + count < first[t + 1] && items[i + count].bh == items[i].bh + count &&

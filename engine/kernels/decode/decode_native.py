@@ -30,7 +30,14 @@ import torch
 from engine.inputs import AttentionInputs
 from engine.invariance import is_batch_invariant
 from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, needs_grad, unfold_groups
-from engine.kernels.decode.native_build import NON_FINITE_Q, OK, DecodeCall, load_native, native_unavailable
+from engine.kernels.decode.native_build import (
+    NON_FINITE_Q,
+    OK,
+    DecodeCall,
+    load_native,
+    native_amx,
+    native_unavailable,
+)
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
 from engine.kernels.visibility import chunk_rows, decode_rows
 from engine.masks.key_indices import split_listed
@@ -64,17 +71,19 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
     return None
 
 
-def native_amx_fits(inputs: AttentionInputs) -> bool:
-    """Whether the kernel computes these inputs' int8 K/V on AMX tiles (decode_native.cpp, "int8 on AMX tiles": its
-    ``amx_usable``): a library with AMX, an int8 cache, at most 4 query rows per KV head (G * T), D 64 or 128 and Dv a
-    multiple of 64, K and V not one tensor. Scores and weighted values are then integer dot products of q's and the
-    weights' fixed-point digits (26 bits of each row's largest), exact in int32."""
-    library = load_native()
+def native_decode_notes(inputs: AttentionInputs) -> list[str]:
+    """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place, or int8 K/V
+    on AMX tiles (decode_native.cpp, "int8 on AMX tiles", its ``amx_usable``): a CPU whose tiles the library uses
+    (``native_amx``), an int8 cache, at most 4 query rows per KV head (G * T), D 64 or 128 and Dv a multiple of 64,
+    K and V not one tensor."""
+    if listed_fits(inputs) is None:
+        return ["key_indices: read in place, only each query's listed keys (native_listed)"]
     k, v, q = inputs.k, inputs.v, inputs.q
-    if isinstance(library, str) or not library.amx or not isinstance(k, QuantizedKV) or k.data.dtype != torch.int8:
-        return False
-    rows, d, dv = q.shape[1] // k.shape[1] * q.shape[2], q.shape[3], v.shape[3]
-    return rows <= 4 and d in (64, 128) and dv % 64 == 0 and k is not v
+    if native_amx() and isinstance(k, QuantizedKV) and k.data.dtype == torch.int8 and k is not v:
+        if q.shape[1] // k.shape[1] * q.shape[2] <= 4 and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
+            return ["int8 K/V on AMX tiles: scores and weighted values as integer dot products of fixed-point "
+                    "digits (26 bits of each q row's largest, 24 of each block's weights)"]
+    return []
 
 
 def native_decode_pays_off(inputs: AttentionInputs) -> str | None:

@@ -89,7 +89,7 @@ class NativeLibrary:
         self.lib.decode_native_lanes.restype = ctypes.c_int
         self.lanes = int(self.lib.decode_native_lanes())
         self.lib.decode_native_amx.restype = ctypes.c_int
-        self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (native_amx_fits)
+        self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (amx_usable)
         self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
         self.listed_tables.restype = ctypes.c_int
         self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
@@ -109,6 +109,18 @@ def cpu_key() -> str:
         if name.strip() in wanted and name.strip() not in seen:
             seen[name.strip()] = value.strip()
     return f"{platform.machine()} " + " | ".join(f"{k}: {v}" for k, v in sorted(seen.items()))
+
+
+@functools.cache
+def native_amx() -> bool:
+    """Whether the library computes int8 K/V on AMX tiles here (builds nothing; ``NativeLibrary.amx`` tells once it
+    is loaded): the CPU has AMX-INT8 (the ``-march=native`` build compiles that path) and Linux grants a process the
+    tiles, asked as the library asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA)."""
+    flags = cpu_key().split()
+    if platform.system() != "Linux" or platform.machine() != "x86_64" or not {"amx_tile", "amx_int8"} <= set(flags):
+        return False
+    syscall = ctypes.CDLL(None, use_errno=True).syscall
+    return syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
 
 
 def compiler() -> str | None:

@@ -342,9 +342,9 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
 // sums are weighted by 2^21, 2^14, 2^7, 1 in fp32 and scaled by 2^e. The values likewise: a block's weights p (times
 // the value scales, >= 0), per row in fixed point against the block's largest, as three unsigned base-256 digits
 // (24 bits), one TDPBUSD against V rows in the tile layout it takes (4 keys' bytes of one channel in each 32-bit
-// lane: amx_v_tiles). (Four signed digits for p, as q's, took 1.13x the time in L2, 1.04x from DRAM.) The only
-// rounding before fp32's is q's to 2^-26 and p's to 2^-24 of their row's largest: the error is at or below fp32's
-// own in a dot product of D terms.
+// lane: amx_v_tiles). (Four signed digits for p, as q's, took 1.12-1.20x the time in L2, 1.04-1.08x from DRAM.)
+// The only rounding before fp32's is q's to 2^-26 and p's to 2^-24 of their row's largest: the error is at or below
+// fp32's own in a dot product of D terms.
 // Tiles: 0, 4, 5, 6 sums; 1 and 7 key rows; 2 and 3 q's digits (64 channels each); then 1, 2, 3 V and 7 p's digits
 // (rows 3 r + p, p = 0 .. 2).
 struct alignas(64) TileConfig {
@@ -1235,7 +1235,7 @@ struct Item {
         // a share of the next block's rows asked for at each of these steps: a group of scores, 4 keys' V rows to
         // tiles, a product of V; where fewer, larger shares (asking at the scores' groups and the products alone)
         // took 1.07x the time, more, smaller ones (every 4 keys' scores, or every 4 keys and 64 channels of V)
-        // 1.08-1.11x, and all asked by mid-block 1.09-1.20x
+        // 1.07-1.12x, and all asked by 40-80% of the block 1.08-1.21x
         const int64_t steps = (n + 15) / 16 + 16 + o.Dv / 16 + 1;
         ask_rate = ((int64_t)ahead_rows << 16) / steps;
         pass_asks = true;

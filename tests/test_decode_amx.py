@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine import paged_attention
+from engine import causal_attention, paged_attention
 from engine.kernels.decode.decode_native import _call
 from engine.kernels.decode.native_build import load_native
 from engine.quantized import QuantizedKV, quantize
@@ -137,3 +137,47 @@ def test_explain_names_the_tiles_where_they_run():
     assert "AMX tiles" not in str(engine.explain(torch.randn(1, 16, 1, 128), k, v))  # G 8: 8 rows, the vector path
     k96, v96 = (quantize(torch.randn(1, 2, 300, 96), torch.int8) for _ in range(2))
     assert "AMX tiles" not in str(engine.explain(torch.randn(1, 8, 1, 96), k96, v96))  # D 96: not in 64-channel tiles
+
+
+def test_a_rows_result_on_the_tiles_is_bitwise_the_same_with_masked_keys_after_its_last():
+    # batch invariance: a row's keys end a block alone, or sit before masked padding in a batch (the tiles then
+    # read the padding's rows, weighted 0, and the block's largest weight is still the row's own)
+    g = torch.Generator().manual_seed(9)
+    for rows in (4, 3):
+        for n in (17, 18, 66, 131):
+            q_rows = torch.randn(1, 2, rows, 64, generator=g)
+            kq, vq = (quantize(torch.randn(1, 2, n + 21, 64, generator=g), torch.int8) for _ in range(2))
+            alone = call(q_rows, *(QuantizedKV(x.data[:, :, :n], x.scale[:, :, :n]) for x in (kq, vq)),
+                         torch.ones(1, 1, rows, n, dtype=torch.bool))
+            visible = (torch.arange(n + 21) < n).expand(1, 1, rows, n + 21).contiguous()
+            padded = call(q_rows, kq, vq, visible)
+            assert torch.equal(alone[0], padded[0]) and torch.equal(alone[1], padded[1]), (rows, n)
+
+
+@pytest.mark.parametrize("page_size", [16, 24])
+def test_a_request_on_the_tiles_is_bitwise_the_same_paged_or_contiguous_alone_or_batched(page_size):
+    # its rows read in place (pages of 16) or copied into evenly spaced ones (24): the same integers either way
+    g = torch.Generator().manual_seed(11)
+    lengths = [2100, 300, 77]
+    seqs = [(quantize(torch.randn(1, 2, n, 128, generator=g), torch.int8),
+             quantize(torch.randn(1, 2, n, 128, generator=g), torch.int8)) for n in lengths]
+    q = torch.randn(len(lengths), 8, 128, generator=g)
+    alone = [causal_attention(q[b][None, :, None], k, v)[0, :, 0] for b, (k, v) in enumerate(seqs)]
+    pages_per = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per)
+    order = torch.randperm(num_pages, generator=g)
+    table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int64)
+    pools = [torch.zeros(num_pages, page_size, 2, 128, dtype=torch.int8) for _ in range(2)]
+    scales = [torch.ones(num_pages, page_size, 2) for _ in range(2)]
+    first = 0
+    for b, (n, pages) in enumerate(zip(lengths, pages_per)):
+        table[b, :pages] = order[first:first + pages]
+        first += pages
+        for j in range(n):
+            page, slot = table[b, j // page_size], j % page_size
+            for pool, scale, x in zip(pools, scales, seqs[b]):
+                pool[page, slot], scale[page, slot] = x.data[0, :, j], x.scale[0, :, j]
+    kq, vq = QuantizedKV(pools[0], scales[0]), QuantizedKV(pools[1], scales[1])
+    out = paged_attention(q, kq, vq, table, torch.tensor(lengths), torch.arange(len(lengths) + 1))
+    for b in range(len(lengths)):
+        assert torch.equal(out[b], alone[b]), b

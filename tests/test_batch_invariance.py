@@ -34,9 +34,9 @@ def threads(n):
         torch.set_num_threads(saved)
 
 
-def requests(lengths, dtype, seed=0):
+def requests(lengths, dtype, seed=0, d=D):
     g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(h, n, D, generator=g).to(dtype) for h, n in ((HQ, 1), (HKV, s), (HKV, s)))
+    return [tuple(torch.randn(h, n, d, generator=g).to(dtype) for h, n in ((HQ, 1), (HKV, s), (HKV, s)))
             for s in lengths]
 
 
@@ -65,9 +65,9 @@ def paged(batch, page_size, quantized=False, window=None, seed=0, head_major=Fal
     g = torch.Generator().manual_seed(seed + 1)
     owned = [-(-k.shape[1] // page_size) for _, k, _ in batch]
     order = torch.randperm(sum(owned) + 2, generator=g)
-    heads = batch[0][1].shape[0]
-    pools = [torch.zeros(sum(owned) + 2, heads, page_size, D, dtype=batch[0][1].dtype).transpose(1, 2) if head_major
-             else torch.zeros(sum(owned) + 2, page_size, heads, D, dtype=batch[0][1].dtype) for _ in "kv"]
+    heads, d = batch[0][1].shape[0], batch[0][1].shape[-1]
+    pools = [torch.zeros(sum(owned) + 2, heads, page_size, d, dtype=batch[0][1].dtype).transpose(1, 2) if head_major
+             else torch.zeros(sum(owned) + 2, page_size, heads, d, dtype=batch[0][1].dtype) for _ in "kv"]
     table = torch.zeros(len(batch), max(owned), dtype=torch.long)
     taken = 0
     for b, ((_, k, v), n) in enumerate(zip(batch, owned)):

@@ -17,6 +17,7 @@ from engine import causal_attention, paged_attention
 from engine.kernels.decode.decode_native import _call
 from engine.kernels.decode.native_build import load_native
 from engine.quantized import QuantizedKV, quantize
+from tests.test_batch_invariance import paged, requests
 from tests.test_decode_native import oracle
 from tests.test_paged_quantized import dequantized_pool, quantized_pool
 
@@ -33,10 +34,6 @@ def call(q_rows, kq, vq, visible):
     return out, lse
 
 
-def dequantized(x: QuantizedKV) -> torch.Tensor:
-    return x.data.double() * x.scale.double()[..., None]
-
-
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 4), s=st.integers(1, 300), d=st.sampled_from([64, 128]), dv=st.sampled_from([64, 128, 192]),
        masked=st.booleans(), seed=st.integers(0, 2**16))
@@ -48,7 +45,7 @@ def test_int8_on_amx_tiles_matches_the_float64_oracle(rows, s, d, dv, masked, se
     vq = quantize(torch.randn(2, 2, s, dv, generator=g), torch.int8)
     visible = torch.rand(2, 1, rows, s, generator=g) > 0.3 if masked else torch.ones(2, 1, rows, s, dtype=torch.bool)
     out, lse = call(q_rows, kq, vq, visible)
-    want, want_lse = oracle(q_rows, dequantized(kq), dequantized(vq), visible, 1.0)
+    want, want_lse = oracle(q_rows, kq.dequantize(torch.float64), vq.dequantize(torch.float64), visible, 1.0)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
@@ -63,7 +60,7 @@ def test_q_rows_of_any_magnitude_match_the_oracle(magnitude):
     kq, vq = (quantize(torch.randn(1, 2, 200, 128, generator=g), torch.int8) for _ in range(2))
     visible = torch.ones(1, 1, 4, 200, dtype=torch.bool)
     out, lse = call(q_rows, kq, vq, visible)
-    want, want_lse = oracle(q_rows.double(), dequantized(kq), dequantized(vq), visible, 1.0)
+    want, want_lse = oracle(q_rows.double(), kq.dequantize(torch.float64), vq.dequantize(torch.float64), visible, 1.0)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
@@ -79,7 +76,7 @@ def test_value_scales_of_any_magnitude_match_the_oracle():
     vq.scale[..., 128:192] *= 1e20
     visible = torch.ones(1, 1, 4, 256, dtype=torch.bool)
     out, _ = call(q_rows, kq, vq, visible)
-    want, _ = oracle(q_rows, dequantized(kq), dequantized(vq), visible, 1.0)
+    want, _ = oracle(q_rows, kq.dequantize(torch.float64), vq.dequantize(torch.float64), visible, 1.0)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=want.abs().max().item() * 1e-6)
 
 
@@ -97,7 +94,8 @@ def test_non_finite_scales_poison_only_the_rows_that_see_them():
     out, lse = call(q_rows, kq, vq, visible)
     assert bool(out[0, 0, 2:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 2:]).all())
     assert bool(out[0, 0, 1].isnan().all())
-    clean_k, clean_v = dequantized(kq).nan_to_num(0.0), dequantized(vq).nan_to_num(0.0, 0.0, 0.0)
+    clean_k = kq.dequantize(torch.float64).nan_to_num(0.0)
+    clean_v = vq.dequantize(torch.float64).nan_to_num(0.0, 0.0, 0.0)
     want, want_lse = oracle(q_rows, clean_k, clean_v, visible, 1.0)
     torch.testing.assert_close(out[0, 0, 0].double(), want[0, 0, 0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse[0, 0, :2].double(), want_lse[0, 0, :2], rtol=1e-5, atol=1e-5)
@@ -157,27 +155,8 @@ def test_a_rows_result_on_the_tiles_is_bitwise_the_same_with_masked_keys_after_i
 @pytest.mark.parametrize("page_size", [16, 24])
 def test_a_request_on_the_tiles_is_bitwise_the_same_paged_or_contiguous_alone_or_batched(page_size):
     # its rows read in place (pages of 16) or copied into evenly spaced ones (24): the same integers either way
-    g = torch.Generator().manual_seed(11)
-    lengths = [2100, 300, 77]
-    seqs = [(quantize(torch.randn(1, 2, n, 128, generator=g), torch.int8),
-             quantize(torch.randn(1, 2, n, 128, generator=g), torch.int8)) for n in lengths]
-    q = torch.randn(len(lengths), 8, 128, generator=g)
-    alone = [causal_attention(q[b][None, :, None], k, v)[0, :, 0] for b, (k, v) in enumerate(seqs)]
-    pages_per = [-(-n // page_size) for n in lengths]
-    num_pages = sum(pages_per)
-    order = torch.randperm(num_pages, generator=g)
-    table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int64)
-    pools = [torch.zeros(num_pages, page_size, 2, 128, dtype=torch.int8) for _ in range(2)]
-    scales = [torch.ones(num_pages, page_size, 2) for _ in range(2)]
-    first = 0
-    for b, (n, pages) in enumerate(zip(lengths, pages_per)):
-        table[b, :pages] = order[first:first + pages]
-        first += pages
-        for j in range(n):
-            page, slot = table[b, j // page_size], j % page_size
-            for pool, scale, x in zip(pools, scales, seqs[b]):
-                pool[page, slot], scale[page, slot] = x.data[0, :, j], x.scale[0, :, j]
-    kq, vq = QuantizedKV(pools[0], scales[0]), QuantizedKV(pools[1], scales[1])
-    out = paged_attention(q, kq, vq, table, torch.tensor(lengths), torch.arange(len(lengths) + 1))
-    for b in range(len(lengths)):
-        assert torch.equal(out[b], alone[b]), b
+    batch = requests([2100, 300, 77], torch.float32, seed=11, d=128)  # Hq 8 / Hkv 2: four rows per KV head
+    out = paged(batch, page_size, quantized=True)
+    for b, (q, k, v) in enumerate(batch):
+        alone = causal_attention(q[None], quantize(k[None], torch.int8), quantize(v[None], torch.int8))[0, :, 0]
+        assert torch.equal(out[b], alone), b

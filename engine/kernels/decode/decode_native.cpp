@@ -360,7 +360,7 @@ inline bool amx_granted() {
     return granted;
 }
 
-// Every tile 16 rows of 64 bytes, for this thread (the caller's tiles are released after: amx_tiles)
+// Every tile 16 rows of 64 bytes, for this thread (released after its items: Tiles in decode_native's worker)
 inline void amx_configure() {
     TileConfig config;
     for (int t = 0; t < 8; ++t) config.rows[t] = 16, config.colsb[t] = 64;
@@ -1075,8 +1075,8 @@ struct Item {
     }
 
     // the scores of the block's keys, 16 at a time: 16 key rows x 64 channels a TDPBSSD against q's digits; the
-    // block's four groups each in its own sums tile, so their products overlap (tiles are not renamed). Issued here,
-    // read back by amx_scores_finish (work in between overlaps with them)
+    // block's four groups each in its own sums tile, so their products overlap (tiles are not renamed), then their
+    // sums read back, weighted, scaled and stored (s[r][jj])
     void amx_scores(int n) {
         const int64_t D = o.D;
         _tile_loadd(2, q_digits, 64);
@@ -1103,10 +1103,6 @@ struct Item {
                 default: DN_AMX_DOT(6, base, stride, D); break;
             }
         }
-    }
-    // the scores' sums from their tiles, weighted, scaled and stored (s[r][jj])
-    void amx_scores_finish(int n) {
-        const int groups = (n + 15) / 16;
         const __m512 row_units = _mm512_setr_ps(q_unit[0], q_unit[0], q_unit[0], q_unit[0], q_unit[1], q_unit[1],
                                                 q_unit[1], q_unit[1], q_unit[2], q_unit[2], q_unit[2], q_unit[2],
                                                 q_unit[3], q_unit[3], q_unit[3], q_unit[3]);
@@ -1240,7 +1236,6 @@ struct Item {
         ask_rate = ((int64_t)ahead_rows << 16) / steps;
         pass_asks = true;
         amx_scores(n);
-        amx_scores_finish(n);
         softmax_step(j0, n, masked);
         if (!amx_values(n, masked)) {
             pass_asks = false;

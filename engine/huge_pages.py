@@ -10,21 +10,33 @@ Linux gives an anonymous mapping huge pages when ``/sys/kernel/mm/transparent_hu
 buffer of at least 2 MiB is allocated with 2 MiB of slack, its 2 MiB-aligned part is marked, and only then zeroed.
 The slack is never touched, so it costs address space, not memory. Anything else (another OS, a GPU, a small buffer,
 THP turned off) gets a plain ``torch.zeros``: huge pages change the speed only, never a value.
+
+Successive buffers start ``STAGGER`` bytes apart within their first huge page (``COLOURS`` offsets in turn), not all on
+the 2 MiB boundary. A decode step reads a layer's K and V rows side by side, and a cache allocates its K and V
+buffers one after the other. When the two start a multiple of 2 MiB apart, their streams conflict (measured, not
+explained: 4 KiB or 1 MiB apart read nearly as fast as 2 KiB, 4 MiB as slowly as 0). On an AVX-512 Zen 4 VM, one
+thread, B 1 S 32k bf16, K and V on 2 MiB boundaries took 1.5x the time of V 2 KiB past K (docs/BENCHMARKS.md,
+"Decode at the bandwidth limit, round 10"). A buffer's first huge page then holds up to ``(COLOURS - 1) * STAGGER``
+bytes before it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import math
 import sys
 from pathlib import Path
 
 import torch
 
-__all__ = ["HUGE_PAGE", "mode", "zeros"]
+__all__ = ["COLOURS", "HUGE_PAGE", "STAGGER", "mode", "zeros"]
 
 HUGE_PAGE = 2 << 20  # bytes: x86-64's and most aarch64 kernels' transparent huge page
+STAGGER = 6 << 10  # bytes between successive buffers' offsets: 2 KiB modulo a 4 KiB page, so a cache's K and V differ
+COLOURS = 64  # offsets taken in turn (0 .. 378 KiB past the boundary)
+_turn = itertools.count()
 _MADV_HUGEPAGE = 14  # <sys/mman.h>
 _SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -53,7 +65,8 @@ def _madvise():
 
 def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = None) -> torch.Tensor:
     """``torch.zeros(*shape, dtype=dtype, device=device)``, contiguous; on a Linux CPU a buffer of 2 MiB or more
-    starts on a 2 MiB boundary and its pages are asked to be huge before they are touched. ``shape`` is ints, or one
+    starts a staggered offset past a 2 MiB boundary (the module's note) and its pages are asked to be huge before they
+    are touched. ``shape`` is ints, or one
     tuple / ``torch.Size`` of them, as torch.zeros takes it."""
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
@@ -64,10 +77,11 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device | str | None = N
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < HUGE_PAGE or mode() not in ("always", "madvise"):
         return torch.zeros(*shape, dtype=dtype, device=device)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # untouched: its pages are not mapped yet
-    start = -raw.data_ptr() % HUGE_PAGE
-    whole = nbytes // HUGE_PAGE * HUGE_PAGE  # the huge pages inside the buffer (its tail stays on small pages)
-    out = raw[start:start + nbytes].view(dtype).view(*shape)
-    if mode() == "madvise":
-        _madvise()(out.data_ptr(), whole, _MADV_HUGEPAGE)  # (a failure, e.g. EINVAL on an old kernel: small pages)
+    offset = next(_turn) % COLOURS * STAGGER
+    raw = torch.empty(nbytes + offset + HUGE_PAGE, dtype=torch.uint8)  # untouched: its pages are not mapped yet
+    boundary = -raw.data_ptr() % HUGE_PAGE
+    whole = (offset + nbytes) // HUGE_PAGE * HUGE_PAGE  # the huge pages from the boundary (the tail: small pages)
+    out = raw[boundary + offset:boundary + offset + nbytes].view(dtype).view(*shape)
+    if mode() == "madvise":  # (a failure, e.g. EINVAL on an old kernel: small pages)
+        _madvise()(raw.data_ptr() + boundary, whole, _MADV_HUGEPAGE)
     return out.zero_()  # the first touch: the kernel maps huge pages here

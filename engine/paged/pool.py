@@ -67,12 +67,13 @@ class PagePool:
                              f"value_dim {value_dim}")
         self.page_size, self.shared_values = page_size, shared_values
         # one pair of pools per layer, one page numbering and free list for all of them (page p of every layer
-        # belongs to the same tokens)
-        self.layer_keys = [_pool(num_pages, page_size, kv_heads, head_dim, dtype, device, self.quantized)
-                           for _ in range(layers)]
-        self.layer_values = [_value_rows(keys, value_dim) if shared_values else
-                             _pool(num_pages, page_size, kv_heads, value_dim, dtype, device, self.quantized)
-                             for keys in self.layer_keys]
+        # belongs to the same tokens); a layer's two allocated one after the other (huge_pages staggers them)
+        self.layer_keys, self.layer_values = [], []
+        for _ in range(layers):
+            keys = _pool(num_pages, page_size, kv_heads, head_dim, dtype, device, self.quantized)
+            self.layer_keys.append(keys)
+            self.layer_values.append(_value_rows(keys, value_dim) if shared_values else
+                                     _pool(num_pages, page_size, kv_heads, value_dim, dtype, device, self.quantized))
         self.keys, self.values = self.layer_keys[0], self.layer_values[0]
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids first
         self._references = [0] * num_pages  # holders of each page

@@ -43,6 +43,15 @@
 #include <immintrin.h>
 #define DN_AVX2 1
 #endif
+// Keeps a vector in a register. GCC folds a load that several FMAs use into each of them: the scores' four-key pass
+// read each q vector, and each fp32 K vector, four times from L1. Kept, on an AVX-512 Zen 4 VM, one thread: from
+// DRAM bf16 0.85x the time, fp32 0.96x; the two-key pass in cache (1 or 2 rows a KV head) 0.90-1.02x. The AVX2
+// build keeps the folded loads (16 registers: one row a KV head took 1.03-1.07x). docs/BENCHMARKS.md, round 10.
+#if DN_AVX512 && defined(__GNUC__)
+#define DN_IN_REGISTER(x) asm("" : "+v"(x))
+#else
+#define DN_IN_REGISTER(x) ((void)0)
+#endif
 // int8 K/V on AMX tiles (amx_usable): a build for a CPU with AMX-INT8, where Linux grants the tiles
 #if DN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -706,9 +715,13 @@ struct Item {
                     for (int64_t d = 0; d < D; d += STEP * W)
                         for (int h = 0; h < STEP; ++h) {
                             vec x[4];
-                            for (int k = 0; k < 4; ++k) x[k] = load_at(kr[k], d, h, nan);
+                            for (int k = 0; k < 4; ++k) {
+                                x[k] = load_at(kr[k], d, h, nan);
+                                DN_IN_REGISTER(x[k]);
+                            }
                             for (int r = 0; r < N; ++r) {
-                                const vec qv = vloadf(qb + (r0 + r) * D + d + h * W);
+                                vec qv = vloadf(qb + (r0 + r) * D + d + h * W);
+                                DN_IN_REGISTER(qv);
                                 for (int k = 0; k < 4; ++k) a[k][r] = vfma(qv, x[k], a[k][r]);
                             }
                         }
@@ -732,9 +745,12 @@ struct Item {
                 for (int r = 0; r < N; ++r) a0[r] = a1[r] = vzero();
                 for (int64_t d = 0; d < D; d += STEP * W)
                     for (int h = 0; h < STEP; ++h) {
-                        const vec x0 = load_at(k0, d, h, nan), x1 = load_at(k1, d, h, nan);
+                        vec x0 = load_at(k0, d, h, nan), x1 = load_at(k1, d, h, nan);
+                        DN_IN_REGISTER(x0);
+                        DN_IN_REGISTER(x1);
                         for (int r = 0; r < N; ++r) {
-                            const vec qv = vloadf(qb + (r0 + r) * D + d + h * W);
+                            vec qv = vloadf(qb + (r0 + r) * D + d + h * W);
+                            DN_IN_REGISTER(qv);
                             a0[r] = vfma(qv, x0, a0[r]);
                             a1[r] = vfma(qv, x1, a1[r]);
                         }

@@ -52,6 +52,12 @@
 #else
 #define DN_IN_REGISTER(x) ((void)0)
 #endif
+// bf16 K against a q whose values are all bf16 numbers (a bf16 model's): each product is exact in fp32 either way, so
+// AVX512-BF16's pair dot product (vdpbf16ps) takes the scores' FMAs' place, half as many, with no widening of K
+// (Operands::q_bf16)
+#if DN_AVX512 && defined(__AVX512BF16__)
+#define DN_BF16_DOT 1
+#endif
 // int8 K/V on AMX tiles (amx_usable): a build for a CPU with AMX-INT8, where Linux grants the tiles
 #if DN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -480,7 +486,10 @@ struct Operands {
     const float *k_scale, *v_scale; // [B, Hkv, S] per-key scales, or null (strides kss / vss)
     int64_t kss[3], vss[3];
     const float* q;                 // [B, Hkv, R, D] fp32, contiguous, already multiplied by the softmax scale
-                                    // (the entry point's scaled copy of the caller's q)
+                                    // (the entry point's scaled copy of the caller's q), or unscaled with q_bf16
+    const uint16_t* q_bf16;         // [B, Hkv, R, D] q's bf16 bits in channel order, or null: where every value of q
+                                    // is a bf16 number and K is read as BF16_PAIRS (DN_BF16_DOT); then q is unscaled
+                                    // and k_unit is the scale (each key's sum times it)
     const uint8_t* visible;         // [B, Hkv, R, S] (strides vis, 0 where broadcast), or null: all visible
     int64_t vis[4];
     int64_t B, H, R, S, D, Dv;
@@ -527,6 +536,7 @@ struct Item {
     float kunit[BLOCK] = {};        // each key's dequantisation factor (1 for fp32 / bf16 / fp16), from block_rows
     const uint8_t* visb;
     const float* qb;
+    const uint16_t* qh;             // (o.q_bf16's rows of this item's KV head, or null)
     bool nan_codes = false;         // (fp8) the block's rows hold an e4m3 NaN code: read with vload_e4m3_nan
     // block scratch: scores / probabilities [R][BLOCK], visibility [R][BLOCK] as 0 / all-ones bit masks
     std::vector<float> s, keep, vscale;
@@ -545,6 +555,7 @@ struct Item {
         seq_end = o.lengths ? std::min<int64_t>(o.S, o.lengths[b]) : o.S;
         visb = o.visible ? o.visible + b * o.vis[0] + h * o.vis[1] : nullptr;
         qb = o.q + p_.bh * o.R * o.D;
+        qh = o.q_bf16 ? o.q_bf16 + p_.bh * o.R * o.D : nullptr;
         // value tiles ask for a decode's rows (one pass of rows: many passes' scores already span the block), every
         // ask_mask + 1 keys, about 32 times a block whatever Dv and the vector width (for_row_groups)
         const int64_t tiles = o.Dv / W_ / TILE;
@@ -707,6 +718,30 @@ struct Item {
             // four keys per pass where 32 registers hold the 16 sums: a q vector loaded serves 4 keys (many rows,
             // as a shared prefix's pass has, are bound by these loads, not by memory)
             if constexpr (N == 4) {
+#if DN_BF16_DOT
+                // bf16 q and K: 32 channels of a row and a key in one vdpbf16ps (each lane sums two products)
+                if (KIND == BF16_PAIRS && qh)
+                    for (; jj + 4 <= n; jj += 4) {
+                        __m512i x[4];
+                        vec a[4][N];  // [key][row]
+                        for (int k = 0; k < 4; ++k)
+                            for (int r = 0; r < N; ++r) a[k][r] = vzero();
+                        for (int64_t d = 0; d < D; d += 32) {
+                            for (int k = 0; k < 4; ++k) {
+                                x[k] = _mm512_loadu_si512((const void*)((const uint16_t*)krows[jj + k] + d));
+                                DN_IN_REGISTER(x[k]);
+                            }
+                            for (int r = 0; r < N; ++r) {
+                                __m512i qv = _mm512_loadu_si512((const void*)(qh + (r0 + r) * D + d));
+                                DN_IN_REGISTER(qv);
+                                for (int k = 0; k < 4; ++k)
+                                    a[k][r] = _mm512_dpbf16_ps(a[k][r], (__m512bh)qv, (__m512bh)x[k]);
+                            }
+                        }
+                        if (pass_asks) ask_next();
+                        store_sums(a, r0, jj);
+                    }
+#endif
                 for (; jj + 4 <= n; jj += 4) {
                     const void* kr[4] = {krows[jj], krows[jj + 1], krows[jj + 2], krows[jj + 3]};
                     vec a[4][N];  // [key][row]
@@ -726,14 +761,7 @@ struct Item {
                             }
                         }
                     if (pass_asks) ask_next();
-                    // [row][key] sums, times each key's scale, four rows of four keys stored at once
-                    const __m512 units = _mm512_broadcast_f32x4(_mm_loadu_ps(&kunit[jj]));
-                    const __m512 scaled = _mm512_mul_ps(hsum16_rows(a), units);
-                    float* row = &s[r0 * BLOCK + jj];  // (the lane index must be a constant: no loop over r)
-                    _mm_storeu_ps(row, _mm512_castps512_ps128(scaled));
-                    _mm_storeu_ps(row + BLOCK, _mm512_extractf32x4_ps(scaled, 1));
-                    _mm_storeu_ps(row + 2 * BLOCK, _mm512_extractf32x4_ps(scaled, 2));
-                    _mm_storeu_ps(row + 3 * BLOCK, _mm512_extractf32x4_ps(scaled, 3));
+                    store_sums(a, r0, jj);
                 }
             }
 #endif
@@ -797,6 +825,19 @@ struct Item {
             }
         }
     }
+
+#if DN_AVX512
+    // the four-key pass's [key][row] sums into s, times each key's scale, four rows of four keys stored at once
+    void store_sums(const __m512 (&a)[4][4], int64_t r0, int jj) {
+        const __m512 units = _mm512_broadcast_f32x4(_mm_loadu_ps(&kunit[jj]));
+        const __m512 scaled = _mm512_mul_ps(hsum16_rows(a), units);
+        float* row = &s[r0 * BLOCK + jj];  // (the lane index must be a constant: no loop over r)
+        _mm_storeu_ps(row, _mm512_castps512_ps128(scaled));
+        _mm_storeu_ps(row + BLOCK, _mm512_extractf32x4_ps(scaled, 1));
+        _mm_storeu_ps(row + 2 * BLOCK, _mm512_extractf32x4_ps(scaled, 2));
+        _mm_storeu_ps(row + 3 * BLOCK, _mm512_extractf32x4_ps(scaled, 3));
+    }
+#endif
 
     static constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
 
@@ -1388,6 +1429,15 @@ int decode_native_amx() {
 #endif
 }
 
+// 1 when bf16 K's scores run as AVX512-BF16 pair dot products against a q of bf16 numbers (DN_BF16_DOT)
+int decode_native_bf16_dot() {
+#if DN_BF16_DOT
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // Offsets of DecodeCall's fields in declaration order, for Python to check its copy against; returns the count.
 int decode_native_layout(int64_t* offsets, int capacity) {
     const int64_t all[] = {
@@ -1429,6 +1479,24 @@ int decode_native(const DecodeCall* call) {
     std::vector<float> q_scaled(B * H * R * D);
     const float scale = (float)c.scale;
     bool q_finite = true;
+#if DN_BF16_DOT
+    // every q value a bf16 number (its low 16 bits zero): q_bf16 below, q left unscaled
+    bool q_bf16 = pairs && R % NR == 0;
+    for (int64_t b = 0; b < B && q_bf16; ++b)
+        for (int64_t h = 0; h < H && q_bf16; ++h)
+            for (int64_t r = 0; r < R && q_bf16; ++r) {
+                const float* src = c.q + b * c.q_strides[0] + h * c.q_strides[1] + r * c.q_strides[2];
+                for (int64_t d = 0; d < D; ++d) {
+                    uint32_t bits;
+                    std::memcpy(&bits, &src[d], 4);
+                    q_bf16 &= (bits & 0xFFFFu) == 0;
+                }
+            }
+    std::vector<uint16_t> q_bits(q_bf16 ? B * H * R * D : 0);
+#else
+    const bool q_bf16 = false;
+#endif
+    const float q_factor = q_bf16 ? 1.0f : scale;
     for (int64_t b = 0; b < B; ++b)
         for (int64_t h = 0; h < H; ++h)
             for (int64_t r = 0; r < R; ++r) {
@@ -1436,8 +1504,16 @@ int decode_native(const DecodeCall* call) {
                 float* dst = &q_scaled[((b * H + h) * R + r) * D];
                 for (int64_t d = 0; d < D; ++d) {
                     q_finite &= std::isfinite(src[d]);
-                    dst[pairs ? paired_order(d) : d] = src[d] * scale;
+                    dst[pairs ? paired_order(d) : d] = src[d] * q_factor;
                 }
+#if DN_BF16_DOT
+                if (q_bf16)
+                    for (int64_t d = 0; d < D; ++d) {
+                        uint32_t bits;
+                        std::memcpy(&bits, &src[d], 4);
+                        q_bits[((b * H + h) * R + r) * D + d] = (uint16_t)(bits >> 16);
+                    }
+#endif
             }
     if (!q_finite) return 2;
     int threads = (int)c.threads;
@@ -1457,6 +1533,9 @@ int decode_native(const DecodeCall* call) {
     for (int i = 0; i < 4; ++i) o.vis[i] = c.visible ? c.visible_strides[i] : 0;
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
     o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
+#if DN_BF16_DOT
+    if (q_bf16) o.q_bf16 = q_bits.data(), o.k_unit = scale;
+#endif
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];

@@ -36,6 +36,7 @@ from engine.kernels.decode.native_build import (
     DecodeCall,
     load_native,
     native_amx,
+    native_bf16_dot,
     native_unavailable,
 )
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
@@ -72,17 +73,24 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
 
 
 def native_decode_notes(inputs: AttentionInputs) -> list[str]:
-    """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place, or int8 K/V
+    """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place; int8 K/V
     on AMX tiles (decode_native.cpp, "int8 on AMX tiles", its ``amx_usable``): a CPU whose tiles the library uses
     (``native_amx``), an int8 cache, at most 4 query rows per KV head (G * T), D 64 or 128 and Dv a multiple of 64,
-    K and V not one tensor."""
+    K and V not one tensor; or bf16 K's scores by vdpbf16ps (DN_BF16_DOT, ``native_bf16_dot``): a multiple of 4
+    rows per KV head, D and Dv multiples of 32, q's values bf16 numbers (the kernel checks them; a bf16 q's are)."""
     if listed_fits(inputs) is None:
         return ["key_indices: read in place, only each query's listed keys (native_listed)"]
     k, v, q = inputs.k, inputs.v, inputs.q
+    rows = q.shape[1] // k.shape[1] * q.shape[2]  # query rows per KV head (G * T)
     if native_amx() and isinstance(k, QuantizedKV) and k.data.dtype == torch.int8 and k is not v:
-        if q.shape[1] // k.shape[1] * q.shape[2] <= 4 and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
+        if rows <= 4 and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
             return ["int8 K/V on AMX tiles: scores and weighted values as integer dot products of fixed-point "
                     "digits (26 bits of each q row's largest, 24 of each block's weights)"]
+    if native_bf16_dot() and not isinstance(k, QuantizedKV) and k.dtype == torch.bfloat16 and rows % 4 == 0 and \
+            q.shape[3] % 32 == 0 < q.shape[3]:
+        if v.shape[3] % 32 == 0:  # (q shares K's dtype: its values are bf16 numbers)
+            return ["bf16 q and K: scores as AVX512-BF16 pair dot products (vdpbf16ps; products exact, the scale "
+                    "applied to each sum)"]
     return []
 
 

@@ -70,7 +70,8 @@ OK, UNKNOWN_KIND, NON_FINITE_Q = 0, 1, 2
 class NativeLibrary:
     """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``listed_tables`` builds a list of keys' page
     table, ``lanes`` is its vector width, ``amx`` whether it computes int8 K/V on AMX tiles (a CPU with AMX-INT8,
-    granted by Linux), ``build_s`` the seconds the build took in this process (0 when the cache had it)."""
+    granted by Linux), ``bf16_dot`` whether bf16 K's scores are AVX512-BF16 dot products where q's values are bf16
+    numbers, ``build_s`` the seconds the build took in this process (0 when the cache had it)."""
 
     def __init__(self, path: Path, build_s: float) -> None:
         self.path, self.build_s = path, build_s
@@ -90,6 +91,8 @@ class NativeLibrary:
         self.lanes = int(self.lib.decode_native_lanes())
         self.lib.decode_native_amx.restype = ctypes.c_int
         self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (amx_usable)
+        self.lib.decode_native_bf16_dot.restype = ctypes.c_int
+        self.bf16_dot = bool(self.lib.decode_native_bf16_dot())  # bf16 K against bf16 numbers in q: vdpbf16ps
         self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
         self.listed_tables.restype = ctypes.c_int
         self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
@@ -121,6 +124,15 @@ def native_amx() -> bool:
         return False
     syscall = ctypes.CDLL(None, use_errno=True).syscall
     return syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
+
+
+@functools.cache
+def native_bf16_dot() -> bool:
+    """Whether the library computes bf16 K's scores as AVX512-BF16 pair dot products (decode_native.cpp,
+    DN_BF16_DOT; builds nothing, ``NativeLibrary.bf16_dot`` tells once it is loaded): an x86-64 CPU with AVX-512 and
+    AVX512-BF16, which the ``-march=native`` build compiles for."""
+    flags = set(cpu_key().split())
+    return platform.machine() == "x86_64" and {"avx512f", "avx512bw", "avx512dq", "avx512_bf16"} <= flags
 
 
 def compiler() -> str | None:

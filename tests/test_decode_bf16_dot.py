@@ -1,0 +1,124 @@
+"""bf16 K's scores as AVX512-BF16 pair dot products (decode_native.cpp, DN_BF16_DOT), against the float64 oracle:
+where the CPU has AVX512-BF16, a bf16 cache read by a q whose values are all bf16 numbers (a bf16 model's) has each
+score summed by vdpbf16ps from the raw bf16 pairs, unscaled, the softmax scale applied to each sum. These tests check
+that path where it runs (the library says so: ``bf16_dot``), its edges (remainder keys and rows, masks, non-finite
+keys, extreme q, a scale other than 1) and that explain() names it; a q with other values takes the FMA path.
+Elsewhere they skip; the same calls' other paths are checked by tests/test_decode_native.py (its AVX-512 build has
+no AVX512-BF16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine
+from engine import causal_attention
+from engine.kernels.decode.decode_native import _call
+from engine.kernels.decode.native_build import load_native, native_bf16_dot
+from tests.test_batch_invariance import paged, requests
+from tests.test_decode_native import oracle
+
+LIBRARY = load_native()
+DOT = not isinstance(LIBRARY, str) and LIBRARY.bf16_dot
+pytestmark = pytest.mark.skipif(not DOT, reason="no AVX512-BF16 here (or no native library)")
+
+
+def call(q_rows, k, v, visible, scale):
+    """The kernel on q rows ``[B, Hkv, R, D]`` (fp32, unscaled) and bf16 K/V: (out, lse), checked to return OK."""
+    b, hkv, rows, _ = q_rows.shape
+    out, lse = torch.zeros(b, hkv, rows, v.shape[-1]), torch.zeros(b, hkv, rows)
+    assert _call(LIBRARY, q_rows, scale, (k, None), (v, None), visible, out, lse) == 0
+    return out, lse
+
+
+def bf16_numbers(*shape, generator, magnitude=1.0):
+    return (torch.randn(*shape, generator=generator) * magnitude).bfloat16().float()
+
+
+def test_explain_agrees_with_the_library_and_names_the_path():
+    assert native_bf16_dot() == LIBRARY.bf16_dot
+    k = torch.randn(1, 2, 300, 128).bfloat16()
+    assert "vdpbf16ps" in str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), k, k))  # G 4: four rows
+    assert "vdpbf16ps" in str(engine.explain(torch.randn(1, 4, 2, 128).bfloat16(), k, k))  # G 2, T 2: four rows
+    assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 4, 1, 128).bfloat16(), k, k))  # two rows a KV head
+    assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 8, 1, 128), k.float(), k.float()))  # fp32 K
+    k48 = torch.randn(1, 2, 300, 48).bfloat16()
+    assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 8, 1, 48).bfloat16(), k48, k48))  # D 48
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.sampled_from([4, 8]), s=st.integers(1, 300), d=st.sampled_from([32, 64, 128]),
+       dv=st.sampled_from([32, 64, 96]), masked=st.booleans(), seed=st.integers(0, 2**16))
+def test_bf16_q_and_k_match_the_float64_oracle(rows, s, d, dv, masked, seed):
+    # S from 1 (the two-key and one-key passes alone) past several blocks; 4 or 8 rows; the scale applied to sums
+    g = torch.Generator().manual_seed(seed)
+    q_rows = bf16_numbers(2, 2, rows, d, generator=g)
+    k, v = torch.randn(2, 2, s, d, generator=g).bfloat16(), torch.randn(2, 2, s, dv, generator=g).bfloat16()
+    visible = torch.rand(2, 1, rows, s, generator=g) > 0.3 if masked else torch.ones(2, 1, rows, s, dtype=torch.bool)
+    scale = d ** -0.5
+    out, lse = call(q_rows, k, v, visible, scale)
+    want, want_lse = oracle(q_rows.double(), k.double(), v.double(), visible, scale)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("magnitude", [0.0, 1e-38, 1e-20, 1.0, 1e15])
+def test_q_rows_of_any_magnitude_match_the_oracle(magnitude):
+    # zero rows, rows near bf16's smallest normal (the dot product reads subnormals as 0), huge scores (one key takes
+    # all the weight)
+    g = torch.Generator().manual_seed(1)
+    q_rows = bf16_numbers(1, 2, 4, 128, generator=g)
+    q_rows[:, :, 1] = (q_rows[:, :, 1] * magnitude).bfloat16().float()
+    k, v = (torch.randn(1, 2, 200, 128, generator=g).bfloat16() for _ in range(2))
+    visible = torch.ones(1, 1, 4, 200, dtype=torch.bool)
+    out, lse = call(q_rows, k, v, visible, 0.125)
+    want, want_lse = oracle(q_rows.double(), k.double(), v.double(), visible, 0.125)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_a_nan_or_inf_key_in_a_full_block_poisons_the_rows_that_see_it_and_no_other():
+    # no mask over full 64-key blocks: a NaN key (KV head 0) and an inf key (KV head 1) of batch row 0 make those
+    # heads' rows NaN with lse -inf; a NaN key hidden from every row of batch row 1 leaves it the oracle's
+    g = torch.Generator().manual_seed(6)
+    q_rows = bf16_numbers(2, 2, 4, 64, generator=g, magnitude=0.125)
+    k, v = (torch.randn(2, 2, 256, 64, generator=g) for _ in range(2))
+    k[0, 0, 70, 5] = float("nan")
+    k[0, 1, 130, :] = float("inf")
+    k[1, 0, 200, 3] = float("nan")
+    visible = torch.ones(2, 1, 4, 256, dtype=torch.bool)
+    visible[1, ..., 200] = False
+    out, lse = call(q_rows, k.bfloat16(), v.bfloat16(), visible, 1.0)
+    assert bool(out[0].isnan().all()) and bool((lse[0] == float("-inf")).all())
+    want, want_lse = oracle(q_rows.double(), k.bfloat16().double().nan_to_num(0.0), v.bfloat16().double(), visible,
+                            1.0)
+    torch.testing.assert_close(out[1].double(), want[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[1].double(), want_lse[1], rtol=1e-5, atol=1e-5)
+
+
+def test_q_values_that_are_not_bf16_numbers_take_the_fma_path_and_both_match_the_oracle():
+    # the kernel decides from q's values: one value off a bf16 number (its low bits set) sends the call to the FMA
+    # path; both within fp32's error of the oracle, and apart only by rounding
+    g = torch.Generator().manual_seed(3)
+    q_rows = bf16_numbers(1, 2, 4, 128, generator=g)
+    k, v = (torch.randn(1, 2, 500, 128, generator=g).bfloat16() for _ in range(2))
+    visible = torch.ones(1, 1, 4, 500, dtype=torch.bool)
+    nudged = q_rows.clone()
+    nudged[0, 1, 3, 7] = torch.nextafter(nudged[0, 1, 3, 7], torch.tensor(2.0))
+    for q in (q_rows, nudged):
+        out, lse = call(q, k, v, visible, 0.09)
+        want, want_lse = oracle(q.double(), k.double(), v.double(), visible, 0.09)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_a_bf16_request_is_bitwise_the_same_paged_or_contiguous_alone_or_batched(page_size):
+    # batch invariance on the dot products: the same blocks and passes whatever the layout or the batch
+    batch = requests([2100, 300, 77], torch.bfloat16, seed=12, d=128)  # Hq 8 / Hkv 2: four rows per KV head
+    out = paged(batch, page_size)
+    for b, (q, k, v) in enumerate(batch):
+        alone = causal_attention(q[None], k[None], v[None])[0, :, 0]
+        assert torch.equal(out[b], alone), b

@@ -1,10 +1,10 @@
-"""bf16 K's scores as AVX512-BF16 pair dot products (decode_native.cpp, DN_BF16_DOT), against the float64 oracle:
-where the CPU has AVX512-BF16, a bf16 cache read by a q whose values are all bf16 numbers (a bf16 model's) has each
-score summed by vdpbf16ps from the raw bf16 pairs, unscaled, the softmax scale applied to each sum. These tests check
-that path where it runs (the library says so: ``bf16_dot``), its edges (remainder keys and rows, masks, non-finite
-keys, extreme q, a scale other than 1) and that explain() names it; a q with other values takes the FMA path.
-Elsewhere they skip; the same calls' other paths are checked by tests/test_decode_native.py (its AVX-512 build has
-no AVX512-BF16)."""
+"""Scores as AVX512-BF16 pair dot products (decode_native.cpp, DN_BF16_DOT), against the float64 oracle: where the
+CPU has AVX512-BF16, a bf16, int8 or fp8 cache read by a q whose values are all bf16 numbers (a bf16 model's) has
+each score summed by vdpbf16ps (bf16 K as stored, int8 / fp8 widened exactly to bf16), from the unscaled q, the
+softmax scale applied to each sum. These tests check that path where it runs (the library says so: ``bf16_dot``),
+its edges (remainder keys and rows, masks, non-finite keys and codes, extreme q, a scale other than 1) and that
+explain() names it; a q with other values takes the FMA path. Elsewhere they skip; the same calls' other paths are
+checked by tests/test_decode_native.py (its AVX-512 build has no AVX512-BF16)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import engine
 from engine import causal_attention
 from engine.kernels.decode.decode_native import _call
-from engine.kernels.decode.native_build import load_native, native_bf16_dot
+from engine.kernels.decode.native_build import load_native, native_amx, native_bf16_dot
+from engine.quantized import QUANTIZED_DTYPES, quantize
 from tests.test_batch_invariance import paged, requests
 from tests.test_decode_native import oracle
 
@@ -25,11 +26,17 @@ DOT = not isinstance(LIBRARY, str) and LIBRARY.bf16_dot
 pytestmark = pytest.mark.skipif(not DOT, reason="no AVX512-BF16 here (or no native library)")
 
 
+QUANTIZED = [kind for kind in QUANTIZED_DTYPES if kind != torch.int8 or not native_amx()]  # (int8: not the tiles)
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
 def call(q_rows, k, v, visible, scale):
-    """The kernel on q rows ``[B, Hkv, R, D]`` (fp32, unscaled) and bf16 K/V: (out, lse), checked to return OK."""
+    """The kernel on q rows ``[B, Hkv, R, D]`` (fp32, unscaled) and bf16 K/V or QuantizedKV: (out, lse), checked to
+    return OK."""
     b, hkv, rows, _ = q_rows.shape
+    operands = [(x.data, x.scale) if hasattr(x, "scale") else (x, None) for x in (k, v)]
     out, lse = torch.zeros(b, hkv, rows, v.shape[-1]), torch.zeros(b, hkv, rows)
-    assert _call(LIBRARY, q_rows, scale, (k, None), (v, None), visible, out, lse) == 0
+    assert _call(LIBRARY, q_rows, scale, *operands, visible, out, lse) == 0
     return out, lse
 
 
@@ -46,6 +53,10 @@ def test_explain_agrees_with_the_library_and_names_the_path():
     assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 8, 1, 128), k.float(), k.float()))  # fp32 K
     k48 = torch.randn(1, 2, 300, 48).bfloat16()
     assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 8, 1, 48).bfloat16(), k48, k48))  # D 48
+    for kind in QUANTIZED:
+        kq = quantize(torch.randn(1, 2, 300, 128), kind)
+        assert "vdpbf16ps" in str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), kq, kq)), kind
+        assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 8, 1, 128), kq, kq)), kind  # an fp32 q
 
 
 @settings(max_examples=40, deadline=None)
@@ -62,6 +73,43 @@ def test_bf16_q_and_k_match_the_float64_oracle(rows, s, d, dv, masked, seed):
     want, want_lse = oracle(q_rows.double(), k.double(), v.double(), visible, scale)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from(QUANTIZED), rows=st.sampled_from([4, 8]), s=st.integers(1, 300),
+       d=st.sampled_from([32, 64, 128]), dv=st.sampled_from([16, 48, 64]), masked=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_bf16_q_and_a_quantized_cache_match_the_float64_oracle(kind, rows, s, d, dv, masked, seed):
+    # int8 / fp8 keys widened to bf16 exactly: the oracle over the dequantized cache, per-key scales times the scale
+    g = torch.Generator().manual_seed(seed)
+    q_rows = bf16_numbers(2, 2, rows, d, generator=g)
+    kq, vq = quantize(torch.randn(2, 2, s, d, generator=g), kind), quantize(torch.randn(2, 2, s, dv, generator=g), kind)
+    visible = torch.rand(2, 1, rows, s, generator=g) > 0.3 if masked else torch.ones(2, 1, rows, s, dtype=torch.bool)
+    out, lse = call(q_rows, kq, vq, visible, d ** -0.5)
+    want, want_lse = oracle(q_rows.double(), kq.dequantize(torch.float64), vq.dequantize(torch.float64), visible,
+                            d ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(FP8 is None, reason="this torch has no float8_e4m3fn")
+def test_an_e4m3_nan_code_in_a_full_block_poisons_the_rows_that_see_it():
+    # the code 0x7F reads as NaN through the widening to bf16 too; a hidden one leaves its rows the oracle's
+    g = torch.Generator().manual_seed(7)
+    q_rows = bf16_numbers(2, 2, 4, 64, generator=g, magnitude=0.125)
+    kq, vq = (quantize(torch.randn(2, 2, 256, 64, generator=g), FP8) for _ in range(2))
+    codes = kq.data.view(torch.uint8)
+    codes[0, 0, 70, 5] = codes[1, 1, 200, 0] = 0x7F
+    visible = torch.ones(2, 1, 4, 256, dtype=torch.bool)
+    visible[1, ..., 200] = False
+    out, lse = call(q_rows, kq, vq, visible, 1.0)
+    assert bool(out[0, 0].isnan().all()) and bool((lse[0, 0] == float("-inf")).all())
+    clean = ~out.isnan().all(-1)
+    assert int(clean.sum()) == 2 * 2 * 4 - 4
+    want, want_lse = oracle(q_rows.double(), kq.dequantize(torch.float64).nan_to_num(0.0),
+                            vq.dequantize(torch.float64), visible, 1.0)
+    torch.testing.assert_close(out[clean].double(), want[clean], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[clean].double(), want_lse[clean], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("magnitude", [0.0, 1e-38, 1e-20, 1.0, 1e15])
@@ -121,4 +169,14 @@ def test_a_bf16_request_is_bitwise_the_same_paged_or_contiguous_alone_or_batched
     out = paged(batch, page_size)
     for b, (q, k, v) in enumerate(batch):
         alone = causal_attention(q[None], k[None], v[None])[0, :, 0]
+        assert torch.equal(out[b], alone), b
+
+
+@pytest.mark.skipif(native_amx(), reason="int8 takes the AMX tiles here (tests/test_decode_amx.py)")
+@pytest.mark.parametrize("page_size", [16, 5])
+def test_an_int8_request_with_a_bf16_q_is_bitwise_the_same_paged_or_contiguous_alone_or_batched(page_size):
+    batch = requests([2100, 300, 77], torch.bfloat16, seed=13, d=128)
+    out = paged(batch, page_size, quantized=True)
+    for b, (q, k, v) in enumerate(batch):
+        alone = causal_attention(q[None], quantize(k[None], torch.int8), quantize(v[None], torch.int8))[0, :, 0]
         assert torch.equal(out[b], alone), b

@@ -52,9 +52,10 @@
 #else
 #define DN_IN_REGISTER(x) ((void)0)
 #endif
-// bf16 K against a q whose values are all bf16 numbers (a bf16 model's): each product is exact in fp32 either way, so
-// AVX512-BF16's pair dot product (vdpbf16ps) takes the scores' FMAs' place, half as many, with no widening of K
-// (Operands::q_bf16)
+// bf16, int8 or fp8 e4m3 K against a q whose values are all bf16 numbers (a bf16 model's): every key value is a bf16
+// number too (int8's 8 bits, e4m3's 4), and each product is exact in fp32 either way, so AVX512-BF16's pair dot
+// product (vdpbf16ps) takes the scores' FMAs' place, half as many; bf16 K needs no widening, int8 / fp8 are widened
+// as before and packed to bf16 (Operands::q_bf16, Item::bf16_keys)
 #if DN_AVX512 && defined(__AVX512BF16__)
 #define DN_BF16_DOT 1
 #endif
@@ -488,8 +489,8 @@ struct Operands {
     const float* q;                 // [B, Hkv, R, D] fp32, contiguous, already multiplied by the softmax scale
                                     // (the entry point's scaled copy of the caller's q), or unscaled with q_bf16
     const uint16_t* q_bf16;         // [B, Hkv, R, D] q's bf16 bits in channel order, or null: where every value of q
-                                    // is a bf16 number and K is read as BF16_PAIRS (DN_BF16_DOT); then q is unscaled
-                                    // and k_unit is the scale (each key's sum times it)
+                                    // is a bf16 number, R a multiple of NR and K bf16 (read as BF16_PAIRS), int8 or
+                                    // fp8 (DN_BF16_DOT); then q is unscaled and k_unit holds the scale
     const uint8_t* visible;         // [B, Hkv, R, S] (strides vis, 0 where broadcast), or null: all visible
     int64_t vis[4];
     int64_t B, H, R, S, D, Dv;
@@ -722,8 +723,8 @@ struct Item {
             // as a shared prefix's pass has, are bound by these loads, not by memory)
             if constexpr (N == 4) {
 #if DN_BF16_DOT
-                // bf16 q and K: 32 channels of a row and a key in one vdpbf16ps (each lane sums two products)
-                if (KIND == BF16_PAIRS && qh)
+                // q and K as bf16: 32 channels of a row and a key in one vdpbf16ps (each lane sums two products)
+                if ((KIND == BF16_PAIRS || KIND == I8 || KIND == F8E4M3) && qh)
                     for (; jj + 4 <= n; jj += 4) {
                         __m512i x[4];
                         vec a[4][N];  // [key][row]
@@ -731,7 +732,7 @@ struct Item {
                             for (int r = 0; r < N; ++r) a[k][r] = vzero();
                         for (int64_t d = 0; d < D; d += 32) {
                             for (int k = 0; k < 4; ++k) {
-                                x[k] = _mm512_loadu_si512((const void*)((const uint16_t*)krows[jj + k] + d));
+                                x[k] = bf16_keys(krows[jj + k], d, nan);
                                 DN_IN_REGISTER(x[k]);
                             }
                             for (int r = 0; r < N; ++r) {
@@ -829,6 +830,17 @@ struct Item {
         }
     }
 
+#if DN_BF16_DOT
+    // K's channels d .. d + 31 as bf16, in order: bf16 as stored; int8 / fp8 widened to fp32 (exact) and packed
+    static __m512i bf16_keys(const void* row, int64_t d, bool nan) {
+        if constexpr (KIND == BF16_PAIRS) {
+            return _mm512_loadu_si512((const void*)((const uint16_t*)row + d));
+        } else {
+            const vec lo = load(row, d, nan), hi = load(row, d + 16, nan);
+            return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        }
+    }
+#endif
 #if DN_AVX512
     // the four-key pass's [key][row] sums into s, times each key's scale, four rows of four keys stored at once
     void store_sums(const __m512 (&a)[4][4], int64_t r0, int jj) {
@@ -1484,7 +1496,8 @@ int decode_native(const DecodeCall* call) {
     bool q_finite = true;
 #if DN_BF16_DOT
     // every q value a bf16 number (its low 16 bits zero): q_bf16 below, q left unscaled
-    bool q_bf16 = pairs && R % NR == 0;
+    bool q_bf16 = (pairs || ((kind == I8 && !decode_native_amx()) || kind == F8E4M3)) && simd && R % NR == 0 &&
+                  D % 32 == 0;
     for (int64_t b = 0; b < B && q_bf16; ++b)
         for (int64_t h = 0; h < H && q_bf16; ++h)
             for (int64_t r = 0; r < R && q_bf16; ++r) {
@@ -1537,7 +1550,7 @@ int decode_native(const DecodeCall* call) {
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
     o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
 #if DN_BF16_DOT
-    if (q_bf16) o.q_bf16 = q_bits.data(), o.k_unit = scale;
+    if (q_bf16) o.q_bf16 = q_bits.data(), o.k_unit *= scale;
 #endif
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;

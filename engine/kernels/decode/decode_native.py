@@ -42,7 +42,7 @@ from engine.kernels.decode.native_build import (
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
 from engine.kernels.visibility import chunk_rows, decode_rows
 from engine.masks.key_indices import split_listed
-from engine.quantized import QuantizedKV
+from engine.quantized import QUANTIZED_DTYPES, QuantizedKV
 
 MAX_QUERIES = MAX_DECODE_QUERIES  # (engine.kernels.common: one limit for every decode path)
 
@@ -76,8 +76,8 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place; int8 K/V
     on AMX tiles (decode_native.cpp, "int8 on AMX tiles", its ``amx_usable``): a CPU whose tiles the library uses
     (``native_amx``), an int8 cache, at most 4 query rows per KV head (G * T), D 64 or 128 and Dv a multiple of 64,
-    K and V not one tensor; or bf16 K's scores by vdpbf16ps (DN_BF16_DOT, ``native_bf16_dot``): a multiple of 4
-    rows per KV head, D and Dv multiples of 32, q's values bf16 numbers (the kernel checks them; a bf16 q's are)."""
+    K and V not one tensor; or the scores by vdpbf16ps (DN_BF16_DOT, ``native_bf16_dot``): 4k rows per KV head, D
+    32k, a bf16 q (the kernel checks q's values), K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
     if listed_fits(inputs) is None:
         return ["key_indices: read in place, only each query's listed keys (native_listed)"]
     k, v, q = inputs.k, inputs.v, inputs.q
@@ -86,11 +86,13 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
         if rows <= 4 and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
             return ["int8 K/V on AMX tiles: scores and weighted values as integer dot products of fixed-point "
                     "digits (26 bits of each q row's largest, 24 of each block's weights)"]
-    if native_bf16_dot() and not isinstance(k, QuantizedKV) and k.dtype == torch.bfloat16 and rows % 4 == 0 and \
-            q.shape[3] % 32 == 0 < q.shape[3]:
-        if v.shape[3] % 32 == 0:  # (q shares K's dtype: its values are bf16 numbers)
-            return ["bf16 q and K: scores as AVX512-BF16 pair dot products (vdpbf16ps; products exact, the scale "
-                    "applied to each sum)"]
+    keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype
+    fits = {torch.bfloat16: v.shape[3] % 32 == 0, torch.int8: v.shape[3] % 16 == 0 and not native_amx()}
+    fits.update({kind: v.shape[3] % 16 == 0 for kind in QUANTIZED_DTYPES if kind != torch.int8})  # (fp8 e4m3)
+    if native_bf16_dot() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and \
+            fits.get(keys, False):
+        return [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores as AVX512-BF16 pair dot products (vdpbf16ps; "
+                f"products exact, the scale applied to each sum)"]
     return []
 
 

@@ -15,7 +15,7 @@ Successive buffers start ``STAGGER`` bytes apart within their first huge page (`
 the 2 MiB boundary. A decode step reads a layer's K and V rows side by side, and a cache allocates its K and V
 buffers one after the other. When the two start a multiple of 2 MiB apart, their streams conflict (measured, not
 explained: 4 KiB or 1 MiB apart read nearly as fast as 2 KiB, 4 MiB as slowly as 0). On an AVX-512 Zen 4 VM, one
-thread, B 1 S 32k bf16, K and V on 2 MiB boundaries took 1.5x the time of V 2 KiB past K (docs/BENCHMARKS.md,
+thread, B 1 S 32k bf16, K and V on 2 MiB boundaries took 1.6x the time of V 2 KiB past K (docs/BENCHMARKS.md,
 "Decode at the bandwidth limit, round 10"). A buffer's first huge page then holds up to ``(COLOURS - 1) * STAGGER``
 bytes before it.
 """

@@ -79,7 +79,7 @@ def test_caches_use_huge_pages():
 
 @pytest.mark.skipif(not THP, reason=f"transparent huge pages are {huge_pages.mode()} on this machine")
 def test_a_caches_keys_and_values_start_apart_from_each_other():
-    """K and V a multiple of 2 MiB apart read 1.5x slower on a Zen 4 (the module's note): a cache's two buffers, and a
+    """K and V a multiple of 2 MiB apart read 1.6x slower on a Zen 4 (the module's note): a cache's two buffers, and a
     pool's, start half a 4 KiB page apart, whatever came before them."""
     for _ in range(huge_pages.COLOURS + 1):  # every turn of the offsets, and past the wrap
         cache = KVCache(1, 2, 8192, 128, dtype=torch.bfloat16)  # 4 MiB each

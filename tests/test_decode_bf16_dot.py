@@ -44,8 +44,8 @@ def bf16_numbers(*shape, generator, magnitude=1.0):
     return (torch.randn(*shape, generator=generator) * magnitude).bfloat16().float()
 
 
-def test_explain_agrees_with_the_library_and_names_the_path():
-    assert native_bf16_dot() == LIBRARY.bf16_dot
+def test_explain_names_the_path():
+    assert native_bf16_dot()  # (tests/test_decode_native.py checks the two agree everywhere)
     k = torch.randn(1, 2, 300, 128).bfloat16()
     assert "vdpbf16ps" in str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), k, k))  # G 4: four rows
     assert "vdpbf16ps" in str(engine.explain(torch.randn(1, 4, 2, 128).bfloat16(), k, k))  # G 2, T 2: four rows

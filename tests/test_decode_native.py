@@ -56,10 +56,11 @@ def run_native(q, k, v, qpos=None, kpos=None, allowed=None, **kwargs):
 
 
 @needs_native
-def test_explain_knows_without_building_whether_the_library_uses_amx_tiles():
-    from engine.kernels.decode.native_build import native_amx
+def test_explain_knows_without_building_whether_the_library_uses_amx_tiles_or_bf16_dot_products():
+    from engine.kernels.decode.native_build import native_amx, native_bf16_dot
 
     assert native_amx() == load_native().amx  # (explain asks native_amx; the library says what it compiled and got)
+    assert native_bf16_dot() == load_native().bf16_dot
 
 
 def test_the_native_kernel_is_built_where_ci_runs():

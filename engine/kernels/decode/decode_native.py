@@ -157,13 +157,14 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
     j0 .. j1-1 as ``visible`` says: one kernel call. Its shapes are read once off fold_groups / unfold_groups (the
     one definition of the fold) applied to the plan's shapes, not per run."""
     folded = tuple(fold_groups(torch.empty(q_shape, device="meta"), kv_heads).shape)  # [B, Hkv, G*T, D]
-    out_shape, lse_shape = (*folded[:3], dv), folded[:3]  # [B, Hkv, G*T, Dv], [B, Hkv, G*T]
-    unfolded = tuple(unfold_groups(torch.empty(out_shape, device="meta"), q_shape[1]).shape)  # [B, Hq, T, Dv]
+    # the kernel writes out [B, Hkv, G*T, Dv] and lse [B, Hkv, G*T] contiguous: the bytes of unfold_groups' [B, Hq,
+    # T, Dv] / [B, Hq, T] (a view of the same memory), so they are allocated in those shapes, no view per run
+    unfolded = tuple(unfold_groups(torch.empty((*folded[:3], dv), device="meta"), q_shape[1]).shape)
     planned = []  # the DecodeCall, made by the first run (from its strides)
 
     def run(q, k, v, return_lse: bool):
-        out = torch.empty(*out_shape)  # fp32, written whole by the kernel
-        lse = torch.empty(*lse_shape)
+        out = torch.empty(*unfolded)  # fp32, written whole by the kernel
+        lse = torch.empty(*unfolded[:3])
         if j1 > j0:
             q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(*folded)  # (scaled in C++)
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
@@ -174,8 +175,7 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
         else:  # no row sees any key
             out.zero_()
             lse.fill_(float("-inf"))
-        out = out.view(*unfolded)  # rows g*T + i of KV head h -> query head h*G + g
-        return (out if q.dtype == torch.float32 else out.to(q.dtype)), (lse.view(*unfolded[:3]) if return_lse else None)
+        return (out if q.dtype == torch.float32 else out.to(q.dtype)), (lse if return_lse else None)
 
     return run
 

@@ -1501,9 +1501,10 @@ int decode_native(const DecodeCall* call) {
     const float scale = (float)c.scale;
     bool q_finite = true;
 #if DN_BF16_DOT
-    // every q value a bf16 number (its low 16 bits zero): q_bf16 below, q left unscaled
-    bool q_bf16 = (pairs || ((kind == I8 && !decode_native_amx()) || kind == F8E4M3)) && simd && R % NR == 0 &&
+    // every q value a bf16 number (its low 16 bits zero): its bits in q_bits, q left unscaled
+    bool q_bf16 = (pairs || kind == F8E4M3 || (kind == I8 && !decode_native_amx())) && simd && R % NR == 0 &&
                   D % 32 == 0;
+    std::vector<uint16_t> q_bits(q_bf16 ? B * H * R * D : 0);
     for (int64_t b = 0; b < B && q_bf16; ++b)
         for (int64_t h = 0; h < H && q_bf16; ++h)
             for (int64_t r = 0; r < R && q_bf16; ++r) {
@@ -1512,9 +1513,9 @@ int decode_native(const DecodeCall* call) {
                     uint32_t bits;
                     std::memcpy(&bits, &src[d], 4);
                     q_bf16 &= (bits & 0xFFFFu) == 0;
+                    q_bits[((b * H + h) * R + r) * D + d] = (uint16_t)(bits >> 16);
                 }
             }
-    std::vector<uint16_t> q_bits(q_bf16 ? B * H * R * D : 0);
 #else
     const bool q_bf16 = false;
 #endif
@@ -1528,14 +1529,6 @@ int decode_native(const DecodeCall* call) {
                     q_finite &= std::isfinite(src[d]);
                     dst[pairs ? paired_order(d) : d] = src[d] * q_factor;
                 }
-#if DN_BF16_DOT
-                if (q_bf16)
-                    for (int64_t d = 0; d < D; ++d) {
-                        uint32_t bits;
-                        std::memcpy(&bits, &src[d], 4);
-                        q_bits[((b * H + h) * R + r) * D + d] = (uint16_t)(bits >> 16);
-                    }
-#endif
             }
     if (!q_finite) return 2;
     int threads = (int)c.threads;

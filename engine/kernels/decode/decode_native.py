@@ -42,7 +42,7 @@ from engine.kernels.decode.native_build import (
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
 from engine.kernels.visibility import chunk_rows, decode_rows
 from engine.masks.key_indices import split_listed
-from engine.quantized import QUANTIZED_DTYPES, QuantizedKV
+from engine.quantized import QuantizedKV
 
 MAX_QUERIES = MAX_DECODE_QUERIES  # (engine.kernels.common: one limit for every decode path)
 
@@ -86,11 +86,10 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
         if rows <= 4 and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
             return ["int8 K/V on AMX tiles: scores and weighted values as integer dot products of fixed-point "
                     "digits (26 bits of each q row's largest, 24 of each block's weights)"]
-    keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype
-    fits = {torch.bfloat16: v.shape[3] % 32 == 0, torch.int8: v.shape[3] % 16 == 0 and not native_amx()}
-    fits.update({kind: v.shape[3] % 16 == 0 for kind in QUANTIZED_DTYPES if kind != torch.int8})  # (fp8 e4m3)
-    if native_bf16_dot() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and \
-            fits.get(keys, False):
+    keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
+    fits = v.shape[3] % 16 == 0 and not (keys == torch.int8 and native_amx()) if isinstance(k, QuantizedKV) else \
+        v.shape[3] % 32 == 0
+    if native_bf16_dot() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and fits:
         return [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores as AVX512-BF16 pair dot products (vdpbf16ps; "
                 f"products exact, the scale applied to each sum)"]
     return []

@@ -30,7 +30,7 @@ class Impl:
 
     label: str
     run: Callable[[], Any]
-    role: str = "engine"  # "engine" or "peer"
+    role: str = "engine"  # "engine", "peer", "bandwidth" (a copy), "read" (the K/V bytes read) or "overhead"
     setup: Callable[[], Any] | None = None
     note: str = ""
     kv_bytes: float | None = None  # K/V bytes this implementation reads, when not the case's (a quantized cache)

@@ -77,10 +77,17 @@ def _threads(n: int, run):
     return call
 
 
+def _read(*buffers: torch.Tensor) -> list[torch.Tensor]:
+    """Every byte of ``buffers`` read once (a sum of their 4-byte words as fp32, whatever they hold): the rate the
+    machine reads memory at, on torch's threads, with no attention's arithmetic."""
+    return [x.reshape(-1).view(torch.float32).sum() for x in buffers]
+
+
 def decode_bandwidth(batch: int, s: int, dtype: torch.dtype) -> Case:
     """Group "bandwidth" (Hq 32 / Hkv 8 / D 128, one new query per sequence): the native kernel reading K/V from the
     buffers the engine's caches hold (2 MiB pages where Linux gives them), the same on the caller's plain tensors
-    (4 KiB pages), on 2 threads, int8 / fp8 caches (bf16 cases), SDPA, and the copy bandwidth, all in one run."""
+    (4 KiB pages), on 2 threads, int8 / fp8 caches (bf16 cases), SDPA, the copy bandwidth and the read ceiling (the
+    same K/V bytes summed on 1 and 2 threads), all in one run."""
     def build() -> list[Impl]:
         from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
 
@@ -102,6 +109,9 @@ def decode_bandwidth(batch: int, s: int, dtype: torch.dtype) -> Case:
         dst = torch.zeros_like(src)
         impls.append(Impl("copy", lambda: dst.copy_(src), "bandwidth",
                           note=f"copy bandwidth = (bytes read + written) / s, {src.nbytes >> 20} MiB buffer"))
+        for n in (1, 2):
+            impls.append(Impl(f"read, {n} thread{'s' * (n > 1)}", _threads(n, lambda: _read(kc, vc)), "read",
+                              note="the cache buffers' K/V bytes summed as fp32 words: the machine's read ceiling"))
         return impls
     kv_bytes = 2.0 * batch * 8 * s * 128 * (torch.finfo(dtype).bits // 8)
     name = f"B={batch} Hq=32 Hkv=8 D=128 S={s} {str(dtype).replace('torch.', '')}"

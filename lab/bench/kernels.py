@@ -177,6 +177,8 @@ def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None, devic
                 pass
             elif impl.role == "bandwidth":
                 row["GB/s"] = 2 * min(case.kv_bytes / 2, cases_mod.COPY_BYTES) / seconds / 1e9  # read + written
+            elif impl.role == "read":  # the case's K/V bytes read, no arithmetic
+                row["GB/s"] = case.kv_bytes / seconds / 1e9
             else:
                 row["GFLOP/s"] = case.flops / seconds / 1e9
                 kv_bytes = impl.kv_bytes or case.kv_bytes

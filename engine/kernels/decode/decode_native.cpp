@@ -710,6 +710,13 @@ struct Item {
     static void prefetch_row(const char* row, int64_t width) {
         for (int64_t b = 0; b < elem_size() * width; b += 64) __builtin_prefetch(row + b, 0, LOCALITY);
     }
+    // fp32 rows are also asked for into L1 NEAR keys ahead of the pass reading them (K's by the scores' passes, each
+    // value tile's channels by the tile), on top of the next block's asks into L2 (AVX-512 only). AVX-512 Zen 4 VM,
+    // one thread, fp32 from DRAM (B 1, S 32k): 4 rows a KV head 0.90-0.93x the time, 1 row 0.86x; 4, 12 or 16 keys
+    // ahead, or 16 for V: 0.95-0.98x; in cache (S 1k) 1.04x. Not for bf16 / fp16 / int8 rows (half or a quarter of
+    // fp32's bytes: 0.99-1.06x), nor the AVX2 build (1.04-1.06x). docs/BENCHMARKS.md, round 11.
+    static constexpr int NEAR = 8;
+    static constexpr bool NEAR_ASKS = KIND == F32 && W_ == 16;
 
     // s[r][jj] = q[r] . k[j0 + jj] * key scale, rows r0 .. r0 + N; two keys per pass (2N independent sums)
     template <int N>
@@ -750,6 +757,8 @@ struct Item {
 #endif
                 for (; jj + 4 <= n; jj += 4) {
                     const void* kr[4] = {krows[jj], krows[jj + 1], krows[jj + 2], krows[jj + 3]};
+                    if (NEAR_ASKS && jj + NEAR + 4 <= n)
+                        for (int k = NEAR; k < NEAR + 4; ++k) prefetch_row(krows[jj + k], D);
                     vec a[4][4];  // [key][row] (rows N .. 3 stay 0)
                     for (int k = 0; k < 4; ++k)
                         for (int r = 0; r < 4; ++r) a[k][r] = vzero();
@@ -778,6 +787,8 @@ struct Item {
             for (; jj + 2 <= n; jj += 2) {
                 const void* k0 = krows[jj];
                 const void* k1 = krows[jj + 1];
+                if (NEAR_ASKS && jj + NEAR + 2 <= n)
+                    prefetch_row(krows[jj + NEAR], D), prefetch_row(krows[jj + NEAR + 1], D);
                 vec a0[N], a1[N];
                 for (int r = 0; r < N; ++r) a0[r] = a1[r] = vzero();
                 for (int64_t d = 0; d < D; d += STEP * W)
@@ -910,6 +921,9 @@ struct Item {
             for (int t = 0; t < TILES; ++t) a[r][t] = vloadf(acc + (r0 + r) * Dv + d0 + t * W);
         for (int jj = 0; jj < n; ++jj) {
             if (ASK && (jj & ask_mask) == ask_mask) ask_next();
+            if (NEAR_ASKS && jj + NEAR < n)  // (this tile's channels of a row NEAR keys on: prefetch_row)
+                for (int64_t b = 0; b < 4 * TILES * W; b += 64)
+                    __builtin_prefetch((const char*)vrows[jj + NEAR] + 4 * d0 + b, 0, 3);
             if (MASKED && !seen_key[jj]) continue;
             const void* vrow = vrows[jj];
             vec vv[TILES];

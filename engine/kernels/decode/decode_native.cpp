@@ -714,9 +714,10 @@ struct Item {
     // value tile's channels by the tile), on top of the next block's asks into L2 (AVX-512 only). AVX-512 Zen 4 VM,
     // one thread, fp32 from DRAM (B 1, S 32k): 4 rows a KV head 0.90-0.93x the time, 1 row 0.86x; 4, 12 or 16 keys
     // ahead, or 16 for V: 0.95-0.98x; in cache (S 1k) 1.04x. Not for bf16 / fp16 / int8 rows (half or a quarter of
-    // fp32's bytes: 0.99-1.06x), nor the AVX2 build (1.04-1.06x). docs/BENCHMARKS.md, round 11.
+    // fp32's bytes: 0.99-1.06x), nor the AVX2 build (1.04-1.06x), nor calls of under 8 MiB of K/V, which likely
+    // come from cache (the 135M model's small call: 1.01x). docs/BENCHMARKS.md, round 11.
     static constexpr int NEAR = 8;
-    static constexpr bool NEAR_ASKS = KIND == F32 && W_ == 16;
+    const bool near_asks = KIND == F32 && W_ == 16 && o.B * o.H * o.S * (o.D + o.Dv) * 4 >= (int64_t(8) << 20);
 
     // s[r][jj] = q[r] . k[j0 + jj] * key scale, rows r0 .. r0 + N; two keys per pass (2N independent sums)
     template <int N>
@@ -757,7 +758,7 @@ struct Item {
 #endif
                 for (; jj + 4 <= n; jj += 4) {
                     const void* kr[4] = {krows[jj], krows[jj + 1], krows[jj + 2], krows[jj + 3]};
-                    if (NEAR_ASKS && jj + NEAR + 4 <= n)
+                    if (near_asks && jj + NEAR + 4 <= n)
                         for (int k = NEAR; k < NEAR + 4; ++k) prefetch_row(krows[jj + k], D);
                     vec a[4][4];  // [key][row] (rows N .. 3 stay 0)
                     for (int k = 0; k < 4; ++k)
@@ -787,7 +788,7 @@ struct Item {
             for (; jj + 2 <= n; jj += 2) {
                 const void* k0 = krows[jj];
                 const void* k1 = krows[jj + 1];
-                if (NEAR_ASKS && jj + NEAR + 2 <= n)
+                if (near_asks && jj + NEAR + 2 <= n)
                     prefetch_row(krows[jj + NEAR], D), prefetch_row(krows[jj + NEAR + 1], D);
                 vec a0[N], a1[N];
                 for (int r = 0; r < N; ++r) a0[r] = a1[r] = vzero();
@@ -921,7 +922,7 @@ struct Item {
             for (int t = 0; t < TILES; ++t) a[r][t] = vloadf(acc + (r0 + r) * Dv + d0 + t * W);
         for (int jj = 0; jj < n; ++jj) {
             if (ASK && (jj & ask_mask) == ask_mask) ask_next();
-            if (NEAR_ASKS && jj + NEAR < n)  // (this tile's channels of a row NEAR keys on: prefetch_row)
+            if (near_asks && jj + NEAR < n)  // (this tile's channels of a row NEAR keys on: prefetch_row)
                 for (int64_t b = 0; b < 4 * TILES * W; b += 64)
                     __builtin_prefetch((const char*)vrows[jj + NEAR] + 4 * d0 + b, 0, 3);
             if (MASKED && !seen_key[jj]) continue;

@@ -462,7 +462,7 @@ struct DecodeCall {
     const uint8_t* visible;         // [B, Hkv, R, S] bytes (0 strides where broadcast), or null: all visible
     int64_t visible_strides[4];
     float* out;                     // [B, Hkv, R, Dv] fp32, contiguous: written whole
-    float* lse;                     // [B, Hkv, R] fp32, contiguous: written whole
+    float* lse;                     // [B, Hkv, R] fp32, contiguous: written whole; or null: not wanted
     // A paged cache (null pages: k / v hold [B, Hkv, S, D] as above): k and v are pools [num_pages, page_size,
     // Hkv, D] with k_strides / v_strides those of (page, slot, head), scales (int8 / fp8) pools [num_pages,
     // page_size, Hkv] likewise; key j of sequence b is slot j % page_size of page pages[b * pages_stride +
@@ -1693,16 +1693,16 @@ int decode_native(const DecodeCall* call) {
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int64_t row = 0; row < B * H * R; ++row) {
         float* dst = out + row * Dv;
+        float row_lse = NEG_INF;
         if (bad[row]) {
             for (int64_t d = 0; d < Dv; ++d) dst[d] = nan;
-            lse[row] = NEG_INF;
         } else if (l[row] > 0.0f) {  // a non-finite channel met a visible NaN/inf value: NaN, as the reference
             for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? dst[d] : nan;
-            lse[row] = m[row] + std::log(l[row]);
+            row_lse = m[row] + std::log(l[row]);
         } else {
             for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? 0.0f : nan;
-            lse[row] = NEG_INF;
         }
+        if (lse) lse[row] = row_lse;
     }
     return 0;
 }

@@ -163,7 +163,7 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
 
     def run(q, k, v, return_lse: bool):
         out = torch.empty(*unfolded)  # fp32, written whole by the kernel
-        lse = torch.empty(*unfolded[:3])
+        lse = torch.empty(*unfolded[:3]) if return_lse else None  # (None: the kernel writes none)
         if j1 > j0:
             q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(*folded)  # (scaled in C++)
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
@@ -173,8 +173,9 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
                 raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
         else:  # no row sees any key
             out.zero_()
-            lse.fill_(float("-inf"))
-        return (out if q.dtype == torch.float32 else out.to(q.dtype)), (lse if return_lse else None)
+            if lse is not None:
+                lse.fill_(float("-inf"))
+        return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
     return run
 
@@ -250,7 +251,7 @@ def _run(library, template, q_rows, keys, values, out, lse) -> int:
         _fill_strides(call, q_rows, keys, values)
     call.threads = torch.get_num_threads()
     call.q, call.k, call.v, call.out, call.lse = (q_rows.data_ptr(), k_data.data_ptr(), v_data.data_ptr(),
-                                                  out.data_ptr(), lse.data_ptr())
+                                                  out.data_ptr(), None if lse is None else lse.data_ptr())
     if k_scale is not None:
         call.k_scale, call.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
     return _decode(library, call)

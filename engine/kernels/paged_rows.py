@@ -53,7 +53,7 @@ class NativeInPlace:
         self.sinks = inputs.sinks
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool):
-        result = self.step.run(q, k_pages, v_pages)
+        result = self.step.run(q, k_pages, v_pages, return_lse or self.sinks is not None)
         if result is None or self.sinks is None:
             return result
         out, lse = result  # [Nq, Hq, Dv], [Nq, Hq] as apply_sinks' [B, Hq, T, ..]

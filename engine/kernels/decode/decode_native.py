@@ -281,11 +281,11 @@ def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pag
 
 
 def paged_run(library, template: DecodeCall, q_rows: torch.Tensor, k_pages, v_pages, out: torch.Tensor,
-              lse: torch.Tensor) -> int:
+              lse: torch.Tensor | None) -> int:
     """One layer of a planned paged step: ``template`` (``paged_template``) with this layer's addresses and strides:
     q_rows fp32 ``[B, Hkv, R, D]`` (unit stride on the last axis), pools ``[num_pages, page_size, Hkv, D | Dv]``
     (fp32 / bf16 / fp16, or QuantizedKV pools: int8 / fp8 data with scales ``[num_pages, page_size, Hkv]``; unit
-    stride on the last axis), out fp32 ``[B, Hkv, R, Dv]`` and lse ``[B, Hkv, R]``: written whole. Returns the
+    stride on the last axis), out fp32 ``[B, Hkv, R, Dv]`` and lse ``[B, Hkv, R]`` (or None): written whole. Returns the
     kernel's status (OK, or NON_FINITE_Q: nothing written)."""
     call = DecodeCall.from_buffer_copy(template)
     call.threads = torch.get_num_threads()
@@ -296,5 +296,5 @@ def paged_run(library, template: DecodeCall, q_rows: torch.Tensor, k_pages, v_pa
     call.k, call.k_strides[:] = k_pages.data_ptr(), k_pages.stride()[:3]
     call.v, call.v_strides[:] = v_pages.data_ptr(), v_pages.stride()[:3]
     call.q, call.q_strides[:] = q_rows.data_ptr(), q_rows.stride()[:3]
-    call.out, call.lse = out.data_ptr(), lse.data_ptr()
+    call.out, call.lse = out.data_ptr(), None if lse is None else lse.data_ptr()
     return _decode(library, call)

@@ -94,9 +94,9 @@ class NativeStep:
                                        tables.page_size, self.visible)
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
-        """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None when q holds NaN/inf (the kernel found it
-        as it scaled q; the gathered path keeps it to its rows) or these pools' last axis is strided (the plan was
-        made for other strides: the gathered path reads any)."""
+        """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32; None without return_lse)``, or None when q holds
+        NaN/inf (the kernel found it as it scaled q; the gathered path keeps it to its rows) or these pools' last axis
+        is strided (the plan was made for other strides: the gathered path reads any)."""
         batch, t, kv_heads, group, d = self.shape
         if not all(x.stride(-1) == 1 or x.shape[-1] == 1 for x in (data_of(k_pages), data_of(v_pages))):
             return None  # a layer's pools with a strided last axis: the kernel reads rows as contiguous memory
@@ -105,11 +105,12 @@ class NativeStep:
         if q_rows.stride(-1) != 1 and d > 1:
             q_rows = q_rows.contiguous()
         out = torch.empty(batch, kv_heads, group * t, self.dv)  # [B, Hkv, G*T, Dv], written whole
-        lse = torch.empty(batch, kv_heads, group * t)  # [B, Hkv, G*T]
+        lse = torch.empty(batch, kv_heads, group * t) if return_lse else None  # [B, Hkv, G*T] (None: not written)
         if paged_run(self.library, self.template, q_rows, k_pages, v_pages, out, lse) == NON_FINITE_Q:
             return None
         out = unfold_groups(out, q.shape[1]).transpose(1, 2).reshape(batch * t, q.shape[1], self.dv)  # [Nq, Hq, Dv]
-        lse = unfold_groups(lse, q.shape[1]).transpose(1, 2).reshape(batch * t, q.shape[1])  # [Nq, Hq]
+        if lse is not None:
+            lse = unfold_groups(lse, q.shape[1]).transpose(1, 2).reshape(batch * t, q.shape[1])  # [Nq, Hq]
         return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 
 

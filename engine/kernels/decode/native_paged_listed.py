@@ -105,17 +105,18 @@ class ListedStep:
                                        inputs.scale, self.pages, self.lengths, 1, None)
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
-        """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32)``, or None (see the class)."""
+        """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32; None without return_lse)``, or None (see the
+        class)."""
         if listed_layout(k_pages, v_pages, self.per_head) != (None, self.steps):
             return None  # a layer's pools of another layout: the readable twin reads them
         nq, q_heads, d = q.shape
         rows = (q if q.dtype == torch.float32 else q.float()).reshape(-1, self.heads, self.group, d)
         out = torch.empty(rows.shape[0], self.heads, self.group, self.dv)  # fp32, written whole
-        lse = torch.empty(rows.shape[0], self.heads, self.group)
+        lse = torch.empty(rows.shape[0], self.heads, self.group) if return_lse else None  # (None: not written)
         pools = (one_key_pages(x, self.count, self.heads, lambda part: (_steps(part, self.per_head)[0], part.stride(2)))
                  for x in (k_pages, v_pages))
         if paged_run(self.library, self.template, rows, *pools, out, lse) == NON_FINITE_Q:
             return None
-        out, lse = out.view(nq, q_heads, self.dv), lse.view(nq, q_heads)
+        out, lse = out.view(nq, q_heads, self.dv), (None if lse is None else lse.view(nq, q_heads))
         return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
 

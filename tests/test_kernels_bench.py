@@ -31,6 +31,20 @@ def test_a_case_gives_one_row_per_implementation_with_ratios_to_the_peers():
     assert "vs dense" not in rows[1]  # peers carry no ratio to themselves
 
 
+def test_a_read_row_counts_the_cases_kv_bytes_and_no_flops():
+    from lab.bench.kernel_cases_decode import _read
+
+    k, v = torch.ones(2, 4, 8, 16, dtype=torch.bfloat16), torch.full((2, 4, 8, 16), 2.0, dtype=torch.bfloat16)
+    sums = _read(k, v)  # every 4-byte word once: two bf16 values per fp32 word, read as one number
+    assert len(sums) == 2 and all(s.dtype == torch.float32 for s in sums)
+    assert sums[0].item() == (k.view(torch.float32).double().sum()).item()
+    case = Case("bandwidth", "toy", {}, lambda: [Impl("read, 1 thread", lambda: _read(k, v), "read")], flops=1.0,
+                kv_bytes=float(k.nbytes + v.nbytes))
+    row = bench_kernels.run_case(case, repeats=2, wanted=None)[0]
+    assert row["GB/s"] == pytest.approx((k.nbytes + v.nbytes) / (row["ms"] / 1e3) / 1e9)
+    assert "GFLOP/s" not in row and "vs sdpa" not in row
+
+
 def test_targets_take_the_worst_case_and_say_whether_it_is_met():
     def row(group, case, impl, ms, **extra):
         return {"group": group, "case": case, "impl": impl, "ms": ms, "role": "peer", **extra}

@@ -930,9 +930,8 @@ struct Item {
             for (int t = 0; t < TILES; ++t) a[r][t] = vmul(vloadf(acc + (r0 + r) * Dv + d0 + t * W), vset(kept[r0 + r]));
         for (int jj = 0; jj < n; ++jj) {
             if (ASK && (jj & ask_mask) == ask_mask) ask_next();
-            if (near_asks && jj + NEAR < n)  // (this tile's channels of a row NEAR keys on: prefetch_row)
-                for (int64_t b = 0; b < 4 * TILES * W; b += 64)
-                    __builtin_prefetch((const char*)vrows[jj + NEAR] + 4 * d0 + b, 0, 3);
+            if (near_asks && jj + NEAR < n)  // (this tile's channels of the row NEAR keys on)
+                prefetch_row((const char*)vrows[jj + NEAR] + elem_size() * d0, TILES * W);
             if (MASKED && !seen_key[jj]) continue;
             const void* vrow = vrows[jj];
             vec vv[TILES];

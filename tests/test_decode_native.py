@@ -551,6 +551,50 @@ def test_e4m3_nan_codes_read_as_nan_on_each_vector_path(variant, variant_library
 
 
 @needs_native
+@pytest.mark.skipif(FP8 not in QUANTIZED, reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("variant", ["native", "avx512", "avx2", "plain_cpp"])
+@pytest.mark.parametrize("bf16_q", [True, False], ids=["bf16-q", "fp32-q"])
+def test_every_e4m3_code_reads_as_torch_reads_it_on_each_vector_path(variant, bf16_q, variant_library):
+    # All 256 codes, as keys and as values, each read alone so the result is the code's value itself (powers of two
+    # for every scale: no rounding anywhere): a row that sees one key has lse = its score and out = its value row.
+    # The native build on a CPU with AVX512-VBMI reads the codes by table lookups, in a lane order of its own (q and
+    # the output permuted to match); a bf16 q takes the vdpbf16ps scores where the CPU has them. (A NaN key code
+    # poisons the whole row: test_e4m3_nan_codes_read_as_nan_on_each_vector_path.)
+    from engine.kernels.decode.decode_native import _call
+
+    library = load_native() if variant == "native" else variant_library(variant)
+    b, hkv, rows, s, d = 16, 4, 4, 4, 128
+    codes = torch.arange(256, dtype=torch.uint8).view(4, 64)  # key j holds codes 64 j .. 64 j + 63
+    data = torch.zeros(b, hkv, s, d, dtype=torch.uint8)
+    data[..., :64] = codes  # (channels 64 .. 127: code 0)
+    table = QuantizedKV(data.view(FP8), torch.full((b, hkv, s), 0.5))
+    finite = QuantizedKV(data.masked_fill((data & 0x7F) == 0x7F, 0).view(FP8), table.scale)  # NaN codes to 0
+    zeros = QuantizedKV(torch.zeros_like(data).view(FP8), torch.full((b, hkv, s), 2.0))
+    visible = torch.eye(rows, s, dtype=torch.bool).expand(1, 1, rows, s)  # row r sees key r alone
+    values = table.dequantize(torch.float64)  # what torch reads: codes 0x7F / 0xFF NaN
+    assert int(values.isnan().sum()) == 2 * b * hkv
+    # keys: every row of pair (b, h) is one-hot on channel i = the pair's index, so row r scores code 64 r + i; a
+    # non-bf16 number where K is 0 (channel 100) keeps the bf16-q path off when asked
+    q_rows = torch.zeros(b, hkv, rows, d)
+    pair = torch.arange(b * hkv).view(b, hkv)
+    q_rows.view(b * hkv, rows, d)[torch.arange(b * hkv), :, pair.flatten()] = 1.0
+    if not bf16_q:
+        q_rows[..., 100] = 0.1
+    out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
+    assert _call(library, q_rows, 0.25, (finite.data, finite.scale), (zeros.data, zeros.scale), visible, out, lse) == 0
+    keys = finite.dequantize(torch.float64)[..., :64]
+    want_lse = keys.gather(3, pair[:, :, None, None].expand(b, hkv, s, 1))[..., 0] * 0.25  # [B, Hkv, S]: row r, key r
+    torch.testing.assert_close(lse.double(), want_lse, rtol=0, atol=0)
+    assert want_lse.unique().numel() == 253  # 256 codes: two NaN ones (read as 0 here), and -0 equals 0
+    assert bool((out == 0).all())
+    # values: K all 0 (every score 0), row r's output is value row r exactly, NaN channels where its code is NaN
+    out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
+    assert _call(library, q_rows, 0.25, (zeros.data, zeros.scale), (table.data, table.scale), visible, out, lse) == 0
+    torch.testing.assert_close(out.double(), values, rtol=0, atol=0, equal_nan=True)
+    assert bool((lse == 0).all())
+
+
+@needs_native
 @pytest.mark.parametrize("variant", ["avx512", "avx2", "plain_cpp"])
 def test_bf16_head_dims_read_two_vectors_or_one_at_a_time_match_the_oracle_on_each_vector_path(variant,
                                                                                             variant_library):

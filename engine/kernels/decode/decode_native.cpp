@@ -59,6 +59,14 @@
 #if DN_AVX512 && defined(__AVX512BF16__)
 #define DN_BF16_DOT 1
 #endif
+// fp8 e4m3 read as bf16 (F8_WORDS): every e4m3 value is a bf16 number, so two AVX512-VBMI byte lookups (vpermi2b over
+// 128-entry tables of the bf16 bits' high and low bytes, the sign ORed in) turn 64 codes into 64 exact bf16 words,
+// NaN codes included, where widening through fp16 took 4 instructions per 16 (e4m3_half_bits, vcvtph2ps) and a scan
+// of each block for NaN codes (e4m3_nan_codes). The words come in unpack order (f8_word_channel): q and the output
+// are permuted to match, as BF16_PAIRS' are.
+#if DN_BF16_DOT && defined(__AVX512VBMI__)
+#define DN_F8_WORDS 1
+#endif
 // int8 K/V on AMX tiles (amx_usable): a build for a CPU with AMX-INT8, where Linux grants the tiles
 #if DN_AVX512 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #include <sys/syscall.h>
@@ -75,7 +83,8 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 // BF16_PAIRS is bf16 read 2 * W values at a time as two vectors, the even-indexed and the odd-indexed ones (vector
 // paths, D and Dv multiples of 2 * W: vload_pair); the call's kind is BF16 either way.
-enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4, BF16_PAIRS = 5 };
+// F8_WORDS is fp8 e4m3 read 64 codes at a time as bf16 words (DN_F8_WORDS; D and Dv multiples of 64).
+enum Kind { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, F8E4M3 = 4, BF16_PAIRS = 5, F8_WORDS = 6 };
 constexpr int64_t kind_bytes(int kind) {
     return kind == F32 ? 4 : (kind == BF16 || kind == F16 || kind == BF16_PAIRS) ? 2 : 1;
 }
@@ -185,6 +194,40 @@ inline vec vexp(vec x) {
     vec y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), y);  // e^-inf = 0
 }
+#if DN_F8_WORDS
+// The bf16 bits of the e4m3 code m of sign 0 (m < 128; 127 is NaN): 2^(e - 7) (1 + f / 8) for an exponent field
+// e > 0, else f 2^-9, a normal bf16 number (f's leading bit moved into the exponent)
+constexpr uint16_t e4m3_bf16_bits(int m) {
+    const int e = m >> 3, f = m & 7;
+    if (m == 0x7F) return 0x7FC0;
+    if (e > 0) return (uint16_t)(((e - 7 + 127) << 7) | (f << 4));
+    if (f == 0) return 0;
+    const int top = f >= 4 ? 2 : f >= 2 ? 1 : 0;  // f = 2^top + the rest
+    return (uint16_t)(((top - 9 + 127) << 7) | ((f - (1 << top)) << (7 - top)));
+}
+struct E4M3Tables {  // e4m3_bf16_bits' high and low bytes, code m at [m]
+    alignas(64) uint8_t high[128];
+    alignas(64) uint8_t low[128];
+    constexpr E4M3Tables() : high(), low() {
+        for (int m = 0; m < 128; ++m) high[m] = (uint8_t)(e4m3_bf16_bits(m) >> 8), low[m] = (uint8_t)e4m3_bf16_bits(m);
+    }
+};
+constexpr E4M3Tables E4M3_TABLES{};
+// codes i .. i + 63 as bf16 words, in unpack order: w0 holds codes 16 L .. 16 L + 7 of each 128-bit lane L, w1
+// codes 16 L + 8 .. 16 L + 15 (f8_word_channel); a code's seven low bits index the tables, its sign is ORed in
+struct E4M3Words {
+    __m512i w0, w1;
+};
+inline E4M3Words e4m3_words(const void* p, int64_t i) {
+    const __m512i codes = _mm512_loadu_si512((const void*)((const uint8_t*)p + i));
+    const __m512i high = _mm512_permutex2var_epi8(_mm512_load_si512((const void*)E4M3_TABLES.high), codes,
+                                                  _mm512_load_si512((const void*)(E4M3_TABLES.high + 64)));
+    const __m512i low = _mm512_permutex2var_epi8(_mm512_load_si512((const void*)E4M3_TABLES.low), codes,
+                                                 _mm512_load_si512((const void*)(E4M3_TABLES.low + 64)));
+    const __m512i signed_high = _mm512_ternarylogic_epi32(high, codes, _mm512_set1_epi8((char)0x80), 0xF8);  // a|b&c
+    return {_mm512_unpacklo_epi8(low, signed_high), _mm512_unpackhi_epi8(low, signed_high)};
+}
+#endif
 #elif DN_AVX2
 constexpr int W = 8;
 using vec = __m256;
@@ -435,6 +478,11 @@ inline __m512 digit_sums(const int32_t* rows) {
 // With W = 8: channels 0 1 2 3 .. 15 sit at 0 8 1 9 .. 15.
 constexpr int64_t PAIR = 2 * W_;
 constexpr int64_t paired_order(int64_t d) { return (d & ~(PAIR - 1)) | ((d & 1) * W_) | ((d & (PAIR - 1)) >> 1); }
+// Which channel of its 64 sits at place p (0 .. 63) for F8_WORDS: of the words e4m3_words makes (q's bf16 bits: w0
+// then w1), and of the fp32 vectors the kernel splits them into (q, the output: even words of w0, odd ones, then
+// w1's), vector h's lane k being word 2 k + h % 2 of w[h / 2].
+constexpr int64_t f8_word_channel(int64_t p) { return 16 * (p % 32 / 8) + 8 * (p / 32) + p % 8; }
+constexpr int64_t f8_lane_channel(int64_t p) { return f8_word_channel(32 * (p / 32) + 2 * (p % 16) + p / 16 % 2); }
 
 // ---- the call: one descriptor, the whole boundary with Python ------------------------------------------------
 
@@ -594,11 +642,40 @@ struct Item {
         return vload<KIND>(row, d);
     }
     // Vectors are read STEP at a time: vector h of the STEP at channel d (d a multiple of STEP * W). BF16_PAIRS reads
-    // its two from one load (vload_pair); the other kinds read vector d + h * W.
-    static constexpr int STEP = KIND == BF16_PAIRS ? 2 : 1;
+    // its two from one load (vload_pair); F8_WORDS its four from one conversion of 64 codes (e4m3_words, each word
+    // vector's even and odd words); the other kinds read vector d + h * W.
+    static constexpr int STEP = KIND == BF16_PAIRS ? 2 : KIND == F8_WORDS ? 4 : 1;
     static vec load_at(const void* row, int64_t d, int h, bool nan) {
         if constexpr (KIND == BF16_PAIRS) return h == 0 ? vload_pair<0>(row, d) : vload_pair<1>(row, d);
         else return load(row, d + h * W, nan);
+    }
+    // A step as read once (raw_at) and its vectors taken from it (from_raw): F8_WORDS' words, or the row and channel
+    // each vector is loaded from
+    struct RowAt {
+        const void* row;
+        int64_t d;
+    };
+#if DN_F8_WORDS
+    using Raw = std::conditional_t<KIND == F8_WORDS, E4M3Words, RowAt>;
+#else
+    using Raw = RowAt;
+#endif
+    static Raw raw_at(const void* row, int64_t d) {
+#if DN_F8_WORDS
+        if constexpr (KIND == F8_WORDS) return e4m3_words(row, d);
+        else
+#endif
+            return RowAt{row, d};
+    }
+    static vec from_raw(const Raw& x, int h, bool nan) {
+#if DN_F8_WORDS
+        if constexpr (KIND == F8_WORDS) {  // (bf16 words to fp32: the even ones shifted up, the odd ones as they lie)
+            const __m512i w = h < 2 ? x.w0 : x.w1;
+            return _mm512_castsi512_ps(h % 2 == 0 ? _mm512_slli_epi32(w, 16)
+                                                  : _mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u)));
+        } else
+#endif
+            return load_at(x.row, x.d, h, nan);
     }
 #endif
     static constexpr int64_t elem_size() { return kind_bytes(KIND); }
@@ -742,23 +819,24 @@ struct Item {
             if constexpr (N >= 2) {
 #if DN_BF16_DOT
                 // q and K as bf16: 32 channels of a row and a key in one vdpbf16ps (each lane sums two products)
-                if (N == 4 && (KIND == BF16_PAIRS || KIND == I8 || KIND == F8E4M3) && qh)
+                if (N == 4 && (KIND == BF16_PAIRS || KIND == I8 || KIND == F8E4M3 || KIND == F8_WORDS) && qh)
                     for (; jj + 4 <= n; jj += 4) {
-                        __m512i x[4];
+                        __m512i x[4][WORDS];
                         vec a[4][4];  // [key][row]
                         for (int k = 0; k < 4; ++k)
                             for (int r = 0; r < 4; ++r) a[k][r] = vzero();
-                        for (int64_t d = 0; d < D; d += 32) {
+                        for (int64_t d = 0; d < D; d += 32 * WORDS) {
                             for (int k = 0; k < 4; ++k) {
-                                x[k] = bf16_keys(krows[jj + k], d, nan);
-                                DN_IN_REGISTER(x[k]);
+                                bf16_keys(krows[jj + k], d, nan, x[k]);
+                                for (int w = 0; w < WORDS; ++w) DN_IN_REGISTER(x[k][w]);
                             }
-                            for (int r = 0; r < N; ++r) {
-                                __m512i qv = _mm512_loadu_si512((const void*)(qh + (r0 + r) * D + d));
-                                DN_IN_REGISTER(qv);
-                                for (int k = 0; k < 4; ++k)
-                                    a[k][r] = _mm512_dpbf16_ps(a[k][r], (__m512bh)qv, (__m512bh)x[k]);
-                            }
+                            for (int w = 0; w < WORDS; ++w)
+                                for (int r = 0; r < N; ++r) {
+                                    __m512i qv = _mm512_loadu_si512((const void*)(qh + (r0 + r) * D + d + 32 * w));
+                                    DN_IN_REGISTER(qv);
+                                    for (int k = 0; k < 4; ++k)
+                                        a[k][r] = _mm512_dpbf16_ps(a[k][r], (__m512bh)qv, (__m512bh)x[k][w]);
+                                }
                         }
                         if (pass_asks) ask_next();
                         store_sums<N>(a, r0, jj);
@@ -771,11 +849,13 @@ struct Item {
                     vec a[4][4];  // [key][row] (rows N .. 3 stay 0)
                     for (int k = 0; k < 4; ++k)
                         for (int r = 0; r < 4; ++r) a[k][r] = vzero();
-                    for (int64_t d = 0; d < D; d += STEP * W)
+                    for (int64_t d = 0; d < D; d += STEP * W) {
+                        Raw raw[4];
+                        for (int k = 0; k < 4; ++k) raw[k] = raw_at(kr[k], d);
                         for (int h = 0; h < STEP; ++h) {
                             vec x[4];
                             for (int k = 0; k < 4; ++k) {
-                                x[k] = load_at(kr[k], d, h, nan);
+                                x[k] = from_raw(raw[k], h, nan);
                                 DN_IN_REGISTER(x[k]);
                             }
                             for (int r = 0; r < N; ++r) {
@@ -784,6 +864,7 @@ struct Item {
                                 for (int k = 0; k < 4; ++k) a[k][r] = vfma(qv, x[k], a[k][r]);
                             }
                         }
+                    }
                     if (pass_asks) {
                         ask_next();
                         if constexpr (N < 4) ask_next();  // (fewer rows: asks as often as the two-key pass)
@@ -800,9 +881,10 @@ struct Item {
                     prefetch_row(krows[jj + NEAR], D), prefetch_row(krows[jj + NEAR + 1], D);
                 vec a0[N], a1[N];
                 for (int r = 0; r < N; ++r) a0[r] = a1[r] = vzero();
-                for (int64_t d = 0; d < D; d += STEP * W)
+                for (int64_t d = 0; d < D; d += STEP * W) {
+                    const Raw raw0 = raw_at(k0, d), raw1 = raw_at(k1, d);
                     for (int h = 0; h < STEP; ++h) {
-                        vec x0 = load_at(k0, d, h, nan), x1 = load_at(k1, d, h, nan);
+                        vec x0 = from_raw(raw0, h, nan), x1 = from_raw(raw1, h, nan);
                         DN_IN_REGISTER(x0);
                         DN_IN_REGISTER(x1);
                         for (int r = 0; r < N; ++r) {
@@ -812,6 +894,7 @@ struct Item {
                             a1[r] = vfma(qv, x1, a1[r]);
                         }
                     }
+                }
                 if (pass_asks) ask_next();
                 const float u0 = kunit[jj], u1 = kunit[jj + 1];
                 if constexpr (N == 4) {
@@ -832,11 +915,13 @@ struct Item {
                 const void* k0 = krows[jj];
                 vec a0[N];
                 for (int r = 0; r < N; ++r) a0[r] = vzero();
-                for (int64_t d = 0; d < D; d += STEP * W)
+                for (int64_t d = 0; d < D; d += STEP * W) {
+                    const Raw raw0 = raw_at(k0, d);
                     for (int h = 0; h < STEP; ++h) {
-                        const vec x0 = load_at(k0, d, h, nan);
+                        const vec x0 = from_raw(raw0, h, nan);
                         for (int r = 0; r < N; ++r) a0[r] = vfma(vloadf(qb + (r0 + r) * D + d + h * W), x0, a0[r]);
                     }
+                }
                 const float u0 = kunit[jj];
                 for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = hsum1(a0[r]) * u0;
             }
@@ -856,13 +941,18 @@ struct Item {
     }
 
 #if DN_BF16_DOT
-    // K's channels d .. d + 31 as bf16, in order: bf16 as stored; int8 / fp8 widened to fp32 (exact) and packed
-    static __m512i bf16_keys(const void* row, int64_t d, bool nan) {
+    // K's channels d .. d + 32 WORDS - 1 as WORDS vectors of bf16: bf16 as stored; int8 / fp8 widened to fp32 (exact)
+    // and packed; F8_WORDS' two vectors of words (e4m3_words)
+    static constexpr int WORDS = KIND == F8_WORDS ? 2 : 1;
+    static void bf16_keys(const void* row, int64_t d, bool nan, __m512i (&x)[WORDS]) {
         if constexpr (KIND == BF16_PAIRS) {
-            return _mm512_loadu_si512((const void*)((const uint16_t*)row + d));
+            x[0] = _mm512_loadu_si512((const void*)((const uint16_t*)row + d));
+        } else if constexpr (WORDS == 2) {
+            const Raw words = raw_at(row, d);
+            x[0] = words.w0, x[WORDS - 1] = words.w1;
         } else {
             const vec lo = load(row, d, nan), hi = load(row, d + 16, nan);
-            return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+            x[0] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
         }
     }
 #endif
@@ -935,7 +1025,10 @@ struct Item {
             if (MASKED && !seen_key[jj]) continue;
             const void* vrow = vrows[jj];
             vec vv[TILES];
-            for (int t = 0; t < TILES; ++t) vv[t] = load_at(vrow, d0 + (t - t % STEP) * W, t % STEP, nan);
+            for (int t = 0; t < TILES; t += STEP) {
+                const Raw raw = raw_at(vrow, d0 + t * W);
+                for (int h = 0; h < STEP && t + h < TILES; ++h) vv[t + h] = from_raw(raw, h, nan);
+            }
             for (int r = 0; r < N; ++r) {
                 const vec p = vset(s[(r0 + r) * BLOCK + jj]);
                 if (MASKED) {  // a hidden key adds 0 * 0 (its value may be NaN); a seen one the unmasked FMA
@@ -1430,6 +1523,11 @@ void dispatch_kind(int kind, const Operands& o, Partial* p, int count) {
         case F16: run_items<F16, SIMD>(o, p, count); break;
         case I8: run_items<I8, SIMD>(o, p, count); break;
         case F8E4M3: run_items<F8E4M3, SIMD>(o, p, count); break;
+#if DN_F8_WORDS
+        case F8_WORDS:
+            if constexpr (SIMD) run_items<F8_WORDS, SIMD>(o, p, count);
+            break;
+#endif
         default: break;
     }
 }
@@ -1520,6 +1618,14 @@ int decode_native(const DecodeCall* call) {
     const bool simd = false;
 #endif
     const bool pairs = simd && kind == BF16 && D % PAIR == 0 && Dv % PAIR == 0;  // read as BF16_PAIRS
+#if DN_F8_WORDS
+    const bool words = simd && kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0;  // read as F8_WORDS
+#else
+    const bool words = false;
+#endif
+    // Where q's value at place d comes from: F8_WORDS' each 64 channels in f8_lane_channel's order (q's bf16 bits:
+    // f8_word_channel's), the other kinds' in order
+    auto lane_source = [&](int64_t d) { return words ? (d & ~int64_t(63)) | f8_lane_channel(d & 63) : d; };
     // q rows times the scale, contiguous [B, Hkv, R, D] (tiny: R rows per KV head), checked finite on the way; for
     // BF16_PAIRS each PAIR channels in paired_order
     std::vector<float> q_scaled(B * H * R * D);
@@ -1536,7 +1642,7 @@ int decode_native(const DecodeCall* call) {
                 const float* src = c.q + b * c.q_strides[0] + h * c.q_strides[1] + r * c.q_strides[2];
                 for (int64_t d = 0; d < D; ++d) {
                     uint32_t bits;
-                    std::memcpy(&bits, &src[d], 4);
+                    std::memcpy(&bits, &src[words ? (d & ~int64_t(63)) | f8_word_channel(d & 63) : d], 4);
                     q_bf16 &= (bits & 0xFFFFu) == 0;
                     q_bits[((b * H + h) * R + r) * D + d] = (uint16_t)(bits >> 16);
                 }
@@ -1551,8 +1657,9 @@ int decode_native(const DecodeCall* call) {
                 const float* src = c.q + b * c.q_strides[0] + h * c.q_strides[1] + r * c.q_strides[2];
                 float* dst = &q_scaled[((b * H + h) * R + r) * D];
                 for (int64_t d = 0; d < D; ++d) {
-                    q_finite &= std::isfinite(src[d]);
-                    dst[pairs ? paired_order(d) : d] = src[d] * q_factor;
+                    const float x = src[lane_source(d)];
+                    q_finite &= std::isfinite(x);
+                    dst[pairs ? paired_order(d) : d] = x * q_factor;
                 }
             }
     if (!q_finite) return 2;
@@ -1572,7 +1679,7 @@ int decode_native(const DecodeCall* call) {
     o.visible = c.visible;
     for (int i = 0; i < 4; ++i) o.vis[i] = c.visible ? c.visible_strides[i] : 0;
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
-    o.k_unit = o.v_unit = kind == F8E4M3 ? 256.0f : 1.0f;
+    o.k_unit = o.v_unit = kind == F8E4M3 && !words ? 256.0f : 1.0f;  // (e4m3_half_bits' 2^-8; F8_WORDS' are exact)
 #if DN_BF16_DOT
     if (q_bf16) o.q_bf16 = q_bits.data(), o.k_unit *= scale;
 #endif
@@ -1633,7 +1740,7 @@ int decode_native(const DecodeCall* call) {
             while (count < in_turn && i + count < first[t + 1] && items[i + count].bh == items[i].bh + count &&
                    items[i + count].j0 == items[i].j0 && items[i].bh % H + count < H)
                 ++count;
-            if (simd) dispatch_kind<true>(pairs ? BF16_PAIRS : kind, o, &items[i], count);
+            if (simd) dispatch_kind<true>(pairs ? BF16_PAIRS : words ? F8_WORDS : kind, o, &items[i], count);
             else dispatch_kind<false>(kind, o, &items[i], count);
             i += count;
         }
@@ -1686,6 +1793,15 @@ int decode_native(const DecodeCall* call) {
             for (int64_t d0 = 0; d0 < Dv; d0 += PAIR) {
                 float* dst = out + row * Dv + d0;
                 for (int d = 0; d < PAIR; ++d) chunk[d] = dst[paired_order(d)];
+                std::memcpy(dst, chunk, sizeof(chunk));
+            }
+    }
+    if (words) {  // each 64 channels back from f8_lane_channel's order
+        float chunk[64];
+        for (int64_t row = 0; row < B * H * R; ++row)
+            for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
+                float* dst = out + row * Dv + d0;
+                for (int d = 0; d < 64; ++d) chunk[f8_lane_channel(d)] = dst[d];
                 std::memcpy(dst, chunk, sizeof(chunk));
             }
     }

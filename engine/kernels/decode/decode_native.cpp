@@ -773,8 +773,10 @@ struct Item {
             const float* kq = ksc ? ksc + page * o.kss[0] + slot * o.kss[1] + head * o.kss[2] : nullptr;
             const float* vq = vsc ? vsc + page * o.vss[0] + slot * o.vss[1] + head * o.vss[2] : nullptr;
             if (!scales && (kq || vq)) scale_runs[scale_run_count++] = {kq, vq, run, o.kss[1], o.vss[1]};
-            if (scales && run >= 32) {  // a long run: its scales in a loop of their own (fill_units; pages of 256,
-                                        // int8, one thread from DRAM: 0.98x the time; runs of 16 stay as below)
+            if (scales && run >= 16) {  // a run of 16 or more: its scales in a loop of their own (fill_units; pages
+                                        // of 256, int8, one thread from DRAM: 0.98x the time; pages of 16, since
+                                        // read_next_scales: int8 0.94-0.98x in cache, 0.96-0.99x from DRAM, fp8
+                                        // 0.97-0.98x, NHD 0.99x; shorter runs stay as below)
                 for (int64_t r = 0; r < run; ++r)
                     kout[jj + r] = kp + elem_size() * r * o.ks[1], vout[jj + r] = vp + elem_size() * r * o.vs[1];
                 fill_units(kunit + jj, kq, o.kss[1], (int)run, o.k_unit);
@@ -824,8 +826,7 @@ struct Item {
 
     // dst[0 .. n) = unit * src[i * stride] (src null: unit), unit strides in a loop of their own that the compiler
     // vectorises: int8 / fp8 caches' contiguous scales, one thread from DRAM, 0.96x / 0.98x the time of the per-key
-    // loop (AVX2 build: int8 0.97x); a paged pool's runs of 16 keep their per-key loop, where this took 1.02x (runs of
-    // 32 or more take it: page_rows)
+    // loop (AVX2 build: int8 0.97x); a paged pool's runs of 16 or more too (page_rows)
     static void fill_units(float* dst, const float* src, int64_t stride, int n, float unit) {
         if (!src) {
             for (int i = 0; i < n; ++i) dst[i] = unit;

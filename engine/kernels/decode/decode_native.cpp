@@ -713,31 +713,31 @@ struct Item {
         }
         const int64_t stop = table ? end : seq_end;
         int ahead = (int)std::max<int64_t>(0, std::min<int64_t>(stop, j0 + n + BLOCK) - (j0 + n));
-        if (!table) {
-            for (int jj = 0; jj < ahead; ++jj) ahead_k[jj] = key_row(j0 + n + jj), ahead_v[jj] = value_row(j0 + n + jj);
-            if (ksc) prefetch_scales(ksc + (j0 + n) * o.kss[2], ahead, o.kss[2]);
-            if (vsc && !o.shared) prefetch_scales(vsc + (j0 + n) * o.vss[2], ahead, o.vss[2]);
-        } else {  // (page_rows asks for their scales)
-            page_rows(j0 + n, ahead, ahead_k, ahead_v, false);
-        }
+        rows_to_ask(j0 + n, ahead, ahead_k, ahead_v);
         if (ahead == 0 && successor)  // this item's last block: the next item's first
             ahead = successor->first_block_rows(ahead_k, ahead_v);
         asked = 0, ahead_rows = ahead;  // (asked for by the scores' passes: for_row_groups)
     }
 
-    // The rows of this item's first block into k / v for the item before it to ask for (block_rows), their scales
-    // noted (page_rows; that item's read_next_scales reads them) or asked for; how many. Each item's first block had
-    // been asked for only as it began (AVX-512 Zen 4 VM, one thread, B 8 S 8k, shuffled pages of 16: work items of
-    // 8k keys instead of 2k took 0.95x the time in bf16, 0.97x in int8).
+    // The rows of keys j0 .. j0 + n - 1 into k / v to be asked for ahead, their scales asked for (a contiguous
+    // cache's) or noted for read_next_scales (a paged pool's: page_rows)
+    void rows_to_ask(int64_t j0, int n, const char** k, const char** v) {
+        if (table) {
+            page_rows(j0, n, k, v, false);
+            return;
+        }
+        for (int jj = 0; jj < n; ++jj) k[jj] = key_row(j0 + jj), v[jj] = value_row(j0 + jj);
+        if (ksc) each_scale_line(ksc + j0 * o.kss[2], n, o.kss[2], [](const float* x) { __builtin_prefetch(x, 0, 3); });
+        if (vsc && !o.shared)
+            each_scale_line(vsc + j0 * o.vss[2], n, o.vss[2], [](const float* x) { __builtin_prefetch(x, 0, 3); });
+    }
+
+    // The rows of this item's first block into k / v for the item before it to ask for (block_rows); how many. Each
+    // item's first block had been asked for only as it began (AVX-512 Zen 4 VM, one thread, B 8 S 8k, shuffled pages
+    // of 16: work items of 8k keys instead of 2k took 0.95x the time in bf16, 0.97x in int8).
     int first_block_rows(const char** k, const char** v) {
         const int n = (int)std::max<int64_t>(0, std::min<int64_t>(BLOCK, end - part.j0));
-        if (table) {
-            page_rows(part.j0, n, k, v, false);
-        } else {
-            for (int jj = 0; jj < n; ++jj) k[jj] = key_row(part.j0 + jj), v[jj] = value_row(part.j0 + jj);
-            if (ksc) prefetch_scales(ksc + part.j0 * o.kss[2], n, o.kss[2]);
-            if (vsc && !o.shared) prefetch_scales(vsc + part.j0 * o.vss[2], n, o.vss[2]);
-        }
+        rows_to_ask(part.j0, n, k, v);
         first_asked = n > 0;
         return n;
     }
@@ -772,7 +772,7 @@ struct Item {
             const char* vp = (const char*)o.v + elem_size() * (page * o.vs[0] + slot * o.vs[1] + head * o.vs[2]);
             const float* kq = ksc ? ksc + page * o.kss[0] + slot * o.kss[1] + head * o.kss[2] : nullptr;
             const float* vq = vsc ? vsc + page * o.vss[0] + slot * o.vss[1] + head * o.vss[2] : nullptr;
-            if (!scales && (kq || vq)) scale_runs[scale_run_count++] = {kq, vq, run, o.kss[1], o.vss[1]};
+            if (!scales && (kq || vq)) scale_runs[scale_run_count++] = {kq, vq, run};
             if (scales && run >= 16) {  // a run of 16 or more: its scales in a loop of their own (fill_units; pages
                                         // of 256, int8, one thread from DRAM: 0.98x the time; pages of 16, since
                                         // read_next_scales: int8 0.94-0.98x in cache, 0.96-0.99x from DRAM, fp8
@@ -799,30 +799,24 @@ struct Item {
     // this block (after its softmax step): asked for by prefetches as its rows are, they were still missing when the
     // block came, and their loads took 15% of an int8 decode's time over pages of 16 (a build reading no scales took
     // 0.84-0.86x the time); read this way, 0.91-0.92x (AVX-512 Zen 4 VM, one thread, B 8 S 8k, Hkv 8, shuffled pages).
-    struct ScaleRun {
+    struct ScaleRun {  // (o.kss[1] / o.vss[1] apart: a pool's slots)
         const float *k, *v;
-        int64_t count, k_stride, v_stride;
+        int64_t count;
     };
     ScaleRun scale_runs[BLOCK];
     int scale_run_count = 0, scale_runs_read = 0;
     void read_next_scales() {
         if (successor && successor->first_asked) successor->read_next_scales();  // (its first block's)
         float sum = 0.0f;
+        const auto read = [&sum](const float* x) { sum += *x; };
         for (; scale_runs_read < scale_run_count; ++scale_runs_read) {
             const ScaleRun& run = scale_runs[scale_runs_read];
-            if (run.k) sum += read_lines(run.k, run.count, run.k_stride);
-            if (run.v && !o.shared) sum += read_lines(run.v, run.count, run.v_stride);
+            if (run.k) each_scale_line(run.k, run.count, o.kss[1], read);
+            if (run.v && !o.shared) each_scale_line(run.v, run.count, o.vss[1], read);
         }
         scale_sink = sum;
     }
     volatile float scale_sink = 0.0f;
-    // the sum of one scale in each cache line that `count` scales `stride` floats apart touch
-    static float read_lines(const float* first, int64_t count, int64_t stride) {
-        const int64_t step = std::max<int64_t>(1, 16 / std::max<int64_t>(1, stride));
-        float sum = first[(count - 1) * stride];
-        for (int64_t r = 0; r < count; r += step) sum += first[r * stride];
-        return sum;
-    }
 
     // dst[0 .. n) = unit * src[i * stride] (src null: unit), unit strides in a loop of their own that the compiler
     // vectorises: int8 / fp8 caches' contiguous scales, one thread from DRAM, 0.96x / 0.98x the time of the per-key
@@ -837,12 +831,14 @@ struct Item {
         }
     }
 
-    // a run of `count` per-key scales `stride` floats apart (a paged int8 / fp8 pool's): one request per cache line
-    static void prefetch_scales(const float* first, int64_t count, int64_t stride) {
+    // f(scale) for one scale in each cache line a run of `count` per-key scales `stride` floats apart touches, and the
+    // last: to ask for them (a contiguous cache's) or read them (read_next_scales)
+    template <class F>
+    static void each_scale_line(const float* first, int64_t count, int64_t stride, F&& f) {
         if (count <= 0) return;
         const int64_t step = std::max<int64_t>(1, 16 / std::max<int64_t>(1, stride));
-        for (int64_t r = 0; r < count; r += step) __builtin_prefetch(first + r * stride, 0, 3);
-        __builtin_prefetch(first + (count - 1) * stride, 0, 3);
+        for (int64_t r = 0; r < count; r += step) f(first + r * stride);
+        f(first + (count - 1) * stride);
     }
     template <int LOCALITY = 3>  // __builtin_prefetch's: 3 T0 (into L1), 2 T1 (L2)
     static void prefetch_row(const char* row, int64_t width) {

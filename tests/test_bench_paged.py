@@ -123,9 +123,30 @@ def test_the_decode_group_rows_hold_the_same_keys_every_way(dtype, monkeypatch):
     for name, value in (("B", 2), ("HQ", 8), ("HKV", 2), ("D", 32)):
         monkeypatch.setattr(bench_paged, name, value)
     rows = {r["impl"]: r for r in bench_paged._decode_case(512, 16, dtype, torch.Generator().manual_seed(0), 1, 1)}
-    assert list(rows) == ["contiguous", "paged", "paged NHD", "contiguous held", "paged held"]
+    assert list(rows) == ["contiguous", "paged", "paged NHD", "contiguous held", "paged held", "copy, runs in order",
+                          "copy, page runs"]
     assert rows["paged"]["max |diff|"] == 0.0
     held = rows["paged held"]
     assert held["time/contiguous"] == pytest.approx(held["ms"] / rows["contiguous held"]["ms"])
     assert held["target"] == rows["paged"]["target"] == f"<= {bench_paged.TARGET}x" and held["met"] in ("yes", "no")
     assert rows["contiguous held"]["target"] is None
+    runs = rows["copy, page runs"]  # over the same copy of the runs in address order
+    assert runs["time/contiguous"] == pytest.approx(runs["ms"] / rows["copy, runs in order"]["ms"])
+    assert runs["target"] is None and runs["met"] is None
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8"])
+def test_page_runs_visit_each_heads_pages_in_page_table_order(quantized):
+    # the runs gathered in page_runs' order are the keys as the sequences hold them: [B, Hkv, S, D], bitwise
+    from lab.bench.paged_pools import pools, quantized_pool
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(3, 2, 64, 8, generator=g)  # [B, Hkv, S, D], pages of 16
+    k_pages, _, table = pools(k, k, 16, g, True)
+    if quantized:
+        k_pages = quantized_pool(k_pages)
+    runs, order = bench_paged.page_runs(k_pages, table)
+    want = (k_pages.data if quantized else k_pages)  # [num_pages, page_size, Hkv, D]
+    sequence = want[table].permute(0, 3, 1, 2, 4).reshape(3, 2, 64, 8)  # [B, Hkv, S, D] through the table
+    assert torch.equal(runs[order].reshape(3, 2, 64, 8), sequence)
+    if not quantized:
+        assert torch.equal(sequence, k)

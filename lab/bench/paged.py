@@ -11,6 +11,10 @@
   ``contiguous held`` and ``paged held``, the latter's ratio taken over the former (the others' 4 KiB pages make
   each page of a pool a page walk).
   int8 rows: the same keys quantized per token and head (``QuantizedKV``), contiguous and in int8 pages.
+  ``copy, page runs``: the held pool's K bytes copied a run at a time (one head's rows of one page) in the order the
+  kernel's work items read them (``page_runs``); its ``time/contiguous`` is its time over ``copy, runs in order``'s
+  (the same runs, the same copy, in address order; whose own is over ``copy``'s): what the memory makes of runs
+  that short (a bf16 page of 16 keys is a 4 KiB run) before any attention's arithmetic.
 - ``step``: SmolLM2-135M's attention shape (Hq 9 / Hkv 3 / D 64), B = 8 and 32 ragged sequences of 256-768 keys,
   pages of 16 and 256, fp32 / bf16 / int8, 1 and 2 threads: the planned paged step, the unplanned
   ``paged_attention`` call and the same keys contiguous (lab.bench.paged_step).
@@ -110,12 +114,16 @@ def _decode_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator,
     held_step = plan_paged(packed, held[0], held[1], head_major[2], lens, indptr)
     src = (k.data if quantized else k).reshape(-1)
     dst = torch.zeros_like(src)
+    runs, order = page_runs(held[0], head_major[2])
+    run_dst, in_order = torch.zeros_like(runs), torch.arange(runs.shape[0])
     impls = {"contiguous": lambda: step.run(q, k, v),
              "paged": lambda: paged["paged"].run(packed, head_major[0], head_major[1]),
              "paged NHD": lambda: paged["paged NHD"].run(packed, nhd[0], nhd[1]),
              "contiguous held": lambda: step.run(q, kh, vh),
              "paged held": lambda: held_step.run(packed, held[0], held[1]),
-             "copy": lambda: dst.copy_(src)}
+             "copy": lambda: dst.copy_(src),
+             "copy, runs in order": lambda: torch.index_select(runs, 0, in_order, out=run_dst),
+             "copy, page runs": lambda: torch.index_select(runs, 0, order, out=run_dst)}
     want = step.run(q, k, v)[:, :, 0]
     diff = max((impls[name]() - want).abs().max().item() for name in ("paged", "paged NHD", "paged held"))
     diff = max(diff, (impls["contiguous held"]()[:, :, 0] - want).abs().max().item())
@@ -124,17 +132,34 @@ def _decode_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator,
     kv_bytes = 2 * (k.nbytes if quantized else k.numel() * k.element_size())
     copy_bytes = 2 * src.numel() * src.element_size()  # read + written
     rows = []
-    for name in ("contiguous", "paged", "paged NHD", "contiguous held", "paged held"):
+    base = {"paged held": "contiguous held", "copy, runs in order": "copy", "copy, page runs": "copy, runs in order"}
+    for name in ("contiguous", "paged", "paged NHD", "contiguous held", "paged held", "copy, runs in order",
+                 "copy, page runs"):
         # ratios within each round (paired_ratio): steadier than a ratio of medians when the machine drifts
-        ratio = paired_ratio(times[name], times["contiguous held" if name == "paged held" else "contiguous"])
-        gbs = kv_bytes / ms[name] / 1e6
-        of_copy = kv_bytes / copy_bytes / paired_ratio(times[name], times["copy"])
+        ratio = paired_ratio(times[name], times[base.get(name, "contiguous")])
+        if name.startswith("copy, "):  # (K's bytes read and written, as copy's)
+            gbs, of_copy = copy_bytes / ms[name] / 1e6, 1 / paired_ratio(times[name], times["copy"])
+        else:
+            gbs = kv_bytes / ms[name] / 1e6
+            of_copy = kv_bytes / copy_bytes / paired_ratio(times[name], times["copy"])
         rows.append({"group": "decode", "case": f"B={B} S={s} page {page_size} {str(dtype)[6:]}", "impl": name,
                      "ms": ms[name], "time/contiguous": ratio, "K/V GB/s": gbs, "of copy": of_copy,
                      "target": f"<= {TARGET}x" if name in ("paged", "paged held") else None,
                      "met": ("yes" if ratio <= TARGET else "no") if name in ("paged", "paged held") else None,
                      "max |diff|": diff, "S": s, "page": page_size, "dtype": str(dtype)})
     return rows
+
+
+def page_runs(pool, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A head-major pool's K bytes as runs ``[num_pages * Hkv, page_size * D]`` (a head's rows of one page, one run
+    in memory) and the order the paged kernel's work items read them: each sequence's heads in turn, each head's
+    pages in page-table order. Copied in that order (``copy, page runs``, its time over ``copy``'s of as many bytes
+    in address order), they show what the memory itself makes of runs this short, with no attention's arithmetic."""
+    data = pool.data if hasattr(pool, "data") else pool  # (a QuantizedKV's entries)
+    stored = data.permute(0, 2, 1, 3)  # [num_pages, Hkv, page_size, D], contiguous
+    heads = stored.shape[1]
+    order = (table[:, None, :] * heads + torch.arange(heads)[None, :, None]).reshape(-1)  # [B * Hkv * pages]
+    return stored.reshape(stored.shape[0] * heads, -1), order
 
 
 def memory_rows(args: argparse.Namespace) -> list[dict[str, Any]]:

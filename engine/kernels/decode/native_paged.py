@@ -90,6 +90,12 @@ class NativeStep:
                                        and (window is None or bool((per_row < window).all()))):
             self.visible = _row_visibility(per_row, self.lengths, window, group, allowed)  # [B, 1, G*T, S]
         rows = (batch, kv_heads, group * t, d)
+        # a decode step (T = 1): q [Nq = B, Hq, D] holds fold_groups' rows in their order, so its fold is a reshape to
+        # the shape read here, once, off fold_groups (as the contiguous plan reads its shapes), and the output is
+        # allocated as [Nq, Hq, Dv], the same bytes as the kernel's [B, Hkv, G, Dv]: the general path's views and
+        # calls took 1-4 us each, 8 us of a 48 us call in SmolLM2-135M's shape (B 8, S 16, pages of 16)
+        self.folded = tuple(fold_groups(torch.empty(batch, q_heads, 1, d, device="meta"), kv_heads).shape) \
+            if t == 1 else None
         self.template = paged_template(data_of(inputs.k_pages).dtype, rows, dv, inputs.scale, self.pages, self.lengths,
                                        tables.page_size, self.visible)
 
@@ -101,22 +107,20 @@ class NativeStep:
         kd, vd = data_of(k_pages), data_of(v_pages)
         if (kd.stride(-1) != 1 and kd.shape[-1] > 1) or (vd.stride(-1) != 1 and vd.shape[-1] > 1):
             return None  # a layer's pools with a strided last axis: the kernel reads rows as contiguous memory
-        q32 = q if q.dtype == torch.float32 else q.float()
-        # [B, Hkv, G*T, D] (fold_groups); for T = 1, a decode step, that fold is one reshape (row g of KV head h: query
-        # head h*G + g) and the output's unfold one view: the general path's views and calls took 1-4 us each, 8 us
-        # of a 48 us call in SmolLM2-135M's shape (B 8, S 512, in cache), where contiguous plan.run took 39 us
-        q_rows = q32.reshape(batch, kv_heads, group, d) if t == 1 else \
-            fold_groups(q32.view(batch, t, -1, d).transpose(1, 2), kv_heads)
+        q32, heads = (q if q.dtype == torch.float32 else q.float()), q.shape[1]
+        if self.folded is not None:  # (T = 1)
+            q_rows = q32.reshape(self.folded)  # [B, Hkv, G, D]
+            out = torch.empty(batch, heads, self.dv)  # [Nq, Hq, Dv]: the kernel's [B, Hkv, G, Dv], written whole
+            lse = torch.empty(batch, heads) if return_lse else None  # [Nq, Hq] (None: not written)
+        else:
+            q_rows = fold_groups(q32.view(batch, t, -1, d).transpose(1, 2), kv_heads)  # [B, Hkv, G*T, D]
+            out = torch.empty(batch, kv_heads, group * t, self.dv)  # [B, Hkv, G*T, Dv], written whole
+            lse = torch.empty(batch, kv_heads, group * t) if return_lse else None  # [B, Hkv, G*T]
         if q_rows.stride(-1) != 1 and d > 1:
             q_rows = q_rows.contiguous()
-        out = torch.empty(batch, kv_heads, group * t, self.dv)  # [B, Hkv, G*T, Dv], written whole
-        lse = torch.empty(batch, kv_heads, group * t) if return_lse else None  # [B, Hkv, G*T] (None: not written)
         if paged_run(self.library, self.template, q_rows, k_pages, v_pages, out, lse) == NON_FINITE_Q:
             return None
-        heads = q.shape[1]
-        if t == 1:
-            out, lse = out.view(batch, heads, self.dv), None if lse is None else lse.view(batch, heads)  # [Nq = B, ..]
-        else:
+        if self.folded is None:
             out = unfold_groups(out, heads).transpose(1, 2).reshape(batch * t, heads, self.dv)  # [Nq, Hq, Dv]
             if lse is not None:
                 lse = unfold_groups(lse, heads).transpose(1, 2).reshape(batch * t, heads)  # [Nq, Hq]

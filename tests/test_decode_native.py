@@ -8,6 +8,7 @@ the native kernel reported unavailable, as on a machine without a compiler.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -236,6 +237,38 @@ def test_nan_in_q_goes_to_the_torch_kernels_and_stays_in_its_row():
     q[0, 1, 0, 0] = float("nan")
     out = causal_attention(q, k, v, kernel="decode_native")
     assert bool(out[0, 1].isnan().all()) and bool(torch.isfinite(out[0, [0, 2, 3]]).all())
+
+
+@needs_native
+@pytest.mark.parametrize("variant", ["native", "avx512", "avx2", "plain_cpp"])
+def test_the_kernel_reports_a_nan_or_inf_anywhere_in_q_and_writes_nothing_on_each_vector_path(variant,
+                                                                                            variant_library):
+    # the kernel's own check of q (scale_q_row) in each of its channel orders: bf16 pairs, fp8 words, as it lies
+    # (fp32, int8); a bf16 q (its bits read for the dot products) and an fp32 one. NaN or inf at the first, a middle
+    # or the last channel of any row returns NON_FINITE_Q with out untouched; the same q made finite returns OK.
+    from engine.kernels.decode.decode_native import NON_FINITE_Q, OK, _call
+
+    library = load_native() if variant == "native" else variant_library(variant)
+    b, hkv, rows, s, d = 1, 2, 4, 80, 128
+    g = torch.Generator().manual_seed(9)
+    k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
+    caches = [((k.bfloat16(), None), (v.bfloat16(), None)), ((k, None), (v, None))]
+    for kind in QUANTIZED_DTYPES:
+        kq, vq = quantize(k, kind), quantize(v, kind)
+        caches.append(((kq.data, kq.scale), (vq.data, vq.scale)))
+    for keys, values in caches:
+        for q_dtype in (torch.bfloat16, torch.float32):
+            clean = torch.randn(b, hkv, rows, d, generator=g).to(q_dtype).float()  # [B, Hkv, R, D]
+            out = torch.zeros(b, hkv, rows, d)
+            assert _call(library, clean, 0.1, keys, values, None, out, None) == OK
+            for bad, (h, r, c) in itertools.product((float("nan"), float("inf"), -float("inf")),
+                                                    ((0, 0, 0), (1, 2, 77), (1, 3, d - 1))):
+                q_rows = clean.clone()
+                q_rows[0, h, r, c] = bad
+                out = torch.full((b, hkv, rows, d), 7.0)
+                status = _call(library, q_rows, 0.1, keys, values, None, out, None)
+                assert status == NON_FINITE_Q, (keys[0].dtype, q_dtype, bad, (h, r, c))
+                assert bool((out == 7.0).all())
 
 
 @needs_native

@@ -272,6 +272,37 @@ def test_the_kernel_reports_a_nan_or_inf_anywhere_in_q_and_writes_nothing_on_eac
 
 
 @needs_native
+@pytest.mark.parametrize("variant", ["native", "avx512", "avx2", "plain_cpp"])
+def test_a_bf16_q_and_output_are_read_and_rounded_as_torch_converts_them_on_each_vector_path(variant,
+                                                                                           variant_library):
+    # io_kind bf16: q read in bf16 and the output written in bf16 by the kernel, against the same call in fp32
+    # converted by torch. Each row sees one key, so its output is that value row exactly and the rounding shows:
+    # ties to even both ways, values that round up to the next binade or to inf, subnormals, signs
+    from engine.kernels.decode.decode_native import OK, _call
+
+    library = load_native() if variant == "native" else variant_library(variant)
+    b, hkv, rows, s, d = 2, 2, 4, 64, 64
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(b, hkv, rows, d, generator=g).bfloat16()  # [B, Hkv, R, D]
+    k = torch.randn(b, hkv, s, d, generator=g)
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F817FFF, 0x3F818001, 0x3FFF8000, 0x7F7FFFFF, 0x7F7F7FFF,
+                            0x00008000, 0x00018000, 0x80018000, 0xBF808000, 0x7F7F8000, 0xFF7FFFFF, 0, 0x80000000,
+                            0x3F7FFFFF], dtype=torch.int64).to(torch.int32).view(torch.float32)
+    v = torch.randn(b, hkv, s, d, generator=g)
+    v[..., :16] = special  # every key's first 16 channels: the special values
+    visible = torch.zeros(b, 1, rows, s, dtype=torch.bool)
+    for r in range(rows):
+        visible[:, :, r, 5 + 9 * r] = True  # row r sees key 5 + 9 r alone
+    want, want_lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
+    assert _call(library, q.float(), 0.125, (k, None), (v, None), visible, want, want_lse) == OK
+    got, got_lse = torch.zeros(b, hkv, rows, d, dtype=torch.bfloat16), torch.zeros(b, hkv, rows)
+    assert _call(library, q, 0.125, (k, None), (v, None), visible, got, got_lse) == OK
+    assert torch.equal(got.view(torch.int16), want.bfloat16().view(torch.int16))
+    assert torch.equal(got_lse, want_lse)
+    assert torch.equal(want[:, :, :, :16], special.expand(b, hkv, rows, 16))  # (each row its one key's values)
+
+
+@needs_native
 def test_auto_takes_the_native_kernel_for_decode_and_the_torch_kernels_otherwise():
     q, k = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 4096, 64)
     assert engine.explain(q, k, k).kernel == "decode_native"

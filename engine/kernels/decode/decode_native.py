@@ -8,17 +8,16 @@ sequence's keys are cut into work items at multiples of 2,048 positions (``SPLIT
 the threads and merged by log-sum-exp in order, so a row's result depends on its own keys alone: bitwise the same
 whatever else shares the batch, however many threads run it, contiguous or paged (batch invariance)::
 
-    q [B, Hq, T, D] -> fp32 rows [B, Hkv, G*T, D] * scale      (tiny; rows g*T + i: query i of head h*G + g)
+    q [B, Hq, T, D] -> rows [B, Hkv, G*T, D] * scale     (fp32 or bf16, as q; rows g*T + i: query i of head h*G + g)
     k, v [B, Hkv, S, D] as they are (any strides, last axis contiguous; KVCache.view() slices: no copy)
-    out fp32 [B, Hkv, G*T, Dv], lse [B, Hkv, G*T]  ->  [B, Hq, T, Dv] in q's dtype, [B, Hq, T]
+    out [B, Hkv, G*T, Dv] (fp32 or bf16), lse fp32 [B, Hkv, G*T]  ->  [B, Hq, T, Dv] in q's dtype, [B, Hq, T]
 
 Visibility (positions, windows, padding, documents) is cut to the span of keys some row sees; inside it a
 bool ``[B|1, Hkv|1, G*T, n]`` tells the kernel which rows see which key (no mask when every key is
 visible, as in one-token decode). K/V may be ``QuantizedKV`` (int8 / fp8 with per-token scales,
 ``engine.quantized``): the option ``"quantized_kv"``. Fits: T <= 16 on the CPU (any T with key_indices read in
 place: native_listed), no gradients, fp32 / bf16 / fp16 q, no softcap; NaN/inf in q goes to the next kernel.
-Readable twins: ``decode`` and ``tiled`` (and ``dequantized`` for quantized K/V), checked against a float64 oracle
-in the tests.
+Readable twins: ``decode`` and ``tiled`` (and ``dequantized`` for quantized K/V), checked against a float64 oracle.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ MAX_QUERIES = MAX_DECODE_QUERIES  # (engine.kernels.common: one limit for every 
 KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 if hasattr(torch, "float8_e4m3fn"):
     KINDS[torch.float8_e4m3fn] = 4
+IO_KINDS = {torch.float32: 0, torch.bfloat16: 1}  # q read and out written in (io_kind); other q converted to fp32
 
 
 def native_decode_fits(inputs: AttentionInputs) -> str | None:
@@ -152,9 +152,9 @@ def _runner(inputs: AttentionInputs):
 
 def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int, resume: str, j0: int, j1: int,
                   visible):
-    """``run(q, k, v, return_lse)`` for queries ``q`` of shape ``q_shape`` (at most MAX_QUERIES of them) seeing keys
-    j0 .. j1-1 as ``visible`` says: one kernel call. Its shapes are read once off fold_groups / unfold_groups (the
-    one definition of the fold) applied to the plan's shapes, not per run."""
+    """``run(q, k, v, return_lse)`` for queries ``q`` of shape ``q_shape`` (at most MAX_QUERIES) seeing keys j0 .. j1-1
+    as ``visible`` says: one kernel call, its shapes read once off fold_groups / unfold_groups (the fold's one
+    definition) applied to the plan's shapes, not per run; q and out fp32 or bf16 (IO_KINDS), others converted."""
     folded = tuple(fold_groups(torch.empty(q_shape, device="meta"), kv_heads).shape)  # [B, Hkv, G*T, D]
     # the kernel writes out [B, Hkv, G*T, Dv] and lse [B, Hkv, G*T] contiguous: the bytes of unfold_groups' [B, Hq,
     # T, Dv] / [B, Hq, T] (a view of the same memory), so they are allocated in those shapes, no view per run
@@ -162,10 +162,11 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
     planned = []  # the DecodeCall, made by the first run (from its strides)
 
     def run(q, k, v, return_lse: bool):
-        out = torch.empty(*unfolded)  # fp32, written whole by the kernel
+        io = q.dtype if q.dtype in IO_KINDS else torch.float32
+        out = torch.empty(*unfolded, dtype=io)  # written whole by the kernel
         lse = torch.empty(*unfolded[:3]) if return_lse else None  # (None: the kernel writes none)
         if j1 > j0:
-            q_rows = (q if q.dtype == torch.float32 else q.float()).reshape(*folded)  # (scaled in C++)
+            q_rows = (q if q.dtype == io else q.float()).reshape(*folded)  # (scaled in C++)
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
             if not planned:
                 planned.append(_template(scale, q_rows, keys, values, visible, key_offset=j0))
@@ -175,7 +176,7 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
             out.zero_()
             if lse is not None:
                 lse.fill_(float("-inf"))
-        return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+        return (out if io == q.dtype else out.to(q.dtype)), lse
 
     return run
 
@@ -202,7 +203,7 @@ def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0) 
         raise DoesNotFit(f"K/V dtypes {k_data.dtype}, {v_data.dtype}: not read by the native kernel")
     batch, kv_heads, rows, d = q_rows.shape
     call = DecodeCall(kind=KINDS[k_data.dtype], B=batch, H=kv_heads, R=rows, S=k_data.shape[2], D=d,
-                      Dv=v_data.shape[3], scale=scale, key_offset=key_offset)
+                      Dv=v_data.shape[3], scale=scale, key_offset=key_offset, io_kind=IO_KINDS[q_rows.dtype])
     strides = _fill_strides(call, q_rows, keys, values)
     _set_visible(call, visible)  # (the visibility tensor is the plan's: it outlives every run)
     return call, strides
@@ -233,9 +234,8 @@ def _fill_strides(call: DecodeCall, q_rows, keys, values) -> tuple:
 
 
 def _strides_of(q_rows, keys, values) -> tuple:
-    (k_data, k_scale), (v_data, v_scale) = keys, values
-    return (q_rows.stride(), k_data.stride(), v_data.stride(), None if k_scale is None else k_scale.stride(),
-            None if v_scale is None else v_scale.stride())
+    return (q_rows.stride(), keys[0].stride(), values[0].stride(), None if keys[1] is None else keys[1].stride(),
+            None if values[1] is None else values[1].stride())
 
 
 def _run(library, template, q_rows, keys, values, out, lse) -> int:
@@ -283,10 +283,10 @@ def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pag
 def paged_run(library, template: DecodeCall, q_rows: torch.Tensor, k_pages, v_pages, out: torch.Tensor,
               lse: torch.Tensor | None) -> int:
     """One layer of a planned paged step: ``template`` (``paged_template``) with this layer's addresses and strides:
-    q_rows fp32 ``[B, Hkv, R, D]`` (unit stride on the last axis), pools ``[num_pages, page_size, Hkv, D | Dv]``
-    (fp32 / bf16 / fp16, or QuantizedKV pools: int8 / fp8 data with scales ``[num_pages, page_size, Hkv]``; unit
-    stride on the last axis), out fp32 ``[B, Hkv, R, Dv]`` and lse ``[B, Hkv, R]`` (or None): written whole. Returns the
-    kernel's status (OK, or NON_FINITE_Q: nothing written)."""
+    q_rows ``[B, Hkv, R, D]`` and out ``[B, Hkv, R, Dv]`` both fp32 or both bf16 (IO_KINDS; q_rows unit stride on
+    the last axis), pools ``[num_pages, page_size, Hkv, D | Dv]`` (fp32 / bf16 / fp16, or QuantizedKV pools: int8 /
+    fp8 data with scales ``[num_pages, page_size, Hkv]``; unit stride on the last axis), lse fp32 ``[B, Hkv, R]``
+    (or None): written whole. Returns the kernel's status (OK, or NON_FINITE_Q: nothing written)."""
     call = DecodeCall.from_buffer_copy(template)
     call.threads = torch.get_num_threads()
     if type(k_pages) is QuantizedKV:  # the pools' scales [num_pages, page_size, Hkv]: (page, slot, head)
@@ -295,6 +295,6 @@ def paged_run(library, template: DecodeCall, q_rows: torch.Tensor, k_pages, v_pa
         k_pages, v_pages = k_pages.data, v_pages.data
     call.k, call.k_strides[:] = k_pages.data_ptr(), k_pages.stride()[:3]
     call.v, call.v_strides[:] = v_pages.data_ptr(), v_pages.stride()[:3]
-    call.q, call.q_strides[:] = q_rows.data_ptr(), q_rows.stride()[:3]
+    call.q, call.q_strides[:], call.io_kind = q_rows.data_ptr(), q_rows.stride()[:3], IO_KINDS[q_rows.dtype]
     call.out, call.lse = out.data_ptr(), None if lse is None else lse.data_ptr()
     return _decode(library, call)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kernels.common import DoesNotFit, fold_groups, unfold_groups
-from engine.kernels.decode.decode_native import MAX_QUERIES, NON_FINITE_Q, paged_run, paged_template
+from engine.kernels.decode.decode_native import IO_KINDS, MAX_QUERIES, NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native, native_unavailable
 from engine.kernels.decode.native_listed import data_of
 from engine.kernels.decode.native_paged_listed import listed_layout, per_head_lists
@@ -107,14 +107,15 @@ class NativeStep:
         kd, vd = data_of(k_pages), data_of(v_pages)
         if (kd.stride(-1) != 1 and kd.shape[-1] > 1) or (vd.stride(-1) != 1 and vd.shape[-1] > 1):
             return None  # a layer's pools with a strided last axis: the kernel reads rows as contiguous memory
-        q32, heads = (q if q.dtype == torch.float32 else q.float()), q.shape[1]
+        io, heads = (q.dtype if q.dtype in IO_KINDS else torch.float32), q.shape[1]  # (q and out: fp32 or bf16)
+        q_io = q if q.dtype == io else q.float()
         if self.folded is not None:  # (T = 1)
-            q_rows = q32.reshape(self.folded)  # [B, Hkv, G, D]
-            out = torch.empty(batch, heads, self.dv)  # [Nq, Hq, Dv]: the kernel's [B, Hkv, G, Dv], written whole
+            q_rows = q_io.reshape(self.folded)  # [B, Hkv, G, D]
+            out = torch.empty(batch, heads, self.dv, dtype=io)  # [Nq, Hq, Dv]: the kernel's [B, Hkv, G, Dv], whole
             lse = torch.empty(batch, heads) if return_lse else None  # [Nq, Hq] (None: not written)
         else:
-            q_rows = fold_groups(q32.view(batch, t, -1, d).transpose(1, 2), kv_heads)  # [B, Hkv, G*T, D]
-            out = torch.empty(batch, kv_heads, group * t, self.dv)  # [B, Hkv, G*T, Dv], written whole
+            q_rows = fold_groups(q_io.view(batch, t, -1, d).transpose(1, 2), kv_heads)  # [B, Hkv, G*T, D]
+            out = torch.empty(batch, kv_heads, group * t, self.dv, dtype=io)  # [B, Hkv, G*T, Dv], written whole
             lse = torch.empty(batch, kv_heads, group * t) if return_lse else None  # [B, Hkv, G*T]
         if q_rows.stride(-1) != 1 and d > 1:
             q_rows = q_rows.contiguous()
@@ -124,7 +125,7 @@ class NativeStep:
             out = unfold_groups(out, heads).transpose(1, 2).reshape(batch * t, heads, self.dv)  # [Nq, Hq, Dv]
             if lse is not None:
                 lse = unfold_groups(lse, heads).transpose(1, 2).reshape(batch * t, heads)  # [Nq, Hq]
-        return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+        return (out if io == q.dtype else out.to(q.dtype)), lse
 
 
 def _row_visibility(positions: torch.Tensor, lengths: torch.Tensor, window: int | None, group: int,

@@ -623,10 +623,10 @@ inline bool amx_usable(const Operands& o) {
 }
 #endif
 
-struct Partial {                    // one work item's online-softmax state
+struct Partial {                    // one work item's online-softmax state (in the call's buffers: decode_native)
     int64_t bh, j0, j1;
-    std::vector<float> m, l, acc;   // [R], [R], [R * Dv]
-    std::vector<uint8_t> bad;       // [R]: the row saw a non-finite key
+    float *m, *l, *acc;             // [R], [R], [R * Dv]
+    uint8_t* bad;                   // [R]: the row saw a non-finite key
 };
 
 // ---- one work item -----------------------------------------------------------------------------------------
@@ -654,18 +654,26 @@ struct Item {
     const float* qb;
     const uint16_t* qh;             // (o.q_bf16's rows of this item's KV head, or null)
     bool nan_codes = false;         // (fp8) the block's rows hold an e4m3 NaN code: read with vload_e4m3_nan
-    // block scratch: scores / probabilities [R][BLOCK], visibility [R][BLOCK] as 0 / all-ones bit masks
-    std::vector<float> s, keep, vscale;
+    // Block scratch, in one allocation (scratch; five had taken a tenth of a small call, B 8 Hkv 3 S 16): scores /
+    // probabilities s [R][BLOCK], visibility keep [R][BLOCK] as 0 / all-ones bit masks, the values' scales vscale
+    // [BLOCK], kept [R] (below), which keys some row sees seen_key [BLOCK] (bytes)
+    std::vector<float> scratch;
+    float *s, *keep, *vscale;
     // Each row's output so far is rescaled once a block (softmax_step's l_old / l_new): by the value tiles as they load
     // it (kept[r], 1 where unchanged), not in a pass of its own, on the vector paths the value pass covers whole
     // (not AMX's). Bitwise the same. AVX-512 Zen 4 VM, one thread, in cache: fp32 / bf16 / fp16 / int8 0.97-0.99x the
     // time; from DRAM 0.97-1.03x.
-    std::vector<float> kept;
+    float* kept;
     bool rescale_in_tiles = SIMD;
-    std::vector<uint8_t> seen_key;
+    uint8_t* seen_key;
 
+    Item(const Item&) = delete;  // (its pointers point into its own scratch)
+    Item(Item&&) = default;      // (the scratch's memory moves with it)
     Item(const Operands& o_, Partial& p_)
-        : o(o_), part(p_), s(o_.R * BLOCK), keep(o_.R * BLOCK), vscale(BLOCK), seen_key(BLOCK), kept(o_.R, 1.0f) {
+        : o(o_), part(p_), scratch(2 * o_.R * BLOCK + BLOCK + o_.R + BLOCK / 4, 0.0f), s(scratch.data()),
+          keep(s + o_.R * BLOCK), vscale(keep + o_.R * BLOCK), kept(vscale + BLOCK),
+          seen_key((uint8_t*)(kept + o_.R)) {
+        std::fill(kept, kept + o.R, 1.0f);
         const int64_t b = p_.bh / o.H, h = p_.bh % o.H;
         kb = (const char*)o.k + elem_size() * (b * o.ks[0] + h * o.ks[1]);
         vb = (const char*)o.v + elem_size() * (b * o.vs[0] + h * o.vs[1]);
@@ -762,7 +770,7 @@ struct Item {
         if (!table) {
             for (int jj = 0; jj < n; ++jj) krows[jj] = key_row(j0 + jj), vrows[jj] = value_row(j0 + jj);
             fill_units(kunit, ksc ? ksc + j0 * o.kss[2] : nullptr, o.kss[2], n, o.k_unit);
-            if (vscale_needed()) fill_units(vscale.data(), vsc ? vsc + j0 * o.vss[2] : nullptr, o.vss[2], n, o.v_unit);
+            if (vscale_needed()) fill_units(vscale, vsc ? vsc + j0 * o.vss[2] : nullptr, o.vss[2], n, o.v_unit);
         } else {
             page_rows(j0, n, krows, vrows, true);
         }
@@ -844,7 +852,7 @@ struct Item {
                 for (int64_t r = 0; r < run; ++r)
                     kout[jj + r] = kp + elem_size() * r * o.ks[1], vout[jj + r] = vp + elem_size() * r * o.vs[1];
                 fill_units(kunit + jj, kq, o.kss[1], (int)run, o.k_unit);
-                if (vscale_needed()) fill_units(vscale.data() + jj, vq, o.vss[1], (int)run, o.v_unit);
+                if (vscale_needed()) fill_units(vscale + jj, vq, o.vss[1], (int)run, o.v_unit);
                 jj += (int)run;
                 continue;
             }
@@ -1108,7 +1116,7 @@ struct Item {
             }
         } else {
             const int64_t Dv = o.Dv;
-            float* acc = part.acc.data();
+            float* acc = part.acc;
             for (int jj = 0; jj < n; ++jj) {
                 const void* vrow = vrows[jj];
                 for (int r = 0; r < N; ++r) {
@@ -1127,7 +1135,7 @@ struct Item {
 #if DN_AVX512 || DN_AVX2
         const int64_t Dv = o.Dv;
         const bool nan = nan_codes;
-        float* acc = part.acc.data();
+        float* acc = part.acc;
         vec a[N][TILES];
         for (int r = 0; r < N; ++r)
             for (int t = 0; t < TILES; ++t) a[r][t] = vmul(vloadf(acc + (r0 + r) * Dv + d0 + t * W), vset(kept[r0 + r]));
@@ -1224,7 +1232,7 @@ struct Item {
             if (all) return ALL;
         }
         bool any = false;
-        std::fill(seen_key.begin(), seen_key.begin() + n, 0);
+        std::fill(seen_key, seen_key + n, 0);
         for (int64_t r = 0; r < o.R; ++r) {
             const uint8_t* row = visb + r * o.vis[2];
             for (int jj = 0; jj < n; ++jj) {
@@ -1832,9 +1840,10 @@ int decode_native(const DecodeCall* call) {
     const int64_t in_turn = heads_in_turn(o, kind_bytes(kind));
     std::vector<Partial> items;
     int64_t total = 0;
+    std::vector<std::pair<int64_t, int64_t>> chunks;
     for (int64_t b = 0; b < B; ++b) {
         const int64_t stop = c.lengths ? std::min<int64_t>(S, c.lengths[b]) : S;
-        std::vector<std::pair<int64_t, int64_t>> chunks;
+        chunks.clear();
         for (int64_t j0 = 0; j0 < stop;) {
             const int64_t j1 = std::min<int64_t>(stop, (((c.key_offset + j0) / SPLIT) + 1) * SPLIT - c.key_offset);
             chunks.emplace_back(j0, j1);
@@ -1845,15 +1854,19 @@ int decode_native(const DecodeCall* call) {
         for (size_t g = 0; g < groups; ++g)
             for (int64_t h = 0; h < H; ++h)
                 for (size_t i = g * per_head; i < (g + 1) * per_head; ++i) {
-                    Partial p;
-                    p.bh = b * H + h, p.j0 = chunks[i].first, p.j1 = chunks[i].second;
-                    p.m.assign(R, NEG_INF);
-                    p.l.assign(R, 0.0f);
-                    p.acc.assign(R * Dv, 0.0f);
-                    p.bad.assign(R, 0);
-                    total += p.j1 - p.j0;
-                    items.push_back(std::move(p));
+                    items.push_back(Partial{b * H + h, chunks[i].first, chunks[i].second, nullptr, nullptr, nullptr,
+                                            nullptr});
+                    total += chunks[i].second - chunks[i].first;
                 }
+    }
+    // every item's state in two allocations (m -inf, l and acc 0, bad 0), not four each
+    const int64_t state = 2 * R + R * Dv;
+    std::vector<float> states(items.size() * state, 0.0f);
+    std::vector<uint8_t> bads(items.size() * R, 0);
+    for (size_t i = 0; i < items.size(); ++i) {
+        float* x = states.data() + i * state;
+        std::fill(x, x + R, NEG_INF);
+        items[i].m = x, items[i].l = x + R, items[i].acc = x + 2 * R, items[i].bad = bads.data() + i * R;
     }
     threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, (int64_t)items.size(),
                                                             total / (4 * BLOCK)}));

@@ -248,7 +248,7 @@ def test_the_kernel_reports_a_nan_or_inf_anywhere_in_q_and_writes_nothing_on_eac
     # or the last channel of any row returns NON_FINITE_Q with out untouched; the same q made finite returns OK.
     from engine.kernels.decode.decode_native import NON_FINITE_Q, OK, _call
 
-    library = load_native() if variant == "native" else variant_library(variant)
+    library = variant_library(variant)
     b, hkv, rows, s, d = 1, 2, 4, 80, 128
     g = torch.Generator().manual_seed(9)
     k, v = torch.randn(b, hkv, s, d, generator=g), torch.randn(b, hkv, s, d, generator=g)
@@ -280,7 +280,7 @@ def test_a_bf16_q_and_output_are_read_and_rounded_as_torch_converts_them_on_each
     # ties to even both ways, values that round up to the next binade or to inf, subnormals, signs
     from engine.kernels.decode.decode_native import OK, _call
 
-    library = load_native() if variant == "native" else variant_library(variant)
+    library = variant_library(variant)
     b, hkv, rows, s, d = 2, 2, 4, 64, 64
     g = torch.Generator().manual_seed(11)
     q = torch.randn(b, hkv, rows, d, generator=g).bfloat16()  # [B, Hkv, R, D]
@@ -488,8 +488,9 @@ def _variant_path(native_build, cxx, name):
 @pytest.fixture(scope="module")
 def variant_library():
     """``variant_library(name)``: the native library built with that vector path's flags (once per module, or found
-    built from the same source), or a skip where this CPU lacks the instructions. The first call starts the builds of
-    every variant this CPU runs that is not built yet, side by side (one compiler process each, seconds apiece)."""
+    built from the same source), or a skip where this CPU lacks the instructions; ``"native"``: the engine's own
+    build. The first call starts the builds of every variant this CPU runs that is not built yet, side by side (one
+    compiler process each, seconds apiece)."""
     from engine.kernels.decode import native_build
 
     built, builds = {}, {}
@@ -505,6 +506,8 @@ def variant_library():
         pool.shutdown(wait=False)
 
     def build(name):
+        if name == "native":
+            return load_native()
         missing = _missing(name)
         if missing:
             pytest.skip(f"this CPU has no {', '.join(missing)}")
@@ -650,7 +653,7 @@ def test_every_e4m3_code_reads_as_torch_reads_it_on_each_vector_path(variant, bf
     # poisons the whole row: test_e4m3_nan_codes_read_as_nan_on_each_vector_path.)
     from engine.kernels.decode.decode_native import _call
 
-    library = load_native() if variant == "native" else variant_library(variant)
+    library = variant_library(variant)
     b, hkv, rows, s, d = 16, 4, 4, 4, 128
     codes = torch.arange(256, dtype=torch.uint8).view(4, 64)  # key j holds codes 64 j .. 64 j + 63
     data = torch.zeros(b, hkv, s, d, dtype=torch.uint8)

@@ -56,6 +56,40 @@ def test_a_decode_step_read_in_place_through_the_page_table_equals_the_oracle(pr
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_pages_of_one_key_whose_numbers_follow_on_are_read_as_runs_and_equal_the_oracle():
+    # a packed cache read as pages of one token (transformers' continuous batching through the engine's adapter:
+    # [Hkv, N, D] viewed as [N, 1, Hkv, D]); the native kernel reads page numbers that follow on as one run. Runs of
+    # 1 to 133 keys, breaks inside and across its 64-key blocks, a page read by two sequences, NaN in every page no
+    # sequence owns; the decode step (read in place) against the oracle, and bitwise against the same keys contiguous
+    if native_unavailable() is not None:
+        pytest.skip(native_unavailable())
+    g = torch.Generator().manual_seed(3)
+    kv_heads, q_heads, d, n = 2, 4, 16, 700
+    runs = [[(10, 64), (300, 3), (400, 133)], [(699, 1)], [(100, 70)],  # (first page, count), in sequence order
+            [(500, 1), (502, 1), (30, 60), (90, 5), (150, 65)]]
+    tables = [torch.cat([torch.arange(first, first + count) for first, count in seq]) for seq in runs]
+    lengths = torch.tensor([len(t) for t in tables])  # [B]: 200, 1, 70, 132
+    table = torch.zeros(len(tables), int(lengths.max()), dtype=torch.long)
+    for b, t in enumerate(tables):
+        table[b, :len(t)] = t
+    owned = torch.zeros(n, dtype=torch.bool)
+    owned[torch.cat(tables)] = True
+    k_store, v_store = torch.randn(kv_heads, n, d, generator=g), torch.randn(kv_heads, n, d, generator=g)
+    k_store[:, ~owned], v_store[:, ~owned] = float("nan"), float("nan")
+    k_pages, v_pages = k_store.transpose(0, 1).unsqueeze(1), v_store.transpose(0, 1).unsqueeze(1)  # [N, 1, Hkv, D]
+    q = torch.randn(len(tables), q_heads, d, generator=g)  # [Nq = B, Hq, D]: one query each
+    indptr = torch.arange(len(tables) + 1)
+    assert "decode_native reads K/V in place" in engine.explain_paged(q, k_pages, v_pages, table, lengths, indptr)
+    out, lse = paged_attention(q, k_pages, v_pages, table, lengths, indptr, return_lse=True)
+    want, want_lse = oracle(q, k_pages, v_pages, table, lengths, indptr)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    for b, t in enumerate(tables):  # each sequence alone, its keys gathered contiguous: bitwise the same
+        keys, values = k_store[None, :, t], v_store[None, :, t]  # [1, Hkv, S_b, D]
+        alone = engine.causal_attention(q[b, :, None][None], keys, values, kernel="decode_native")  # [1, Hq, 1, D]
+        assert torch.equal(alone[0, :, 0], out[b])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_a_mixed_batch_in_low_precision_is_within_its_precision(dtype):
     # one decode against 600 cached keys (the native decode kernel's shape), a chunked prefill, a prefill

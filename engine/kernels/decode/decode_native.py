@@ -239,8 +239,7 @@ def _strides_of(q_rows, keys, values) -> tuple:
 
 
 def _run(library, template, q_rows, keys, values, out, lse) -> int:
-    """One kernel call: the plan's ``DecodeCall`` copied, with this run's addresses (and strides, if the layout
-    differs from the first run's); returns the kernel's status (OK or NON_FINITE_Q)."""
+    """One kernel call, the plan's ``DecodeCall`` copied with this run's addresses (strides where they differ)."""
     (k_data, k_scale), (v_data, v_scale) = keys, values
     if q_rows.stride(-1) != 1 and q_rows.shape[-1] > 1:
         q_rows = q_rows.contiguous()
@@ -296,5 +295,6 @@ def paged_run(library, template: DecodeCall, q_rows: torch.Tensor, k_pages, v_pa
     call.k, call.k_strides[:] = k_pages.data_ptr(), k_pages.stride()[:3]
     call.v, call.v_strides[:] = v_pages.data_ptr(), v_pages.stride()[:3]
     call.q, call.q_strides[:], call.io_kind = q_rows.data_ptr(), q_rows.stride()[:3], IO_KINDS[q_rows.dtype]
+    assert out.dtype == q_rows.dtype, f"out {out.dtype} for q rows {q_rows.dtype}: the kernel writes q's kind"
     call.out, call.lse = out.data_ptr(), None if lse is None else lse.data_ptr()
     return _decode(library, call)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.kernels.common import DoesNotFit
-from engine.kernels.decode.decode_native import NON_FINITE_Q, paged_run, paged_template
+from engine.kernels.decode.decode_native import IO_KINDS, NON_FINITE_Q, paged_run, paged_template
 from engine.kernels.decode.native_build import load_native
 from engine.kernels.decode.native_listed import build_tables, data_of, one_key_pages, parts_of
 from engine.masks.window import sees
@@ -110,13 +110,14 @@ class ListedStep:
         if listed_layout(k_pages, v_pages, self.per_head) != (None, self.steps):
             return None  # a layer's pools of another layout: the readable twin reads them
         nq, q_heads, d = q.shape
-        rows = (q if q.dtype == torch.float32 else q.float()).reshape(-1, self.heads, self.group, d)
-        out = torch.empty(rows.shape[0], self.heads, self.group, self.dv)  # fp32, written whole
+        io = q.dtype if q.dtype in IO_KINDS else torch.float32  # (q and out: fp32 or bf16)
+        rows = (q if q.dtype == io else q.float()).reshape(-1, self.heads, self.group, d)
+        out = torch.empty(rows.shape[0], self.heads, self.group, self.dv, dtype=io)  # written whole
         lse = torch.empty(rows.shape[0], self.heads, self.group) if return_lse else None  # (None: not written)
         pools = (one_key_pages(x, self.count, self.heads, lambda part: (_steps(part, self.per_head)[0], part.stride(2)))
                  for x in (k_pages, v_pages))
         if paged_run(self.library, self.template, rows, *pools, out, lse) == NON_FINITE_Q:
             return None
         out, lse = out.view(nq, q_heads, self.dv), (None if lse is None else lse.view(nq, q_heads))
-        return (out if q.dtype == torch.float32 else out.to(q.dtype)), lse
+        return (out if io == q.dtype else out.to(q.dtype)), lse
 

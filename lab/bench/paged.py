@@ -55,6 +55,7 @@ import torch
 
 import engine
 from engine import PagedKVCache, causal_attention, paged_attention, plan_paged
+from engine.kernels.decode.native_listed import data_of
 from engine.masks.tree import tree_attention_inputs
 from engine.quantized import quantize
 from lab import plots
@@ -153,10 +154,10 @@ def _decode_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator,
 def page_runs(pool, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A head-major pool's K bytes as runs ``[num_pages * Hkv, page_size * D]`` (a head's rows of one page, one run
     in memory) and the order the paged kernel's work items read them: each sequence's heads in turn, each head's
-    pages in page-table order. Copied in that order (``copy, page runs``, its time over ``copy``'s of as many bytes
-    in address order), they show what the memory itself makes of runs this short, with no attention's arithmetic."""
-    data = pool.data if hasattr(pool, "data") else pool  # (a QuantizedKV's entries)
-    stored = data.permute(0, 2, 1, 3)  # [num_pages, Hkv, page_size, D], contiguous
+    pages in page-table order. Copied in that order (``copy, page runs``, its time over ``copy, runs in order``'s:
+    the same runs in address order), they show what the memory itself makes of runs this short, with no attention's
+    arithmetic."""
+    stored = data_of(pool).permute(0, 2, 1, 3)  # [num_pages, Hkv, page_size, D], contiguous (a QuantizedKV's entries)
     heads = stored.shape[1]
     order = (table[:, None, :] * heads + torch.arange(heads)[None, :, None]).reshape(-1)  # [B * Hkv * pages]
     return stored.reshape(stored.shape[0] * heads, -1), order

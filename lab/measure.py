@@ -270,3 +270,32 @@ def paired_ratio(times: Sequence[float], base: Sequence[float]) -> float:
         raise ValueError(f"paired_ratio needs two equal, non-empty lists of round times, got {len(times)} and "
                          f"{len(base)}")
     return statistics.median(t / b for t, b in zip(times, base))
+
+
+def last_level_cache_bytes() -> int:
+    """The size of CPU 0's largest cache as Linux reports it (sysfs), or 0 where it does not."""
+    sizes = [0]
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text or 0))
+    return max(sizes)
+
+
+_EVICTION: list[Any] = []  # the buffer evict_caches writes (made on first use)
+
+
+def evict_caches() -> None:
+    """Read and write a buffer of twice the last-level cache (256 MiB to 512 MiB), so that a call timed after it
+    reads its operands from memory, whatever the call before it touched. Without it, a case's row that followed a
+    read of the same K/V found part of them still in the cache (an AMX Xeon VM reporting 480 MiB of L3: bf16 at B 1,
+    S 32k, 134 MB, took 8.7 ms after such a read and 10.6 ms cold)."""
+    import torch
+
+    if not _EVICTION:
+        size = min(max(2 * last_level_cache_bytes(), 256 << 20), 512 << 20)
+        _EVICTION.append(torch.zeros(size // 4, dtype=torch.float32))
+    _EVICTION[0].add_(1.0)  # (plain loads and stores: a fill could take non-temporal stores, which bypass caches)

@@ -45,6 +45,32 @@ def test_a_read_row_counts_the_cases_kv_bytes_and_no_flops():
     assert "GFLOP/s" not in row and "vs sdpa" not in row
 
 
+def test_a_cold_case_clears_the_caches_before_every_call_and_others_do_not(monkeypatch):
+    events = []
+    monkeypatch.setattr(bench_kernels, "evict_caches", lambda: events.append("evict"))
+    impls = lambda: [Impl("a", lambda: events.append("a")), Impl("b", lambda: events.append("b"))]  # noqa: E731
+    bench_kernels.run_case(Case("bandwidth", "toy", {}, impls, flops=1.0, cold=True), repeats=2, wanted=None)
+    assert events == ["evict", "a", "evict", "b"] * 3  # the first calls, then two rounds, each after a clearing
+    events.clear()
+    bench_kernels.run_case(Case("bandwidth", "toy", {}, impls, flops=1.0), repeats=2, wanted=None)
+    assert events == ["a", "b"] * 3
+
+
+def test_the_caches_are_cleared_by_a_buffer_twice_the_last_level_cache_within_256_to_512_mib():
+    from lab import measure
+
+    assert measure.last_level_cache_bytes() >= 0
+    measure._EVICTION.clear()
+    measure.evict_caches()
+    size = measure._EVICTION[0].nbytes
+    assert (256 << 20) <= size <= (512 << 20)
+    assert size == min(max(2 * measure.last_level_cache_bytes(), 256 << 20), 512 << 20)
+    assert measure._EVICTION[0][0].item() == 1.0  # written: every word once per clearing
+    measure.evict_caches()
+    assert measure._EVICTION[0][-1].item() == 2.0
+    measure._EVICTION.clear()
+
+
 def test_targets_take_the_worst_case_and_say_whether_it_is_met():
     def row(group, case, impl, ms, **extra):
         return {"group": group, "case": case, "impl": impl, "ms": ms, "role": "peer", **extra}

@@ -45,6 +45,7 @@ class Case:
     flops: float  # useful FLOPs per call
     kv_bytes: float = 0.0  # K/V bytes a decode call must read
     notes: list[str] = field(default_factory=list)
+    cold: bool = False  # every call after the caches are cleared (lab.measure.evict_caches): operands from memory
 
 
 COPY_BYTES = 1 << 30  # the copy that measures the machine's bandwidth moves 1 GiB (or K, if smaller)

@@ -87,7 +87,7 @@ def decode_bandwidth(batch: int, s: int, dtype: torch.dtype) -> Case:
     """Group "bandwidth" (Hq 32 / Hkv 8 / D 128, one new query per sequence): the native kernel reading K/V from the
     buffers the engine's caches hold (2 MiB pages where Linux gives them), the same on the caller's plain tensors
     (4 KiB pages), on 2 threads, int8 / fp8 caches (bf16 cases), SDPA, the copy bandwidth and the read ceiling (the
-    same K/V bytes summed on 1 and 2 threads), all in one run."""
+    same K/V bytes summed on 1 and 2 threads), all in one run, each call after the caches are cleared (``cold``)."""
     def build() -> list[Impl]:
         from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
 
@@ -116,4 +116,4 @@ def decode_bandwidth(batch: int, s: int, dtype: torch.dtype) -> Case:
     kv_bytes = 2.0 * batch * 8 * s * 128 * (torch.finfo(dtype).bits // 8)
     name = f"B={batch} Hq=32 Hkv=8 D=128 S={s} {str(dtype).replace('torch.', '')}"
     return Case("bandwidth", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * 128 * 32 * batch * s,
-                kv_bytes)
+                kv_bytes, cold=True)

@@ -31,7 +31,7 @@ from lab.bench import kernel_cases_cuda
 from lab.bench.kernel_suite import all_cases
 from lab.bench.kernel_targets import SDPA_CUDA_BACKENDS, check_cuda_targets, check_targets, find_rows
 from lab.bench.modifier_cases import modifier_cases, plot_modifiers
-from lab.measure import CudaPeakMemory, PeakMemory, format_table, machine_info, progress, save_results
+from lab.measure import CudaPeakMemory, PeakMemory, evict_caches, format_table, machine_info, progress, save_results
 from lab.options import add_common, apply_threads
 
 SLOW_SECONDS = 4.0  # an implementation slower than this per call is timed once (its first call)
@@ -149,8 +149,10 @@ def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None, devic
                 impl.note = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}"
     runnable = [i for i in impls if not i.note.startswith("failed")]
     first, peak, times = {}, {}, {i.label: [] for i in runnable}
+    before = evict_caches if case.cold else lambda: None  # (untimed)
     for impl in runnable:  # first call: peak memory, and the only timing of very slow peers
         gc.collect()
+        before()
         with (CudaPeakMemory() if device == "cuda" else PeakMemory()) as memory:
             start = time.perf_counter()
             impl.run()
@@ -160,6 +162,7 @@ def run_case(case: cases_mod.Case, repeats: int, wanted: list[str] | None, devic
         for impl in runnable:
             if first[impl.label] > SLOW_SECONDS:
                 continue
+            before()
             start = time.perf_counter()
             impl.run()
             times[impl.label].append(time.perf_counter() - start)

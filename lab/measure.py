@@ -272,6 +272,9 @@ def paired_ratio(times: Sequence[float], base: Sequence[float]) -> float:
     return statistics.median(t / b for t, b in zip(times, base))
 
 
+_SIZE_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}  # sysfs cache sizes: "48K", "2048K", "491520K"
+
+
 def last_level_cache_bytes() -> int:
     """The size of CPU 0's largest cache as Linux reports it (sysfs), or 0 where it does not."""
     sizes = [0]
@@ -280,8 +283,7 @@ def last_level_cache_bytes() -> int:
             text = (index / "size").read_text().strip()
         except OSError:
             continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1:] in units else int(text or 0))
+        sizes.append(int(text[:-1]) * _SIZE_UNITS[text[-1]] if text[-1:] in _SIZE_UNITS else int(text or 0))
     return max(sizes)
 
 

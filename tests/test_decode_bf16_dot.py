@@ -3,10 +3,14 @@ CPU has AVX512-BF16, a bf16, int8 or fp8 cache read by a q whose values are all 
 each score summed by vdpbf16ps (bf16 K as stored, int8 / fp8 widened exactly to bf16), from the unscaled q, the
 softmax scale applied to each sum. These tests check that path where it runs (the library says so: ``bf16_dot``),
 its edges (remainder keys and rows, masks, non-finite keys and codes, extreme q, a scale other than 1) and that
-explain() names it; a q with other values takes the FMA path. Elsewhere they skip; the same calls' other paths are
-checked by tests/test_decode_native.py (its AVX-512 build has no AVX512-BF16)."""
+explain() names it; a q with other values takes the FMA path. The library takes the path only where vdpbf16ps costs
+about an FMA's time (``dot_rates``, timed as it loads): these tests force it on where the build has it, and check the
+choice. Elsewhere they skip; the same calls' other paths are checked by tests/test_decode_native.py (its AVX-512 build
+has no AVX512-BF16)."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine import causal_attention
+from engine.kernels.decode import native_build
 from engine.kernels.decode.decode_native import _call
 from engine.kernels.decode.native_build import load_native, native_amx, native_bf16_dot
 from engine.quantized import QUANTIZED_DTYPES, quantize
@@ -22,8 +27,17 @@ from tests.test_batch_invariance import paged, requests
 from tests.test_decode_native import oracle
 
 LIBRARY = load_native()
-DOT = not isinstance(LIBRARY, str) and LIBRARY.bf16_dot
+DOT = not isinstance(LIBRARY, str) and LIBRARY.dot_rates is not None  # (the build has the path)
 pytestmark = pytest.mark.skipif(not DOT, reason="no AVX512-BF16 here (or no native library)")
+
+
+@pytest.fixture(autouse=True)
+def dot_products():
+    """The path forced on (the library would take the FMAs where vdpbf16ps costs more than about an FMA), then left
+    to the rates again."""
+    assert LIBRARY.use_bf16_dot(True)
+    yield
+    LIBRARY.use_bf16_dot(None)
 
 
 QUANTIZED = [kind for kind in QUANTIZED_DTYPES if kind != torch.int8 or not native_amx()]  # (int8: not the tiles)
@@ -180,3 +194,38 @@ def test_an_int8_request_with_a_bf16_q_is_bitwise_the_same_paged_or_contiguous_a
     for b, (q, k, v) in enumerate(batch):
         alone = causal_attention(q[None], quantize(k[None], torch.int8), quantize(v[None], torch.int8))[0, :, 0]
         assert torch.equal(out[b], alone), b
+
+
+def test_the_library_takes_the_dot_products_only_where_its_rates_say_they_pay():
+    LIBRARY.use_bf16_dot(None)
+    dot_ns, fma_ns, most = LIBRARY.dot_rates
+    assert 0.0 < dot_ns < 100.0 and 0.0 < fma_ns < 100.0 and 1.0 <= most < 2.0  # ns per instruction, timed
+    assert LIBRARY.bf16_dot == (dot_ns <= most * fma_ns) == native_bf16_dot()
+    words = "pair dot products" if LIBRARY.bf16_dot else "by FMAs"
+    k = torch.randn(1, 2, 300, 128).bfloat16()
+    note = str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), k, k))
+    assert words in note and f"{dot_ns / fma_ns:.2f}x" in note
+
+
+def test_forced_either_way_the_paths_differ_by_rounding_and_both_match_the_oracle():
+    # the switch reaches the kernel: the same call summed by vdpbf16ps and by FMAs differs in its last bits
+    g = torch.Generator().manual_seed(4)
+    q_rows = bf16_numbers(2, 2, 4, 128, generator=g)
+    k, v = (torch.randn(2, 2, 700, 128, generator=g).bfloat16() for _ in range(2))
+    visible = torch.ones(2, 1, 4, 700, dtype=torch.bool)
+    want, want_lse = oracle(q_rows.double(), k.double(), v.double(), visible, 0.1)
+    outs = {}
+    for mode in (True, False):
+        assert LIBRARY.use_bf16_dot(mode) == mode
+        outs[mode], lse = call(q_rows, k, v, visible, 0.1)
+        torch.testing.assert_close(outs[mode].double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(outs[True], outs[False])
+    note = str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), k[:1], k[:1]))
+    assert "by FMAs" in note and "pair dot products" not in note  # (still forced off)
+
+
+def test_explain_before_the_library_loads_says_the_rates_decide(monkeypatch):
+    monkeypatch.setattr(native_build, "load_native", functools.cache(lambda: "not loaded (test)"))
+    assert native_bf16_dot() is None
+    assert "where one costs about an FMA's time" in native_build.bf16_dot_scores()

@@ -28,6 +28,8 @@
 // NaN codes count as non-finite); rows that see no key give 0 and lse -inf.
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstddef>
@@ -55,7 +57,11 @@
 // bf16, int8 or fp8 e4m3 K against a q whose values are all bf16 numbers (a bf16 model's): every key value is a bf16
 // number too (int8's 8 bits, e4m3's 4), and each product is exact in fp32 either way, so AVX512-BF16's pair dot
 // product (vdpbf16ps) takes the scores' FMAs' place, half as many; bf16 K needs no widening, int8 / fp8 are widened
-// as before and packed to bf16 (Operands::q_bf16, Item::bf16_keys)
+// as before and packed to bf16 (Operands::q_bf16, Item::bf16_keys). It pays only where vdpbf16ps issues about as
+// fast as an FMA, so that half as many do the same products: on the AVX-512 Zen 4 (both one a cycle) it did; on the
+// AVX-512 + AMX Xeon, where one costs 1.33 FMAs, the FMAs read bf16 2-3% faster and fp8 7% (round 15). The library
+// times the two once (bf16_dot_rates) and takes the dot products where one costs at most DOT_FMA_RATIO FMAs
+// (decode_native_bf16_dot; decode_native_use_bf16_dot forces either way).
 #if DN_AVX512 && defined(__AVX512BF16__)
 #define DN_BF16_DOT 1
 #endif
@@ -543,6 +549,55 @@ inline bool q_row_bits(const float* src, uint16_t* out, int64_t D, bool words) {
         }
     return low == 0;
 }
+
+#if DN_BF16_DOT
+// ---- whether vdpbf16ps pays here (decode_native_bf16_dot) ----------------------------------------------------
+
+constexpr double DOT_FMA_RATIO = 1.15;  // vdpbf16ps pays where one costs at most this many FMAs' time (Zen 4: 1.0;
+                                        // the AMX Xeon: 1.33-1.35, where the FMA path read faster)
+
+// ns per instruction of 16 independent chains (enough to cover either's latency) of vdpbf16ps or FMAs, `rounds` each
+template <bool DOT>
+__attribute__((noinline)) double chain_ns(int rounds) {
+    constexpr int CHAINS = 16;
+    __m512 a[CHAINS];
+    for (int i = 0; i < CHAINS; ++i) a[i] = _mm512_set1_ps(1e-3f * (float)i);
+    const __m512 x = _mm512_set1_ps(0.5f);
+    const __m512bh xb = (__m512bh)_mm512_set1_epi16(0x3F00);  // bf16 0.5
+    const auto start = std::chrono::steady_clock::now();
+    for (int n = 0; n < rounds; ++n)
+        for (int i = 0; i < CHAINS; ++i) {
+            if constexpr (DOT) a[i] = _mm512_dpbf16_ps(a[i], xb, xb);
+            else a[i] = _mm512_fmadd_ps(a[i], x, x);
+            DN_IN_REGISTER(a[i]);
+        }
+    const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+    float sum = 0.0f;
+    for (int i = 0; i < CHAINS; ++i) sum += _mm512_reduce_add_ps(a[i]);
+    asm volatile("" : : "x"(sum));  // (the chains are used)
+    return ns / (CHAINS * (double)rounds);
+}
+
+struct DotRates {
+    double dot_ns, fma_ns;  // per instruction, the fastest of the tries
+};
+
+// Timed once per process (about 0.5 ms): 8 tries of each, alternated, the fastest kept; the first pair warms
+// the vector units up
+inline const DotRates& bf16_dot_rates() {
+    static const DotRates rates = [] {
+        DotRates r{1e30, 1e30};
+        for (int t = 0; t < 8; ++t) {
+            const double fma = chain_ns<false>(2048), dot = chain_ns<true>(2048);
+            if (t > 0) r.fma_ns = std::min(r.fma_ns, fma), r.dot_ns = std::min(r.dot_ns, dot);
+        }
+        return r;
+    }();
+    return rates;
+}
+#endif
+
+std::atomic<int> bf16_dot_mode{-1};  // -1: as bf16_dot_rates decide; 0 / 1: forced (decode_native_use_bf16_dot)
 
 // ---- the call: one descriptor, the whole boundary with Python ------------------------------------------------
 
@@ -1729,13 +1784,37 @@ int decode_native_amx() {
 #endif
 }
 
-// 1 when bf16 K's scores run as AVX512-BF16 pair dot products against a q of bf16 numbers (DN_BF16_DOT)
+// 1 when bf16 K's scores run as AVX512-BF16 pair dot products against a q of bf16 numbers (DN_BF16_DOT): where
+// vdpbf16ps costs at most DOT_FMA_RATIO FMAs (bf16_dot_rates, timed at the first ask), or as forced
 int decode_native_bf16_dot() {
 #if DN_BF16_DOT
-    return 1;
+    const int mode = bf16_dot_mode.load(std::memory_order_relaxed);
+    if (mode >= 0) return mode;
+    const DotRates& r = bf16_dot_rates();
+    return r.dot_ns <= DOT_FMA_RATIO * r.fma_ns ? 1 : 0;
 #else
     return 0;
 #endif
+}
+
+// What decode_native_bf16_dot decides by: ns per vdpbf16ps and per FMA (out[0], out[1]) and the ratio it allows
+// (out[2]); returns 0 and writes nothing where the library has no AVX512-BF16 path
+int decode_native_bf16_dot_rates(double* out) {
+#if DN_BF16_DOT
+    const DotRates& r = bf16_dot_rates();
+    out[0] = r.dot_ns, out[1] = r.fma_ns, out[2] = DOT_FMA_RATIO;
+    return 1;
+#else
+    (void)out;
+    return 0;
+#endif
+}
+
+// Forces the scores' path for this process's later calls (tests, A/B timings): 1 vdpbf16ps where it applies, 0 the
+// FMAs, -1 as the rates decide; returns decode_native_bf16_dot() after (0 without an AVX512-BF16 path)
+int decode_native_use_bf16_dot(int mode) {
+    bf16_dot_mode.store(mode < 0 ? -1 : mode > 0 ? 1 : 0, std::memory_order_relaxed);
+    return decode_native_bf16_dot();
 }
 
 // Offsets of DecodeCall's fields in declaration order, for Python to check its copy against; returns the count.
@@ -1800,7 +1879,7 @@ int decode_native(const DecodeCall* call) {
     bool q_finite = true;
 #if DN_BF16_DOT
     // every q value a bf16 number (its low 16 bits zero): its bits in q_bits, q left unscaled
-    bool q_bf16 = (pairs || kind == F8E4M3 || (kind == I8 && !decode_native_amx())) && simd && R % NR == 0 &&
+    bool q_bf16 = decode_native_bf16_dot() && (pairs || kind == F8E4M3 || (kind == I8 && !decode_native_amx())) && simd && R % NR == 0 &&
                   D % 32 == 0;
     std::vector<uint16_t> q_bits(q_bf16 ? B * H * R * D : 0);
     for (int64_t b = 0; b < B && q_bf16; ++b)

@@ -33,9 +33,10 @@ from engine.kernels.decode.native_build import (
     NON_FINITE_Q,
     OK,
     DecodeCall,
+    bf16_dot_built,
+    bf16_dot_scores,
     load_native,
     native_amx,
-    native_bf16_dot,
     native_unavailable,
 )
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
@@ -76,7 +77,7 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place; int8 K/V
     on AMX tiles (decode_native.cpp, "int8 on AMX tiles", its ``amx_usable``): a CPU whose tiles the library uses
     (``native_amx``), an int8 cache, at most 4 query rows per KV head (G * T), D 64 or 128 and Dv a multiple of 64,
-    K and V not one tensor; or the scores by vdpbf16ps (DN_BF16_DOT, ``native_bf16_dot``): 4k rows per KV head, D
+    K and V not one tensor; or the scores by vdpbf16ps (DN_BF16_DOT, ``bf16_dot_scores``): 4k rows per KV head, D
     32k, a bf16 q (the kernel checks q's values), K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
     if listed_fits(inputs) is None:
         return ["key_indices: read in place, only each query's listed keys (native_listed)"]
@@ -89,9 +90,8 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
     fits = v.shape[3] % 16 == 0 and not (keys == torch.int8 and native_amx()) if isinstance(k, QuantizedKV) else \
         v.shape[3] % 32 == 0
-    if native_bf16_dot() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and fits:
-        return [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores as AVX512-BF16 pair dot products (vdpbf16ps; "
-                f"products exact, the scale applied to each sum)"]
+    if bf16_dot_built() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and fits:
+        return [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores {bf16_dot_scores()}"]
     return []
 
 

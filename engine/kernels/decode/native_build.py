@@ -72,7 +72,9 @@ class NativeLibrary:
     """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``listed_tables`` builds a list of keys' page
     table, ``lanes`` is its vector width, ``amx`` whether it computes int8 K/V on AMX tiles (a CPU with AMX-INT8,
     granted by Linux), ``bf16_dot`` whether bf16 K's scores are AVX512-BF16 dot products where q's values are bf16
-    numbers, ``build_s`` the seconds the build took in this process (0 when the cache had it)."""
+    numbers (where ``dot_rates``, ns per vdpbf16ps and per FMA timed once as the library loads, show one costing at
+    most ``dot_rates[2]`` FMAs; ``use_bf16_dot`` forces it), ``build_s`` the seconds the build took in this process
+    (0 when the cache had it)."""
 
     def __init__(self, path: Path, build_s: float) -> None:
         self.path, self.build_s = path, build_s
@@ -94,10 +96,20 @@ class NativeLibrary:
         self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (amx_usable)
         self.lib.decode_native_bf16_dot.restype = ctypes.c_int
         self.bf16_dot = bool(self.lib.decode_native_bf16_dot())  # bf16 K against bf16 numbers in q: vdpbf16ps
+        rates = (ctypes.c_double * 3)()
+        self.dot_rates = tuple(rates) if self.lib.decode_native_bf16_dot_rates(rates) else None
+        self.lib.decode_native_use_bf16_dot.restype = ctypes.c_int
+        self.lib.decode_native_use_bf16_dot.argtypes = [ctypes.c_int]
         self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
         self.listed_tables.restype = ctypes.c_int
         self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
                                        _PTR, _I64, _I64, _I64]
+
+    def use_bf16_dot(self, mode: bool | None) -> bool:
+        """Force this process's later calls onto vdpbf16ps scores (True, where the build has them) or the FMAs
+        (False), or leave it to ``dot_rates`` (None); for tests and A/B timings. Returns ``bf16_dot`` after."""
+        self.bf16_dot = bool(self.lib.decode_native_use_bf16_dot(-1 if mode is None else int(mode)))
+        return self.bf16_dot
 
 
 def cpu_key() -> str:
@@ -127,11 +139,35 @@ def native_amx() -> bool:
     return syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
 
 
-@functools.cache
-def native_bf16_dot() -> bool:
+def native_bf16_dot() -> bool | None:
     """Whether the library computes bf16 K's scores as AVX512-BF16 pair dot products (decode_native.cpp,
-    DN_BF16_DOT; builds nothing, ``NativeLibrary.bf16_dot`` tells once it is loaded): an x86-64 CPU with AVX-512 and
-    AVX512-BF16, which the ``-march=native`` build compiles for."""
+    DN_BF16_DOT; builds and loads nothing): False without AVX-512 and AVX512-BF16 (the ``-march=native`` build has no
+    such path); where it has one, ``NativeLibrary.bf16_dot`` once this process has loaded the library (it times
+    vdpbf16ps against an FMA as it loads), else None: not known yet."""
+    if not bf16_dot_built():
+        return False
+    library = load_native() if load_native.cache_info().currsize else None  # (only a library already loaded)
+    return library.bf16_dot if isinstance(library, NativeLibrary) else None
+
+
+def bf16_dot_scores() -> str:
+    """explain()'s words for how the library sums the scores of a bf16 q whose rows fit the AVX512-BF16 path
+    (``bf16_dot_built``), and why (builds and loads nothing: ``native_bf16_dot``)."""
+    dot = native_bf16_dot()
+    if dot is None:
+        return ("as AVX512-BF16 pair dot products (vdpbf16ps) where one costs about an FMA's time, else by FMAs (the "
+                "library times both as it loads)")
+    dot_ns, fma_ns, most = load_native().dot_rates or (0.0, 1.0, 0.0)
+    timed = f"vdpbf16ps {dot_ns:.2f} ns, an FMA {fma_ns:.2f} ns here: {dot_ns / fma_ns:.2f}x, {most:g}x at most pays"
+    if dot:
+        return f"as AVX512-BF16 pair dot products (vdpbf16ps; products exact, the scale applied to each sum; {timed})"
+    return f"by FMAs, as an fp32 q's ({timed})"
+
+
+@functools.cache
+def bf16_dot_built() -> bool:
+    """Whether the ``-march=native`` build has the AVX512-BF16 scores' path: an x86-64 CPU with AVX-512 and
+    AVX512-BF16 (builds nothing)."""
     flags = set(cpu_key().split())
     return platform.machine() == "x86_64" and {"avx512f", "avx512bw", "avx512dq", "avx512_bf16"} <= flags
 

@@ -58,10 +58,10 @@
 // number too (int8's 8 bits, e4m3's 4), and each product is exact in fp32 either way, so AVX512-BF16's pair dot
 // product (vdpbf16ps) takes the scores' FMAs' place, half as many; bf16 K needs no widening, int8 / fp8 are widened
 // as before and packed to bf16 (Operands::q_bf16, Item::bf16_keys). It pays only where vdpbf16ps issues about as
-// fast as an FMA, so that half as many do the same products: on the AVX-512 Zen 4 (both one a cycle) it did; on the
-// AVX-512 + AMX Xeon, where one costs 1.33 FMAs, the FMAs read bf16 2-3% faster and fp8 7% (round 15). The library
-// times the two once (bf16_dot_rates) and takes the dot products where one costs at most DOT_FMA_RATIO FMAs
-// (decode_native_bf16_dot; decode_native_use_bf16_dot forces either way).
+// fast as an FMA, so that half as many do the same products: on the AVX-512 Zen 4 (both one a cycle) it did; on
+// the AVX-512 + AMX Xeon, where one costs 4 FMAs (2 a cycle), the FMAs read bf16 2-3% faster and fp8 7% (round
+// 15). The library times the two once (bf16_dot_rates) and takes the dot products where one costs at most
+// DOT_FMA_RATIO FMAs (decode_native_bf16_dot; decode_native_use_bf16_dot forces either way).
 #if DN_AVX512 && defined(__AVX512BF16__)
 #define DN_BF16_DOT 1
 #endif
@@ -553,8 +553,8 @@ inline bool q_row_bits(const float* src, uint16_t* out, int64_t D, bool words) {
 #if DN_BF16_DOT
 // ---- whether vdpbf16ps pays here (decode_native_bf16_dot) ----------------------------------------------------
 
-constexpr double DOT_FMA_RATIO = 1.15;  // vdpbf16ps pays where one costs at most this many FMAs' time (Zen 4: 1.0;
-                                        // the AMX Xeon: 1.33-1.35, where the FMA path read faster)
+constexpr double DOT_FMA_RATIO = 1.5;  // vdpbf16ps pays where one costs at most this many FMAs' time (it does twice
+                                       // an FMA's products): Zen 4 1.0, where it paid; the AMX Xeon 4.0, where not
 
 // ns per instruction of 16 independent chains (enough to cover either's latency) of vdpbf16ps or FMAs, `rounds` each
 template <bool DOT>
@@ -566,10 +566,11 @@ __attribute__((noinline)) double chain_ns(int rounds) {
     const __m512bh xb = (__m512bh)_mm512_set1_epi16(0x3F00);  // bf16 0.5
     const auto start = std::chrono::steady_clock::now();
     for (int n = 0; n < rounds; ++n)
-        for (int i = 0; i < CHAINS; ++i) {
+#pragma GCC unroll 16
+        for (int i = 0; i < CHAINS; ++i) {  // (all in registers: a register barrier here kept them in memory, and
+                                            // timed the stores' forwarding instead)
             if constexpr (DOT) a[i] = _mm512_dpbf16_ps(a[i], xb, xb);
             else a[i] = _mm512_fmadd_ps(a[i], x, x);
-            DN_IN_REGISTER(a[i]);
         }
     const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
     float sum = 0.0f;

@@ -26,6 +26,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "cp"), "lab.bench.cp", "context parallelism on P processes: time, memory and bytes per rank"),
     (("bench", "overhead"), "lab.bench.overhead", "per-call cost and generate tokens/s vs PyTorch SDPA"),
     (("bench", "paged"), "lab.bench.paged", "decode over a paged KV cache vs the same keys contiguous"),
+    (("bench", "builds"), "lab.bench.builds", "builds of the native decode kernel timed against each other"),
     (("bench", "sparse"), "lab.bench.sparse", "top-k sparse attention (key_indices) vs SDPA with the dense mask"),
     (("bench", "latent"), "lab.bench.latent", "absorbed-MLA decode over a latent cache vs rows apart, expanded"),
     (("bench", "serving"), "lab.bench.serving", "concurrent requests: engine CB vs transformers' CB, static; "

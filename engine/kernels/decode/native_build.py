@@ -96,10 +96,12 @@ class NativeLibrary:
         self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (amx_usable)
         self.lib.decode_native_bf16_dot.restype = ctypes.c_int
         self.bf16_dot = bool(self.lib.decode_native_bf16_dot())  # bf16 K against bf16 numbers in q: vdpbf16ps
-        rates = (ctypes.c_double * 3)()
-        self.dot_rates = tuple(rates) if self.lib.decode_native_bf16_dot_rates(rates) else None
-        self.lib.decode_native_use_bf16_dot.restype = ctypes.c_int
-        self.lib.decode_native_use_bf16_dot.argtypes = [ctypes.c_int]
+        # (a library built from an older source, which run.py bench builds may time, has neither of the two below)
+        timed, rates = hasattr(self.lib, "decode_native_bf16_dot_rates"), (ctypes.c_double * 3)()
+        self.dot_rates = tuple(rates) if timed and self.lib.decode_native_bf16_dot_rates(rates) else None
+        if timed:
+            self.lib.decode_native_use_bf16_dot.restype = ctypes.c_int
+            self.lib.decode_native_use_bf16_dot.argtypes = [ctypes.c_int]
         self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
         self.listed_tables.restype = ctypes.c_int
         self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
@@ -218,14 +220,15 @@ def load_native() -> NativeLibrary | str:
         return f"the native kernel failed to build or load: {str(error).strip()[-300:]}"
 
 
-def _build(cxx: str, path: Path, flags: tuple[str, ...] = FLAGS) -> None:
+def _build(cxx: str, path: Path, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> None:
     """Compile into a temporary file beside ``path`` and move it in place (concurrent builds never see half a file).
-    ``flags`` other than this CPU's (e.g. AVX2 only, or none: plain C++) build the other paths, for the tests."""
+    ``flags`` other than this CPU's (e.g. AVX2 only, or none: plain C++) build the other paths, for the tests;
+    ``source`` another version of the kernel (``run.py bench builds``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([cxx, *flags, str(source), "-o", tmp], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"{cxx} exited with {done.returncode}: {done.stderr}")

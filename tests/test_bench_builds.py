@@ -1,0 +1,83 @@
+"""``run.py bench builds`` (lab/bench/builds.py): each build's plans run that build's library, a comparison that
+would time one build twice stops, and the sources come from the revision asked for. The builds here are copies of
+the library this machine already has (no compiler run)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from engine.kernels.decode import native_build
+from lab.bench import builds
+from tests.test_decode_native import NATIVE, load_native
+
+needs_native = pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
+
+
+def arguments(tmp_path: Path, *extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    builds.add_arguments(parser)
+    library = str(load_native().path)
+    return parser.parse_args(["--library", library, "--library", library, "--quick", "--quiet", "--batch", "2",
+                              "--pages", "16", "--out", str(tmp_path / "out"), *extra])
+
+
+@needs_native
+def test_each_build_runs_its_own_library_in_every_timed_call(tmp_path, monkeypatch):
+    seen = []
+    loaded = builds.load_build
+
+    def recorded(label, path):
+        build = loaded(label, path)
+        seen.append(build)
+        return build
+
+    monkeypatch.setattr(builds, "load_build", recorded)
+    args = arguments(tmp_path, "--kinds", "bf16,int8", "--rounds", "2")
+    assert builds.main(args) == 0
+    rows = json.loads((tmp_path / "out" / "builds.json").read_text())["rows"]
+    assert [(r["case"], r["build"]) for r in rows][:2] == [("bf16 contiguous", seen[0].label),
+                                                        ("bf16 contiguous", seen[1].label)]
+    assert len(rows) == 2 * 4 and all(r["bitwise same"] for r in rows)  # (the same code twice)
+    assert all(len(r["round ms"]) == 2 and r["ms"] > 0 for r in rows)
+    assert seen[0].library is not seen[1].library and seen[0].library.lib._handle != seen[1].library.lib._handle
+    # each case: one untimed call per build, then one per round; every one through the build's own library
+    assert seen[0].calls == seen[1].calls == 4 * (1 + 2)
+    assert (tmp_path / "out" / "builds.png").stat().st_size > 0
+
+
+@needs_native
+def test_a_plan_that_does_not_run_its_build_stops_the_bench(tmp_path, monkeypatch):
+    @contextmanager
+    def not_switched(build):  # every plan made under the library already loaded: one build timed twice
+        yield
+
+    monkeypatch.setattr(builds, "using", not_switched)
+    with pytest.raises(RuntimeError, match="did not run its library"):
+        builds.main(arguments(tmp_path, "--kinds", "bf16", "--rounds", "1"))
+
+
+def test_the_against_source_is_the_revisions_file():
+    head = subprocess.run(["git", "show", "HEAD:engine/kernels/decode/decode_native.cpp"], capture_output=True,
+                          text=True, cwd=native_build.SOURCE.parent, timeout=60)
+    if head.returncode != 0:
+        pytest.skip(f"not a git checkout here: {head.stderr.strip()}")
+    assert builds.source_at("HEAD") == head.stdout
+    with pytest.raises(SystemExit, match="no decode_native.cpp at"):
+        builds.source_at("no-such-revision")
+
+
+def test_bad_requests_say_what_was_expected(tmp_path):
+    parser = argparse.ArgumentParser()
+    builds.add_arguments(parser)
+    with pytest.raises(SystemExit, match="two or more builds"):
+        builds.builds_from(parser.parse_args(["--library", "x.so"]), tmp_path)
+    with pytest.raises(SystemExit, match="is not a file"):
+        builds.builds_from(parser.parse_args(["--library", "x.so", "--source", "y.cpp"]), tmp_path)
+    with pytest.raises(SystemExit, match="unknown kind 'fp4'"):
+        builds.cases(parser.parse_args(["--kinds", "fp4", "--keys", "64"]))

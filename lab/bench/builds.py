@@ -42,7 +42,7 @@ from lab.measure import evict_caches, format_table, machine_info, paired_ratio, 
 from lab.options import add_common, apply_threads, parse_count, parse_counts, positive_int
 
 SWITCHED = (decode_native, native_paged, native_paged_listed)  # the modules whose load_native a build stands in for
-KINDS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
+KINDS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 if hasattr(torch, "float8_e4m3fn"):
     KINDS["fp8"] = torch.float8_e4m3fn
 HQ, HKV, D = 32, 8, 128
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keys", type=parse_count, default=32768, help="keys per sequence (default 32k; 2k with "
                         "--quick)")
     parser.add_argument("--pages", type=parse_counts, default=[], help="page sizes to time paged too, e.g. 16,256 "
-                        "(fp32 / bf16 / int8; default none: the caches' contiguous buffers only)")
+                        "(fp32 / bf16 / fp16 / int8; default none: the caches' contiguous buffers only)")
     parser.add_argument("--rounds", type=positive_int, default=9, help="timed rounds (default 9; 3 with --quick)")
     parser.add_argument("--warm", action="store_true", help="do not clear the caches before each call")
 
@@ -151,7 +151,7 @@ def cases(args: argparse.Namespace) -> list[tuple[str, Callable[[], Callable[[],
         if name not in KINDS:
             raise SystemExit(f"bench builds: unknown kind {name!r}; expected some of {', '.join(KINDS)}")
         kind = KINDS[name]
-        q_kind = torch.bfloat16 if kind != torch.float32 else torch.float32  # (a quantized cache: a bf16 model's q)
+        q_kind = kind if kind.is_floating_point and kind.itemsize > 1 else torch.bfloat16  # (quantized: a bf16 q)
         qc = q.to(q_kind)
         held = [on_huge_pages(quantize(x, kind) if kind in (torch.int8, KINDS.get("fp8")) else x.to(kind))
                 for x in (k, v)]

@@ -124,7 +124,11 @@ def builds_from(args: argparse.Namespace, folder: Path) -> list[Build]:
             start = time.perf_counter()
             native_build._build(cxx, target, native_build.FLAGS, source=path)
             print(f"built {label} in {time.perf_counter() - start:.0f} s")
-        builds.append(load_build(label if label not in [b.label for b in builds] else f"{label} ({index})", target))
+        try:
+            builds.append(load_build(label if label not in [b.label for b in builds] else f"{label} ({index})",
+                                     target))
+        except (AttributeError, RuntimeError, OSError) as error:  # (an older source: symbols or DecodeCall differ)
+            raise SystemExit(f"bench builds: {label} does not fit this engine's NativeLibrary: {error}") from error
     return builds
 
 
@@ -224,11 +228,12 @@ def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     if args.quick:
         args.keys, args.rounds = min(args.keys, 2048), min(args.rounds, 3)
+    planned = cases(args)  # (bad kinds or page sizes are named before anything is compiled)
     with tempfile.TemporaryDirectory(prefix="bench-builds-") as folder:
         builds = builds_from(args, Path(folder))
         rows = []
         with torch.no_grad():
-            for name, make in progress(cases(args), "bench builds", quiet=args.quiet):
+            for name, make in progress(planned, "bench builds", quiet=args.quiet):
                 rows += case_rows(name, make, builds, args)
     print(format_table(rows, ["case", "build", "ms", "vs first", "bitwise same"]))
     meta = {**machine_info(), "command": "bench builds", "args": vars(args), "cold": not args.warm,

@@ -155,15 +155,16 @@ def native_bf16_dot() -> bool | None:
 def bf16_dot_scores() -> str:
     """explain()'s words for how the library sums the scores of a bf16 q whose rows fit the AVX512-BF16 path
     (``bf16_dot_built``), and why (builds and loads nothing: ``native_bf16_dot``)."""
-    dot = native_bf16_dot()
-    if dot is False and not bf16_dot_built():
+    if not bf16_dot_built():
         return "by FMAs (no AVX512-BF16 here)"
+    dot = native_bf16_dot()
     if dot is None:
         return ("as AVX512-BF16 pair dot products (vdpbf16ps) where one costs about an FMA's time, else by FMAs (the "
                 "library times both as it loads)")
-    if load_native().dot_rates is None:
+    rates = load_native().dot_rates  # (loaded already: native_bf16_dot is not None)
+    if rates is None:
         return "by FMAs (this build has no AVX512-BF16 path: the compiler did not enable it)"
-    dot_ns, fma_ns, most = load_native().dot_rates
+    dot_ns, fma_ns, most = rates
     timed = f"vdpbf16ps {dot_ns:.2f} ns, an FMA {fma_ns:.2f} ns here: {dot_ns / fma_ns:.2f}x, {most:g}x at most pays"
     if dot:
         return f"as AVX512-BF16 pair dot products (vdpbf16ps; products exact, the scale applied to each sum; {timed})"

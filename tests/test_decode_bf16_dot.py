@@ -10,8 +10,6 @@ has no AVX512-BF16)."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -33,11 +31,12 @@ pytestmark = pytest.mark.skipif(not DOT, reason="no AVX512-BF16 here (or no nati
 
 @pytest.fixture(autouse=True)
 def dot_products():
-    """The path forced on (the library would take the FMAs where vdpbf16ps costs more than about an FMA), then left
-    to the rates again."""
+    """The path forced on (the library would take the FMAs where vdpbf16ps costs more than about an FMA), then set
+    back as it was (by the rates, or as ATTENTION_ENGINE_BF16_DOT forced it)."""
+    before = LIBRARY.dot_mode
     assert LIBRARY.use_bf16_dot(True)
     yield
-    LIBRARY.use_bf16_dot(None)
+    LIBRARY.use_bf16_dot(before)
 
 
 QUANTIZED = [kind for kind in QUANTIZED_DTYPES if kind != torch.int8 or not native_amx()]  # (int8: not the tiles)
@@ -58,19 +57,22 @@ def bf16_numbers(*shape, generator, magnitude=1.0):
     return (torch.randn(*shape, generator=generator) * magnitude).bfloat16().float()
 
 
+PATH = "pair dot products"  # (the FMA path's words name vdpbf16ps too: its timing)
+
+
 def test_explain_names_the_path():
     assert native_bf16_dot()  # (tests/test_decode_native.py checks the two agree everywhere)
     k = torch.randn(1, 2, 300, 128).bfloat16()
-    assert "vdpbf16ps" in str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), k, k))  # G 4: four rows
-    assert "vdpbf16ps" in str(engine.explain(torch.randn(1, 4, 2, 128).bfloat16(), k, k))  # G 2, T 2: four rows
-    assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 4, 1, 128).bfloat16(), k, k))  # two rows a KV head
-    assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 8, 1, 128), k.float(), k.float()))  # fp32 K
+    assert PATH in str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), k, k))  # G 4: four rows
+    assert PATH in str(engine.explain(torch.randn(1, 4, 2, 128).bfloat16(), k, k))  # G 2, T 2: four rows
+    assert PATH not in str(engine.explain(torch.randn(1, 4, 1, 128).bfloat16(), k, k))  # two rows a KV head
+    assert PATH not in str(engine.explain(torch.randn(1, 8, 1, 128), k.float(), k.float()))  # fp32 K
     k48 = torch.randn(1, 2, 300, 48).bfloat16()
-    assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 8, 1, 48).bfloat16(), k48, k48))  # D 48
+    assert PATH not in str(engine.explain(torch.randn(1, 8, 1, 48).bfloat16(), k48, k48))  # D 48
     for kind in QUANTIZED:
         kq = quantize(torch.randn(1, 2, 300, 128), kind)
-        assert "vdpbf16ps" in str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), kq, kq)), kind
-        assert "vdpbf16ps" not in str(engine.explain(torch.randn(1, 8, 1, 128), kq, kq)), kind  # an fp32 q
+        assert PATH in str(engine.explain(torch.randn(1, 8, 1, 128).bfloat16(), kq, kq)), kind
+        assert PATH not in str(engine.explain(torch.randn(1, 8, 1, 128), kq, kq)), kind  # an fp32 q
 
 
 @settings(max_examples=40, deadline=None)
@@ -226,6 +228,25 @@ def test_forced_either_way_the_paths_differ_by_rounding_and_both_match_the_oracl
 
 
 def test_explain_before_the_library_loads_says_the_rates_decide(monkeypatch):
-    monkeypatch.setattr(native_build, "load_native", functools.cache(lambda: "not loaded (test)"))
+    monkeypatch.setattr(native_build, "loaded_native", lambda: None)
     assert native_bf16_dot() is None
     assert "where one costs about an FMA's time" in native_build.bf16_dot_scores()
+
+
+@pytest.mark.parametrize("value, mode", [("0", False), ("1", True), ("auto", None), (" AUTO ", None)])
+def test_the_environment_fixes_the_choice_as_the_library_loads(monkeypatch, value, mode):
+    # (the same file: dlopen hands back the loaded library, so this sets LIBRARY's mode too; the fixture restores it)
+    monkeypatch.setenv(native_build.BF16_DOT_ENV, value)
+    again = native_build.NativeLibrary(LIBRARY.path, 0.0)
+    assert again.dot_mode is mode
+    rates = again.dot_rates
+    assert again.bf16_dot == (rates[0] <= rates[2] * rates[1] if mode is None else mode)
+    monkeypatch.setattr(native_build, "loaded_native", lambda: again)
+    note = native_build.bf16_dot_scores()
+    assert (PATH in note) == again.bf16_dot and ("forced" in note) == (mode is not None)
+
+
+def test_the_environment_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(native_build.BF16_DOT_ENV, "yes")
+    with pytest.raises(RuntimeError, match=r"ATTENTION_ENGINE_BF16_DOT='yes': expected 1 .* 0 .* or auto"):
+        native_build.NativeLibrary(LIBRARY.path, 0.0)

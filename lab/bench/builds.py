@@ -90,9 +90,8 @@ def load_build(label: str, path: Path) -> Build:
 
 def source_at(revision: str) -> str:
     """decode_native.cpp's text at a git revision of this checkout."""
-    relative = native_build.SOURCE.resolve().relative_to(Path(__file__).resolve().parents[2])
-    done = subprocess.run(["git", "show", f"{revision}:{relative.as_posix()}"], capture_output=True, text=True,
-                          timeout=60, cwd=native_build.SOURCE.parent)
+    done = subprocess.run(["git", "show", f"{revision}:./{native_build.SOURCE.name}"], capture_output=True, text=True,
+                          timeout=60, cwd=native_build.SOURCE.parent)  # (./: relative to the source's folder)
     if done.returncode != 0:
         raise SystemExit(f"bench builds: no decode_native.cpp at {revision!r}: {done.stderr.strip()}")
     return done.stdout
@@ -123,7 +122,8 @@ def builds_from(args: argparse.Namespace, folder: Path) -> list[Build]:
         else:
             start = time.perf_counter()
             native_build._build(cxx, target, native_build.FLAGS, source=path)
-            print(f"built {label} in {time.perf_counter() - start:.0f} s")
+            if not args.quiet:
+                print(f"built {label} in {time.perf_counter() - start:.0f} s")
         try:
             builds.append(load_build(label if label not in [b.label for b in builds] else f"{label} ({index})",
                                      target))

@@ -9,7 +9,10 @@ library is never loaded on a CPU it was not built for::
     ~/.cache/attention-engine/decode_native-<sha256(source, flags, compiler, cpu)[:16]>.so
 
 ``ATTENTION_ENGINE_NATIVE=0`` turns native code off (the pure-torch kernels run; explain() says why);
-``ATTENTION_ENGINE_CACHE`` moves the cache; ``CXX`` names the compiler (default ``g++``). Nothing is built while
+``ATTENTION_ENGINE_CACHE`` moves the cache; ``CXX`` names the compiler (default ``g++``);
+``ATTENTION_ENGINE_BF16_DOT=1`` / ``0`` fixes how a bf16 q's scores are summed where the CPU has AVX512-BF16 (pair
+dot products / FMAs; unset or ``auto``: as the rates timed at load decide, so runs on one machine agree bitwise
+however the timing falls). Nothing is built while
 choosing a kernel or explaining a call: the first call that runs the kernel builds it (seconds, once per CPU), or
 ``python run.py build-native`` does ahead of time.
 
@@ -41,6 +44,7 @@ SOURCE = Path(__file__).with_name("decode_native.cpp")
 # -fopenmp: the kernel's threads are torch's OpenMP workers (the libgomp.so.1 torch has loaded serves this library too)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 DISABLE_ENV = "ATTENTION_ENGINE_NATIVE"
+BF16_DOT_ENV = "ATTENTION_ENGINE_BF16_DOT"  # 1 / 0 / auto (NativeLibrary.dot_mode)
 BUILD_TIMEOUT_S = 300
 
 
@@ -73,8 +77,9 @@ class NativeLibrary:
     table, ``lanes`` is its vector width, ``amx`` whether it computes int8 K/V on AMX tiles (a CPU with AMX-INT8,
     granted by Linux), ``bf16_dot`` whether bf16 K's scores are AVX512-BF16 dot products where q's values are bf16
     numbers (where ``dot_rates``, ns per vdpbf16ps and per FMA timed once as the library loads, show one costing at
-    most ``dot_rates[2]`` FMAs; ``use_bf16_dot`` forces it), ``build_s`` the seconds the build took in this process
-    (0 when the cache had it)."""
+    most ``dot_rates[2]`` FMAs; ``use_bf16_dot`` forces it, ``dot_mode`` says how it is set: None by the rates, else
+    forced, at load by ``ATTENTION_ENGINE_BF16_DOT``), ``build_s`` the seconds the build took in this process (0 when
+    the cache had it)."""
 
     def __init__(self, path: Path, build_s: float) -> None:
         self.path, self.build_s = path, build_s
@@ -99,9 +104,11 @@ class NativeLibrary:
         # (a library built from an older source, which run.py bench builds may time, has neither of the two below)
         timed, rates = hasattr(self.lib, "decode_native_bf16_dot_rates"), (ctypes.c_double * 3)()
         self.dot_rates = tuple(rates) if timed and self.lib.decode_native_bf16_dot_rates(rates) else None
+        self.dot_mode: bool | None = None
         if timed:
             self.lib.decode_native_use_bf16_dot.restype = ctypes.c_int
             self.lib.decode_native_use_bf16_dot.argtypes = [ctypes.c_int]
+            self.use_bf16_dot(dot_mode_asked())
         self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
         self.listed_tables.restype = ctypes.c_int
         self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
@@ -111,7 +118,18 @@ class NativeLibrary:
         """Force this process's later calls onto vdpbf16ps scores (True, where the build has them) or the FMAs
         (False), or leave it to ``dot_rates`` (None); for tests and A/B timings. Returns ``bf16_dot`` after."""
         self.bf16_dot = bool(self.lib.decode_native_use_bf16_dot(-1 if mode is None else int(mode)))
+        self.dot_mode = mode
         return self.bf16_dot
+
+
+def dot_mode_asked() -> bool | None:
+    """``ATTENTION_ENGINE_BF16_DOT``: True (``1``), False (``0``) or None (unset, empty or ``auto``); any other value
+    is refused (the library does not load, and explain() says why)."""
+    value = os.environ.get(BF16_DOT_ENV, "").strip().lower()
+    if value not in ("", "auto", "0", "1"):
+        raise RuntimeError(f"{BF16_DOT_ENV}={os.environ[BF16_DOT_ENV]!r}: expected 1 (pair dot products), 0 (FMAs) "
+                           f"or auto")
+    return None if value in ("", "auto") else value == "1"
 
 
 def cpu_key() -> str:
@@ -148,8 +166,16 @@ def native_bf16_dot() -> bool | None:
     vdpbf16ps against an FMA as it loads), else None: not known yet."""
     if not bf16_dot_built():
         return False
-    library = load_native() if load_native.cache_info().currsize else None  # (only a library already loaded)
-    return library.bf16_dot if isinstance(library, NativeLibrary) else None
+    library = loaded_native()
+    return None if library is None else library.bf16_dot
+
+
+_loaded: list[NativeLibrary] = []  # (load_native's, once loaded)
+
+
+def loaded_native() -> NativeLibrary | None:
+    """The library if this process has loaded it already (``load_native``), else None; builds and loads nothing."""
+    return _loaded[0] if _loaded else None
 
 
 def bf16_dot_scores() -> str:
@@ -157,15 +183,17 @@ def bf16_dot_scores() -> str:
     (``bf16_dot_built``), and why (builds and loads nothing: ``native_bf16_dot``)."""
     if not bf16_dot_built():
         return "by FMAs (no AVX512-BF16 here)"
-    dot = native_bf16_dot()
-    if dot is None:
+    library = loaded_native()
+    if library is None:
         return ("as AVX512-BF16 pair dot products (vdpbf16ps) where one costs about an FMA's time, else by FMAs (the "
                 "library times both as it loads)")
-    rates = load_native().dot_rates  # (loaded already: native_bf16_dot is not None)
+    dot, rates = library.bf16_dot, library.dot_rates
     if rates is None:
         return "by FMAs (this build has no AVX512-BF16 path: the compiler did not enable it)"
     dot_ns, fma_ns, most = rates
     timed = f"vdpbf16ps {dot_ns:.2f} ns, an FMA {fma_ns:.2f} ns here: {dot_ns / fma_ns:.2f}x, {most:g}x at most pays"
+    if library.dot_mode is not None:
+        timed += f"; forced ({BF16_DOT_ENV} or use_bf16_dot)"
     if dot:
         return f"as AVX512-BF16 pair dot products (vdpbf16ps; products exact, the scale applied to each sum; {timed})"
     return f"by FMAs, as an fp32 q's ({timed})"
@@ -220,7 +248,9 @@ def load_native() -> NativeLibrary | str:
             start = time.perf_counter()
             _build(cxx, path)
             build_s = time.perf_counter() - start
-        return NativeLibrary(path, build_s)
+        library = NativeLibrary(path, build_s)
+        _loaded[:] = [library]
+        return library
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         return f"the native kernel failed to build or load: {str(error).strip()[-300:]}"
 

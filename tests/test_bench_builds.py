@@ -81,3 +81,15 @@ def test_bad_requests_say_what_was_expected(tmp_path):
         builds.builds_from(parser.parse_args(["--library", "x.so", "--source", "y.cpp"]), tmp_path)
     with pytest.raises(SystemExit, match="unknown kind 'fp4'"):
         builds.cases(parser.parse_args(["--kinds", "fp4", "--keys", "64"]))
+
+
+@needs_native
+def test_placement_lays_the_pools_pages_as_asked(tmp_path, monkeypatch):
+    placed = []
+    real = builds.pools
+    monkeypatch.setattr(builds, "pools", lambda *a: placed.append(a[-1]) or real(*a))
+    args = arguments(tmp_path, "--kinds", "bf16", "--placement", "interleaved")
+    assert [name for name, _ in builds.cases(args)] == ["bf16 contiguous", "bf16 pages of 16, interleaved"]
+    assert placed == ["interleaved"]
+    with pytest.raises(SystemExit):
+        arguments(tmp_path, "--placement", "random")

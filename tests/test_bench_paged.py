@@ -10,15 +10,19 @@ import pytest
 import torch
 
 import engine
-from engine import paged_attention
+from engine import PagedKVCache, paged_attention
 from lab.bench import paged as bench_paged
+from lab.bench import paged_placement
+from lab.bench.paged_pools import PLACEMENTS, placement_table
 
 
-def test_the_benchs_pools_hold_each_key_where_its_page_table_says():
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_the_benchs_pools_hold_each_key_where_its_page_table_says(placement):
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(2, 3, 32, 8, generator=g), torch.randn(2, 3, 32, 8, generator=g)  # [B, Hkv, S, D]
     for head_major in (True, False):
-        k_pages, v_pages, table = bench_paged.pools(k, v, 8, g, head_major)
+        k_pages, v_pages, table = bench_paged.pools(k, v, 8, g, head_major, placement)
+        assert sorted(table.reshape(-1).tolist()) == list(range(8))  # every page once
         assert k_pages.shape == (8, 8, 3, 8)
         for b, j in ((0, 0), (1, 17), (1, 31)):
             assert torch.equal(k_pages[table[b, j // 8], j % 8], k[b, :, j]) and \
@@ -150,3 +154,46 @@ def test_page_runs_visit_each_heads_pages_in_page_table_order(quantized):
     assert torch.equal(runs[order].reshape(3, 2, 64, 8), sequence)
     if not quantized:
         assert torch.equal(sequence, k)
+
+
+def test_the_placements_are_what_a_fresh_paged_cache_gives():
+    # "in order": prompts prefilled one after another; "interleaved": sequences growing a token at a time together
+    batch, pages, size = 3, 4, 2
+    cache = PagedKVCache(batch * pages, size, 1, 4)
+    seqs = [cache.add() for _ in range(batch)]
+    for seq in seqs:
+        cache.append([seq], torch.randn(pages * size, 1, 4), torch.randn(pages * size, 1, 4), torch.tensor([0, 8]))
+    assert torch.equal(cache.tables(seqs)[0], placement_table(batch, pages, "in order", torch.Generator()))
+    cache = PagedKVCache(batch * pages, size, 1, 4)
+    seqs = [cache.add() for _ in range(batch)]
+    for _ in range(pages * size):
+        cache.append(seqs, torch.randn(batch, 1, 4), torch.randn(batch, 1, 4), torch.arange(batch + 1))
+    assert torch.equal(cache.tables(seqs)[0], placement_table(batch, pages, "interleaved", torch.Generator()))
+    with pytest.raises(ValueError, match="placement must be one of"):
+        placement_table(batch, pages, "random", torch.Generator())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8], ids=str)
+def test_the_placement_group_times_every_placement_cold_against_contiguous(dtype, monkeypatch):
+    # a small shape (the group's logic, not its timing): every placement reads the contiguous result bitwise, and
+    # every timed call comes after the caches were cleared
+    for name, value in (("B", 2), ("HQ", 8), ("HKV", 2), ("D", 32)):
+        monkeypatch.setattr(paged_placement, name, value)
+    cleared, runs = [], []
+    monkeypatch.setattr(paged_placement, "evict_caches", lambda: cleared.append(len(runs)))
+    real = paged_placement.plan_paged
+
+    class Counted:  # (a planned step is frozen: wrapped)
+        def __init__(self, *args, **kwargs):
+            self.step = real(*args, **kwargs)
+
+        def run(self, *args):
+            runs.append(1)
+            return self.step.run(*args)
+    monkeypatch.setattr(paged_placement, "plan_paged", Counted)
+    rows = paged_placement._placement_case(512, dtype, torch.Generator().manual_seed(0), 2)
+    assert [r["impl"] for r in rows] == ["contiguous"] + [f"paged, {p}" for p in PLACEMENTS]
+    assert all(r["max |diff|"] == 0.0 for r in rows)
+    assert rows[0]["time/contiguous"] == 1.0 and all(r["ms"] > 0 for r in rows)
+    assert len(cleared) == 2 * len(rows)  # each round: every row once, each after a clearing
+    assert len(runs) == 3 + 2 * 3  # the diff's three paged calls, then two rounds of three

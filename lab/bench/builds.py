@@ -3,10 +3,11 @@ the engine's own calls, alternated round by round in one process: how a kernel c
 
 Each build is a library of its own (compiled from a source, or an ``.so`` given as is). For every case the bench makes
 one plan per build while that build stands in for ``load_native`` (``engine.plan`` for K/V as the caches hold them,
-``engine.plan_paged`` for shuffled pages), so each plan's runner holds its own library; then every round times each
-build's plan once, in an order that rotates, after clearing the caches (``lab.measure.evict_caches``; ``--warm``: no
-clearing). Every timed call must have gone through its build's library (a count of its kernel calls): a comparison
-that timed one build twice, as a plan reused across builds would, stops with an error instead of a ratio of 1.
+``engine.plan_paged`` for pages shuffled, or placed as ``--placement`` says), so each plan's runner holds its own
+library; then every round times each build's plan once, in an order that rotates, after clearing the caches
+(``lab.measure.evict_caches``; ``--warm``: no clearing). Every timed call must have gone through its build's
+library (a count of its kernel calls): a comparison that timed one build twice, as a plan reused across builds
+would, stops with an error instead of a ratio of 1.
 
 Rows: each case and build, ``ms`` (median over rounds), ``vs first`` (the median of the per-round ratios to the first
 build: ``lab.measure.paired_ratio``) and ``bitwise same`` (its output against the first build's).
@@ -37,7 +38,7 @@ import engine
 from engine.kernels.decode import decode_native, native_build, native_paged, native_paged_listed
 from engine.quantized import quantize
 from lab import plots
-from lab.bench.paged_pools import on_huge_pages, pools, quantized_pool
+from lab.bench.paged_pools import PLACEMENTS, on_huge_pages, pools, quantized_pool
 from lab.measure import evict_caches, format_table, machine_info, paired_ratio, progress, save_results
 from lab.options import add_common, apply_threads, parse_count, parse_counts, positive_int
 
@@ -62,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "--quick)")
     parser.add_argument("--pages", type=parse_counts, default=[], help="page sizes to time paged too, e.g. 16,256 "
                         "(fp32 / bf16 / fp16 / int8; default none: the caches' contiguous buffers only)")
+    parser.add_argument("--placement", choices=PLACEMENTS, default="shuffled",
+                        help="where the pool's pages lie for --pages (lab.bench.paged_pools; default shuffled)")
     parser.add_argument("--rounds", type=positive_int, default=9, help="timed rounds (default 9; 3 with --quick)")
     parser.add_argument("--warm", action="store_true", help="do not clear the caches before each call")
 
@@ -163,11 +166,12 @@ def cases(args: argparse.Namespace) -> list[tuple[str, Callable[[], Callable[[],
         for page in args.pages if kind != KINDS.get("fp8") else []:
             if keys % page:
                 raise SystemExit(f"bench builds: --keys {keys} is not a multiple of the page size {page}")
-            kp, vp, table = pools(k, v, page, generator, True)
+            kp, vp, table = pools(k, v, page, generator, True, args.placement)
             kp, vp = (on_huge_pages(quantized_pool(x) if kind == torch.int8 else x.to(kind)) for x in (kp, vp))
             lengths, starts = torch.full((args.batch,), keys), torch.arange(args.batch + 1)
-            out.append((f"{name} pages of {page}", functools.partial(_paged, qc[:, :, 0], kp, vp, table, lengths,
-                                                                     starts)))
+            placed = "" if args.placement == "shuffled" else f", {args.placement}"
+            out.append((f"{name} pages of {page}{placed}",
+                        functools.partial(_paged, qc[:, :, 0], kp, vp, table, lengths, starts)))
     return out
 
 

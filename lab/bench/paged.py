@@ -15,6 +15,8 @@
   kernel's work items read them (``page_runs``); its ``time/contiguous`` is its time over ``copy, runs in order``'s
   (the same runs, the same copy, in address order; whose own is over ``copy``'s): what the memory makes of runs
   that short (a bf16 page of 16 keys is a 4 KiB run) before any attention's arithmetic.
+- ``placement``: the decode's keys in pools whose pages lie shuffled, in order (a fresh PagedKVCache's prompts) or
+  interleaved (sequences growing in lock step), on 2 MiB pages, each call cold (lab.bench.paged_placement).
 - ``step``: SmolLM2-135M's attention shape (Hq 9 / Hkv 3 / D 64), B = 8 and 32 ragged sequences of 256-768 keys,
   pages of 16 and 256, fp32 / bf16 / int8, 1 and 2 threads: the planned paged step, the unplanned
   ``paged_attention`` call and the same keys contiguous (lab.bench.paged_step).
@@ -59,6 +61,7 @@ from engine.kernels.decode.native_listed import data_of
 from engine.masks.tree import tree_attention_inputs
 from engine.quantized import quantize
 from lab import plots
+from lab.bench.paged_placement import placement_rows, plot_placement
 from lab.bench.paged_pools import on_huge_pages, pools, quantized_pool
 from lab.bench.paged_step import continuous_rows, invariant_rows, mixed_rows, step_rows
 from lab.measure import (
@@ -77,7 +80,7 @@ TARGET = 1.1
 CASCADE_TARGET = 4.0
 TREE_TARGET = 1.5  # a 16-node tree's verify over a one-token decode step
 TREE_KEYS = {"quick": (4096,), "full": (4096, 32768)}  # S, the sequence's cached keys
-GROUPS = ("decode", "step", "mixed", "continuous", "invariant", "cascade", "tree", "memory")
+GROUPS = ("decode", "placement", "step", "mixed", "continuous", "invariant", "cascade", "tree", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -287,7 +290,8 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         print(f"unknown --groups {unknown}: choose from {', '.join(GROUPS)}")
         return 2
-    rows = ((decode_rows(args) if "decode" in groups else []) + (step_rows(args) if "step" in groups else [])
+    rows = ((decode_rows(args) if "decode" in groups else [])
+            + (placement_rows(args) if "placement" in groups else []) + (step_rows(args) if "step" in groups else [])
             + (mixed_rows(args) if "mixed" in groups else []) + (invariant_rows(args) if "invariant" in groups else [])
             + (continuous_rows(args) if "continuous" in groups else [])
             + (cascade_rows(args) if "cascade" in groups else []) + (tree_rows(args) if "tree" in groups else [])
@@ -296,6 +300,9 @@ def main(args: argparse.Namespace) -> int:
     if decode:
         print(format_table(decode, ["case", "impl", "ms", "time/contiguous", "K/V GB/s", "of copy", "target", "met",
                                     "max |diff|"]))
+    placement = [r for r in rows if r["group"] == "placement"]
+    if placement:
+        print("\n" + format_table(placement, ["case", "impl", "ms", "time/contiguous", "K/V GB/s", "max |diff|"]))
     step = [r for r in rows if r["group"] in ("step", "mixed", "continuous", "invariant")]
     if step:
         print("\n" + format_table(step, ["case", "impl", "kernel", "us", "time/contiguous", "target", "met",
@@ -314,6 +321,9 @@ def main(args: argparse.Namespace) -> int:
     if decode:
         plot(rows, f"{args.out}/paged.png")
         paths.append(f"{args.out}/paged.png")
+    if placement:
+        plot_placement(placement, f"{args.out}/paged_placement.png", TARGET)
+        paths.append(f"{args.out}/paged_placement.png")
     if tree:
         plot_tree(tree, f"{args.out}/paged_tree.png")
         paths.append(f"{args.out}/paged_tree.png")

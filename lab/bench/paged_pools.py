@@ -1,4 +1,5 @@
-"""The paged benches' pools: dense keys laid out in shuffled pages, as a paged cache holds them."""
+"""The paged benches' pools: dense keys laid out in pages (shuffled unless asked otherwise), as a paged cache holds
+them."""
 
 from __future__ import annotations
 
@@ -7,15 +8,34 @@ import torch
 from engine import huge_pages
 from engine.quantized import QuantizedKV, quantize
 
-__all__ = ["on_huge_pages", "pools", "quantized_pool"]
+__all__ = ["PLACEMENTS", "on_huge_pages", "placement_table", "pools", "quantized_pool"]
 
 
-def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator, head_major: bool):
-    """``(k_pages, v_pages, page_table)`` holding ``k, v [B, Hkv, S, D]`` in shuffled pages ``[num_pages,
-    page_size, Hkv, D]``: head-major storage (as PagedKVCache keeps it) or FlashInfer's NHD order."""
+PLACEMENTS = ("shuffled", "in order", "interleaved")
+
+
+def placement_table(batch: int, n: int, placement: str, generator: torch.Generator) -> torch.Tensor:
+    """A page table ``[B, n]`` over ``B * n`` pages: ``shuffled`` (each page anywhere in the pool), ``in order``
+    (sequence b's pages b n .. b n + n - 1: what a fresh PagedKVCache gives prompts prefilled one after another, its
+    free list handing out the lowest ids first) or ``interleaved`` (sequence b's i-th page i B + b: what it gives B
+    sequences growing a token at a time in lock step)."""
+    if placement == "shuffled":
+        return torch.randperm(batch * n, generator=generator).view(batch, n)
+    if placement == "in order":
+        return torch.arange(batch * n).view(batch, n)
+    if placement == "interleaved":
+        return torch.arange(batch * n).view(n, batch).t().contiguous()
+    raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+
+
+def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator, head_major: bool,
+          placement: str = "shuffled"):
+    """``(k_pages, v_pages, page_table)`` holding ``k, v [B, Hkv, S, D]`` in pages ``[num_pages, page_size, Hkv,
+    D]`` placed as ``placement`` says (``placement_table``; shuffled by default): head-major storage (as
+    PagedKVCache keeps it) or FlashInfer's NHD order."""
     batch, kv_heads, s, d = k.shape
     n = s // page_size
-    table = torch.randperm(batch * n, generator=generator).view(batch, n)  # [B, pages per sequence]
+    table = placement_table(batch, n, placement, generator)  # [B, pages per sequence]
     out = []
     for x in (k, v):
         pages = x.reshape(batch, kv_heads, n, page_size, d).permute(0, 2, 1, 3, 4).reshape(batch * n, kv_heads,

@@ -1,0 +1,92 @@
+"""``run.py bench paged --groups placement``: what the place of a pool's pages costs a paged decode.
+
+The decode group's pools are shuffled, each page anywhere in the pool: the worst case. This group reads the same keys
+(B 8, Hq 32 / Hkv 8, D 128, pages of 16, fp32 / bf16 / int8, S 8k and 32k; ``--quick``: 8k) from pools on 2 MiB
+pages, as PagedKVCache holds them, in three placements (``lab.bench.paged_pools.placement_table``): ``shuffled``,
+``in order`` (what a fresh PagedKVCache gives prompts prefilled one after another) and ``interleaved`` (what it gives
+sequences growing a token at a time in lock step), each planned once (``engine.plan_paged``), beside the same keys
+contiguous (``engine.plan``, also on 2 MiB pages). The kernel and the keys' order are the same in every row; only the
+addresses differ. Every call is timed cold (``lab.measure.evict_caches`` first), in rounds whose order rotates;
+``time/contiguous`` is the median of the rounds' ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+
+import engine
+from engine import plan_paged
+from engine.quantized import quantize
+from lab import plots
+from lab.bench.paged_pools import PLACEMENTS, on_huge_pages, pools, quantized_pool
+from lab.measure import evict_caches, paired_ratio, progress
+
+B, HQ, HKV, D, PAGE = 8, 32, 8, 128, 16
+DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+KEYS = {"quick": (8192,), "full": (8192, 32768)}  # S, each sequence's cached keys
+
+
+def placement_rows(args) -> list[dict[str, Any]]:
+    keys = KEYS["quick" if args.quick else "full"]
+    rounds = 3 if args.quick else 7
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for s, dtype in progress([(s, d) for s in keys for d in DTYPES], "bench paged: placement", quiet=args.quiet):
+        rows += _placement_case(s, dtype, g, rounds)
+    return rows
+
+
+def _placement_case(s: int, dtype: torch.dtype, g: torch.Generator, rounds: int) -> list[dict[str, Any]]:
+    quantized = dtype == torch.int8
+    float_dtype = torch.float32 if quantized else dtype
+    k = torch.randn(B, HKV, s, D, generator=g).to(float_dtype)  # [B, Hkv, S, D]
+    v = torch.randn(B, HKV, s, D, generator=g).to(float_dtype)
+    q = torch.randn(B, HQ, 1, D, generator=g).to(float_dtype)  # [B, Hq, 1, D]
+    lens, indptr, packed = torch.full((B,), s), torch.arange(B + 1), q[:, :, 0]  # [B], [B+1], [Nq = B, Hq, D]
+    kc, vc = (quantize(k), quantize(v)) if quantized else (k, v)
+    kc, vc = on_huge_pages(kc), on_huge_pages(vc)
+    contiguous = engine.plan(q, kc, vc)
+    impls = {"contiguous": lambda: contiguous.run(q, kc, vc)}
+    for placement in PLACEMENTS:
+        kp, vp, table = pools(k, v, PAGE, g, True, placement)
+        if quantized:  # per token and head, as the contiguous int8 keys: the same numbers
+            kp, vp = quantized_pool(kp), quantized_pool(vp)
+        kp, vp = on_huge_pages(kp), on_huge_pages(vp)
+        step = plan_paged(packed, kp, vp, table, lens, indptr)
+        impls[f"paged, {placement}"] = lambda step=step, kp=kp, vp=vp: step.run(packed, kp, vp)
+    del k, v
+    want = impls["contiguous"]()[:, :, 0]
+    diff = max((impls[f"paged, {p}"]() - want).abs().max().item() for p in PLACEMENTS)
+    times: dict[str, list[float]] = {name: [] for name in impls}
+    names = list(impls)
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            evict_caches()
+            start = time.perf_counter()
+            impls[name]()
+            times[name].append(time.perf_counter() - start)
+    kv_bytes = sum(x.data.nbytes + x.scale.nbytes if quantized else x.nbytes for x in (kc, vc))
+    return [{"group": "placement", "case": f"B={B} S={s} page {PAGE} {str(dtype)[6:]}", "impl": name,
+             "ms": statistics.median(times[name]) * 1e3,
+             "time/contiguous": paired_ratio(times[name], times["contiguous"]),
+             "K/V GB/s": kv_bytes / statistics.median(times[name]) / 1e9, "max |diff|": diff, "S": s,
+             "page": PAGE, "dtype": str(dtype)} for name in names]
+
+
+def plot_placement(rows: list[dict[str, Any]], path, target: float) -> None:
+    fig, (axes,) = plots.figure(width=7.0)
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    for offset, placement in enumerate(PLACEMENTS):
+        values = [next(r["time/contiguous"] for r in rows if r["case"] == c and r["impl"] == f"paged, {placement}")
+                  for c in cases]
+        axes.bar([i + 0.27 * offset for i in range(len(cases))], values, width=0.27, label=placement)
+    axes.axhline(target, color="gray", linestyle="--", label=f"target {target}x")
+    axes.set_xticks([i + 0.27 for i in range(len(cases))], cases, rotation=30, ha="right", fontsize=7)
+    axes.set_ylabel("time / contiguous decode (2 MiB pages both)")
+    axes.set_title("paged decode by where the pool's pages lie (native kernel, cold)")
+    axes.legend()
+    plots.save(fig, path)

@@ -256,16 +256,12 @@ def plot(rows: list[dict[str, Any]], path) -> None:
     paged = [r for r in rows if r["group"] == "decode" and r["impl"] != "contiguous"]
     fig, (axes,) = plots.figure(width=8.0)
     cases = sorted({r["case"] for r in paged}, key=lambda c: [r["case"] for r in paged].index(c))
-    names = ("paged", "paged NHD", "paged held")
-    for offset, name in enumerate(names):
-        values = [next(r["time/contiguous"] for r in paged if r["case"] == c and r["impl"] == name) for c in cases]
-        axes.bar([i + 0.27 * offset for i in range(len(cases))], values, width=0.27,
-                 label=name + (" (over contiguous held; 2 MiB pages)" if name == "paged held" else ""))
-    axes.axhline(TARGET, color="gray", linestyle="--", label=f"target {TARGET}x")
-    axes.set_xticks([i + 0.27 for i in range(len(cases))], cases, rotation=30, ha="right", fontsize=7)
+    ratio = {(r["case"], r["impl"]): r["time/contiguous"] for r in paged}
+    labels = {"paged": "paged", "paged NHD": "paged NHD",
+              "paged held": "paged held (over contiguous held; 2 MiB pages)"}
+    plots.grouped_bars(axes, cases, {label: [ratio[c, name] for c in cases] for name, label in labels.items()}, TARGET)
     axes.set_ylabel("time / contiguous decode")
     axes.set_title("paged decode vs the same keys contiguous (native kernel)")
-    axes.legend()
     plots.save(fig, path)
 
 

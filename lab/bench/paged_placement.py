@@ -80,13 +80,8 @@ def _placement_case(s: int, dtype: torch.dtype, g: torch.Generator, rounds: int)
 def plot_placement(rows: list[dict[str, Any]], path, target: float) -> None:
     fig, (axes,) = plots.figure(width=7.0)
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    for offset, placement in enumerate(PLACEMENTS):
-        values = [next(r["time/contiguous"] for r in rows if r["case"] == c and r["impl"] == f"paged, {placement}")
-                  for c in cases]
-        axes.bar([i + 0.27 * offset for i in range(len(cases))], values, width=0.27, label=placement)
-    axes.axhline(target, color="gray", linestyle="--", label=f"target {target}x")
-    axes.set_xticks([i + 0.27 for i in range(len(cases))], cases, rotation=30, ha="right", fontsize=7)
+    ratio = {(r["case"], r["impl"]): r["time/contiguous"] for r in rows}
+    plots.grouped_bars(axes, cases, {p: [ratio[c, f"paged, {p}"] for c in cases] for p in PLACEMENTS}, target)
     axes.set_ylabel("time / contiguous decode (2 MiB pages both)")
     axes.set_title("paged decode by where the pool's pages lie (native kernel, cold)")
-    axes.legend()
     plots.save(fig, path)

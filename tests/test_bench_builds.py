@@ -93,3 +93,6 @@ def test_placement_lays_the_pools_pages_as_asked(tmp_path, monkeypatch):
     assert placed == ["interleaved"]
     with pytest.raises(SystemExit):
         arguments(tmp_path, "--placement", "random")
+    args.pages = []
+    with pytest.raises(SystemExit, match="give --pages too"):
+        builds.main(args)

@@ -179,8 +179,8 @@ def test_the_placement_group_times_every_placement_cold_against_contiguous(dtype
     # every timed call comes after the caches were cleared
     for name, value in (("B", 2), ("HQ", 8), ("HKV", 2), ("D", 32)):
         monkeypatch.setattr(paged_placement, name, value)
-    cleared, runs = [], []
-    monkeypatch.setattr(paged_placement, "evict_caches", lambda: cleared.append(len(runs)))
+    events = []  # "clear" and "run", in order
+    monkeypatch.setattr(paged_placement, "evict_caches", lambda: events.append("clear"))
     real = paged_placement.plan_paged
 
     class Counted:  # (a planned step is frozen: wrapped)
@@ -188,12 +188,14 @@ def test_the_placement_group_times_every_placement_cold_against_contiguous(dtype
             self.step = real(*args, **kwargs)
 
         def run(self, *args):
-            runs.append(1)
+            events.append("run")
             return self.step.run(*args)
     monkeypatch.setattr(paged_placement, "plan_paged", Counted)
     rows = paged_placement._placement_case(512, dtype, torch.Generator().manual_seed(0), 2)
     assert [r["impl"] for r in rows] == ["contiguous"] + [f"paged, {p}" for p in PLACEMENTS]
     assert all(r["max |diff|"] == 0.0 for r in rows)
     assert rows[0]["time/contiguous"] == 1.0 and all(r["ms"] > 0 for r in rows)
-    assert len(cleared) == 2 * len(rows)  # each round: every row once, each after a clearing
-    assert len(runs) == 3 + 2 * 3  # the diff's three paged calls, then two rounds of three
+    # the diff's three paged calls, then two rounds of the four rows, each timed call right after a clearing (the
+    # contiguous row's run is not counted here)
+    assert events[:3] == ["run"] * 3 and events.count("clear") == 2 * len(rows) and events.count("run") == 3 + 2 * 3
+    assert all(events[i - 1] == "clear" for i in range(3, len(events)) if events[i] == "run")

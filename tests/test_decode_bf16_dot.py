@@ -10,6 +10,11 @@ has no AVX512-BF16)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -236,6 +241,7 @@ def test_explain_before_the_library_loads_says_the_rates_decide(monkeypatch):
 @pytest.mark.parametrize("value, mode", [("0", False), ("1", True), ("auto", None), (" AUTO ", None)])
 def test_the_environment_fixes_the_choice_as_the_library_loads(monkeypatch, value, mode):
     # (the same file: dlopen hands back the loaded library, so this sets LIBRARY's mode too; the fixture restores it)
+    LIBRARY.use_bf16_dot(None)  # as a library just loaded: the rates decide
     monkeypatch.setenv(native_build.BF16_DOT_ENV, value)
     again = native_build.NativeLibrary(LIBRARY.path, 0.0)
     assert again.dot_mode is mode
@@ -250,3 +256,24 @@ def test_the_environment_refuses_other_values(monkeypatch):
     monkeypatch.setenv(native_build.BF16_DOT_ENV, "yes")
     with pytest.raises(RuntimeError, match=r"ATTENTION_ENGINE_BF16_DOT='yes': expected 1 .* 0 .* or auto"):
         native_build.NativeLibrary(LIBRARY.path, 0.0)
+    assert "ATTENTION_ENGINE_BF16_DOT='yes'" in native_build.native_unavailable.__wrapped__()
+    assert "ATTENTION_ENGINE_BF16_DOT='yes'" in native_build.load_native.__wrapped__()  # (the string, not a raise)
+
+
+def test_a_refused_value_is_named_by_explain_and_the_call_still_runs():
+    # a fresh process: the library's availability is decided once per process
+    script = ("import torch, engine; q, k = torch.randn(1, 8, 1, 64), torch.randn(1, 2, 600, 64); "
+              "print(engine.explain(q, k, k)); print(engine.causal_attention(q, k, k).isfinite().all().item())")
+    env = {**os.environ, native_build.BF16_DOT_ENV: "yes"}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert "not decode_native: ATTENTION_ENGINE_BF16_DOT='yes': expected 1" in done.stdout
+    assert done.stdout.strip().endswith("True")
+
+
+def test_loading_the_file_again_leaves_its_mode_alone_unless_one_is_asked(monkeypatch):
+    monkeypatch.delenv(native_build.BF16_DOT_ENV, raising=False)
+    assert LIBRARY.use_bf16_dot(False) is False  # (the fixture restores the mode it found)
+    again = native_build.NativeLibrary(LIBRARY.path, 0.0)
+    assert again.dot_mode is None and not again.bf16_dot and not LIBRARY.bf16_dot

@@ -232,6 +232,12 @@ def main(args: argparse.Namespace) -> int:
     apply_threads(args)
     if args.quick:
         args.keys, args.rounds = min(args.keys, 2048), min(args.rounds, 3)
+    if args.placement != "shuffled" and not args.pages:
+        raise SystemExit(f"bench builds: --placement {args.placement!r} lays out paged pools: give --pages too")
+    try:
+        native_build.dot_mode_asked()
+    except RuntimeError as refused:  # (else every build would seem not to fit)
+        raise SystemExit(f"bench builds: {refused}") from None
     planned = cases(args)  # (bad kinds or page sizes are named before anything is compiled)
     with tempfile.TemporaryDirectory(prefix="bench-builds-") as folder:
         builds = builds_from(args, Path(folder))

@@ -11,8 +11,8 @@ library is never loaded on a CPU it was not built for::
 ``ATTENTION_ENGINE_NATIVE=0`` turns native code off (the pure-torch kernels run; explain() says why);
 ``ATTENTION_ENGINE_CACHE`` moves the cache; ``CXX`` names the compiler (default ``g++``);
 ``ATTENTION_ENGINE_BF16_DOT=1`` / ``0`` fixes how a bf16 q's scores are summed where the CPU has AVX512-BF16 (pair
-dot products / FMAs; unset or ``auto``: as the rates timed at load decide, so runs on one machine agree bitwise
-however the timing falls). Nothing is built while
+dot products / FMAs), so that runs agree bitwise however the load's timing falls; unset or ``auto``, the rates timed
+at load decide. Nothing is built while
 choosing a kernel or explaining a call: the first call that runs the kernel builds it (seconds, once per CPU), or
 ``python run.py build-native`` does ahead of time.
 
@@ -108,7 +108,9 @@ class NativeLibrary:
         if timed:
             self.lib.decode_native_use_bf16_dot.restype = ctypes.c_int
             self.lib.decode_native_use_bf16_dot.argtypes = [ctypes.c_int]
-            self.use_bf16_dot(dot_mode_asked())
+            # (the mode is the loaded file's: objects loading one path share it, so only an asked mode is applied)
+            if (asked := dot_mode_asked()) is not None:
+                self.use_bf16_dot(asked)
         self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
         self.listed_tables.restype = ctypes.c_int
         self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
@@ -227,6 +229,10 @@ def native_unavailable() -> str | None:
     ``python run.py build-native``."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return f"native code is turned off ({DISABLE_ENV}=0)"
+    try:
+        dot_mode_asked()
+    except RuntimeError as refused:  # (a library would not load: dispatch and explain() say so up front)
+        return str(refused)
     if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return f"no native build for this CPU architecture ({platform.machine()})"
     if compiler() is None:

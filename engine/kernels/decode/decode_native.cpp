@@ -1760,10 +1760,13 @@ void dispatch_kind(int kind, const Operands& o, Partial* p, size_t n, int64_t in
 // likely as the hardware prefetcher fetches past it into the next head's run; read together, the two heads use it.
 // Measured on an AVX-512 + AMX Xeon VM, one thread, B 8, S 8k, Hq 32 / Hkv 8, D 128, shuffled pages of 16: int8
 // 0.84-0.89x the time, bf16 0.95x, fp32 0.95x (more heads, or asking in address order: 1.02-1.2x). Not for
-// contiguous K/V or pages of one key: each head its own stream, heads in turn took 1.25-1.9x the time.
-int64_t heads_in_turn(const Operands& o, int64_t elem) {
+// contiguous K/V or pages of one key: each head its own stream, heads in turn took 1.25-1.9x the time. int8 on AMX
+// tiles (`tiles`) pairs only pages of fewer than 32 keys: the pairs cost its tiles 5-7% in cache (B 2, S 1k), and
+// from DRAM its pages of 32 and 64 (4 and 8 KiB runs) read alone in 0.969-0.988x the time (B 8, S 16k, one thread,
+// shuffled), where pages of 16 alone took 1.10x, and bf16 pages of 32 alone 1.02x.
+int64_t heads_in_turn(const Operands& o, int64_t elem, bool tiles) {
     if (heads_side_by_side(o)) return std::min<int64_t>(o.H, 16);
-    if (!o.pages || o.H < 2 || o.page_size < 2) return 1;
+    if (!o.pages || o.H < 2 || o.page_size < 2 || (tiles && o.page_size >= 32)) return 1;
     const int64_t strides[2][2] = {{o.ks[1], o.ks[2]}, {o.vs[1], o.vs[2]}};  // (slot, head) of K and V
     for (const auto& st : strides) {
         const int64_t slot = st[0], head = st[1];
@@ -1937,7 +1940,12 @@ int decode_native(const DecodeCall* call) {
     // alone (batch invariance), not on the batch, the thread count or the cache's layout.
     // With heads run in turn (heads_in_turn > 1), a sequence's items go chunk by chunk, each chunk's heads side by
     // side; the merge below reads each head's items in the same order either way.
-    const int64_t in_turn = heads_in_turn(o, kind_bytes(kind));
+#if DN_AMX
+    const bool on_tiles = simd && kind == I8 && amx_usable(o);
+#else
+    const bool on_tiles = false;
+#endif
+    const int64_t in_turn = heads_in_turn(o, kind_bytes(kind), on_tiles);
     std::vector<Partial> items;
     int64_t total = 0;
     std::vector<std::pair<int64_t, int64_t>> chunks;

@@ -71,15 +71,14 @@ def series(ax, xs: Sequence[float], ys: Sequence[float], label: str, index: int 
     ax.plot(x, y, marker=MARKERS[index % len(MARKERS)], label=label, **style)
 
 
-def grouped_bars(ax, cases: Sequence[str], bars: dict[str, Sequence[float]], target: float | None = None,
-                 target_label: str = "target") -> None:
+def grouped_bars(ax, cases: Sequence[str], bars: dict[str, Sequence[float]], target: float | None = None) -> None:
     """One group of bars per case (the x labels, slanted), one bar per entry of ``bars`` (label -> a value per
     case), and a dashed grey line at ``target``."""
     width = 0.8 / max(1, len(bars))
     for offset, (label, values) in enumerate(bars.items()):
         ax.bar([i + width * offset for i in range(len(cases))], values, width=width, label=label)
     if target is not None:
-        ax.axhline(target, color="gray", linestyle="--", label=f"{target_label} {target}x")
+        ax.axhline(target, color="gray", linestyle="--", label=f"target {target}x")
     ax.set_xticks([i + width * (len(bars) - 1) / 2 for i in range(len(cases))], cases, rotation=30, ha="right",
                   fontsize=7)
     lowest = min((v for values in bars.values() for v in values), default=1.0)

@@ -1941,7 +1941,7 @@ int decode_native(const DecodeCall* call) {
     // With heads run in turn (heads_in_turn > 1), a sequence's items go chunk by chunk, each chunk's heads side by
     // side; the merge below reads each head's items in the same order either way.
 #if DN_AMX
-    const bool on_tiles = simd && kind == I8 && amx_usable(o);
+    const bool on_tiles = simd && kind == I8 && amx_usable(o);  // (int8 on the tiles: heads_in_turn, the workers)
 #else
     const bool on_tiles = false;
 #endif
@@ -1990,7 +1990,7 @@ int decode_native(const DecodeCall* call) {
             bool held;
             explicit Tiles(bool on) : held(on) { if (held) amx_configure(); }
             ~Tiles() { if (held) _tile_release(); }
-        } tiles(simd && kind == I8 && amx_usable(o));
+        } tiles(on_tiles);
 #endif
         Partial* run = items.data() + first[t];
         const size_t n = first[t + 1] - first[t];

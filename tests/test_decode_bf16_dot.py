@@ -273,7 +273,10 @@ def test_a_refused_value_is_named_by_explain_and_the_call_still_runs():
 
 
 def test_loading_the_file_again_leaves_its_mode_alone_unless_one_is_asked(monkeypatch):
+    # forced against what the rates would choose, so that re-applying the rates would show
     monkeypatch.delenv(native_build.BF16_DOT_ENV, raising=False)
-    assert LIBRARY.use_bf16_dot(False) is False  # (the fixture restores the mode it found)
+    dot_ns, fma_ns, most = LIBRARY.dot_rates
+    forced = not dot_ns <= most * fma_ns
+    assert LIBRARY.use_bf16_dot(forced) is forced  # (the fixture restores the mode it found)
     again = native_build.NativeLibrary(LIBRARY.path, 0.0)
-    assert again.dot_mode is None and not again.bf16_dot and not LIBRARY.bf16_dot
+    assert again.dot_mode is None and again.bf16_dot is forced and LIBRARY.bf16_dot is forced

@@ -766,10 +766,14 @@ struct Item {
             if (amx) {
                 // (this thread's, shared by its items: each uses them within one block; not zeroed, written first;
                 // from a 64-byte boundary: left where std::vector put it, int8 in cache took 0.297-0.328 ms from run
-                // to run, B 2, S 1k, and 0.297-0.303 aligned; from DRAM the same either way)
+                // to run, B 2, S 1k, and 0.297-0.303 aligned; from DRAM the same either way. p's digits and the sums
+                // tiles here too, not in each item: two heads in turn (pages of 16) then hold 10 KiB less in L1 a
+                // block, and took 0.92-0.93x the time in cache, 0.96x from DRAM; contiguous 0.98x from DRAM)
                 static thread_local std::vector<int8_t> scratch;
-                if (scratch.size() < (size_t)(64 * (o.D + o.Dv) + 64)) scratch.resize(64 * (o.D + o.Dv) + 64);
-                k_rows = aligned64(scratch.data()), v_tiles = k_rows + 64 * o.D;
+                const size_t bytes = 64 * (o.D + o.Dv) + sizeof(int8_t[16 * 64]) + sizeof(int32_t[4][16 * 16]) + 64;
+                if (scratch.size() < bytes) scratch.resize(bytes);
+                k_rows = aligned64(scratch.data()), v_tiles = k_rows + 64 * o.D, p_digits = v_tiles + 64 * o.Dv;
+                sums = (int32_t(*)[16 * 16])(p_digits + 16 * 64);
             }
         }
 #endif
@@ -1440,8 +1444,8 @@ struct Item {
     float q_unit[NR] = {};          // 2^e of each row's fixed point
     int8_t* k_rows = nullptr;       // [4][16][D]: a group of 16 keys whose rows are not evenly spaced, or the last
     int8_t* v_tiles = nullptr;      // [Dv / 16][16][64]: the block's V rows as B tiles (4 keys' bytes a lane)
-    alignas(64) int8_t p_digits[16 * 64];
-    alignas(64) int32_t sums[4][16 * 16];  // the scores' sums tiles, stored
+    int8_t* p_digits = nullptr;     // [16][64]: p's digits as an A tile (row 3 r + p), this thread's (the constructor)
+    int32_t (*sums)[16 * 16] = nullptr;  // [4][16 * 16]: the sums tiles, stored (this thread's too)
 
     // false where a row's largest |q| is below 2^-100 (fixed_point_unit)
     bool amx_digits() {  // (in vectors: per work item, this took 2 ns per key and head as scalar code)
@@ -1469,8 +1473,11 @@ struct Item {
 
     // the scores of the block's keys, 16 at a time: 16 key rows x 64 channels a TDPBSSD against q's digits; the
     // block's four groups each in its own sums tile, so their products overlap (tiles are not renamed), then their
-    // sums read back, weighted, scaled and stored (s[r][jj])
-    void amx_scores(int n) {
+    // sums read back, weighted, scaled and stored (s[r][jj]). This and amx_values are kept out of line: inlined into
+    // the one function that runs an item's blocks (28 KiB of code), int8 from DRAM took 1.07x the time (B 8, S 16k,
+    // one thread, contiguous; in cache the same), for no cause found without the CPU's counters (docs/BENCHMARKS.md,
+    // round 17)
+    __attribute__((noinline)) void amx_scores(int n) {
         const int64_t D = o.D;
         _tile_loadd(2, q_digits, 64);
         if (D > 64) _tile_loadd(3, q_digits + 1024, 64);
@@ -1522,7 +1529,7 @@ struct Item {
     // acc[r] += p[r] . V of the block (p: softmax_step's weights times the value scales), one TDPBUSD per 16 channels;
     // false (nothing added) when a visible weight is not finite or below 0 (a NaN / inf / negative value scale) or a
     // row's are all below 2^-100: the vector pass then adds them, NaN and all
-    bool amx_values(int n, bool masked) {
+    __attribute__((noinline)) bool amx_values(int n, bool masked) {
         const int64_t R = o.R, Dv = o.Dv, halves = Dv / 64;
         float p_unit[NR] = {};
         std::memset(p_digits + 64 * 3 * R, 0, 64 * (16 - 3 * R));

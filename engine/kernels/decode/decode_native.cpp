@@ -1655,10 +1655,11 @@ struct Item {
         const bool masked = seen == SOME;
         block_rows(j0, n);
 #if DN_AMX
-        if (amx) {
-            amx_step(j0, n, masked);
-            return;
-        }
+        if constexpr (KIND == I8 && SIMD)  // (the tile passes built for int8 alone)
+            if (amx) {
+                amx_step(j0, n, masked);
+                return;
+            }
 #endif
 #if DN_AVX512 || DN_AVX2
         if constexpr (KIND == F8E4M3 && SIMD)

@@ -146,7 +146,8 @@ def test_bandwidth_targets_read_the_caches_rows_two_threads_and_quantized_caches
             row("a", "engine, caller's tensors", 12.0, 8.0), row("a", "engine int8 cache", 5.0),
             row("a", "copy", 1.0, 12.5),
             row("b", "engine (decode_native), cache buffers", 10.0, 7.0), row("b", "engine, 2 threads", 8.0),
-            row("b", "copy", 1.0, 14.0), row("b", "read, 2 threads", 6.0), row("a", "read, 2 threads", 4.0)]
+            row("b", "copy", 1.0, 14.0), row("b", "read, 2 threads", 6.0), row("a", "read, 2 threads", 4.0),
+            row("a", "engine int8 cache, 2 threads", 2.0)]
     targets = {t["target"]: t for t in bench_kernels.check_targets(rows)}
     copy = targets["29 decode K/V GB/s / copy"]
     assert copy["measured"] == 0.5 and not copy["met"] and "worst: b" in copy["how"]  # b: 7 / 14
@@ -154,8 +155,11 @@ def test_bandwidth_targets_read_the_caches_rows_two_threads_and_quantized_caches
     assert threads["measured"] == 1.25 and not threads["met"] and "worst: b" in threads["how"]
     # one thread's kernel time over reading the same bytes on 2 threads: a 10 / 4, b 10 / 6
     assert "reading the bytes alone on 2 threads: 1.67-2.50x one thread's kernel" in threads["how"]
-    int8 = targets["29 int8 cache vs bf16, keys/s"]
-    assert int8["measured"] == 2.0 and int8["met"]
+    int8 = targets["29 int8 cache vs bf16, keys/s"]  # one thread 10 / 5; 2 threads 5 / 2 (the 2-thread rows' own)
+    assert int8["measured"] == 2.0 and int8["met"] and int8["how"].endswith("worst: a")
+    rows[-1]["ms"] = 4.0  # 2 threads 5 / 4: the worst, named as such
+    int8 = {t["target"]: t for t in bench_kernels.check_targets(rows)}["29 int8 cache vs bf16, keys/s"]
+    assert int8["measured"] == 1.25 and not int8["met"] and int8["how"].endswith("worst: a, 2 threads")
     assert "29 fp8 cache vs bf16, keys/s" not in targets  # not measured: no row, no target
 
 

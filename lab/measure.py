@@ -236,22 +236,31 @@ class _silenced_stderr:
         os.close(self._saved)
 
 
-def interleaved_rounds(impls: dict[str, Callable[[], Any]], rounds: int, calls: int,
-                       warmup: int = 20) -> dict[str, list[float]]:
+def interleaved_rounds(impls: dict[Any, Callable[[], Any]], rounds: int, calls: int, warmup: int = 20,
+                       before: Callable[[], Any] | None = None) -> dict[Any, list[float]]:
     """Each implementation's mean microseconds per call in every round (lists indexed by round); a round runs each
-    implementation ``calls`` times, in an order that rotates from round to round."""
+    implementation ``calls`` times, in an order that rotates from round to round. ``before`` (untimed) runs before
+    every timed call, each call then timed on its own: ``evict_caches`` for calls timed cold."""
     names = list(impls)
     for name in names:
         for _ in range(warmup):
             impls[name]()
-    per_round: dict[str, list[float]] = {name: [] for name in names}
+    per_round: dict[Any, list[float]] = {name: [] for name in names}
     for index in range(rounds):
         for name in names[index % len(names):] + names[:index % len(names)]:
-            fn = impls[name]
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            per_round[name].append((time.perf_counter() - start) / calls * 1e6)
+            fn, seconds = impls[name], 0.0
+            if before is None:
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                seconds = time.perf_counter() - start
+            else:
+                for _ in range(calls):
+                    before()
+                    start = time.perf_counter()
+                    fn()
+                    seconds += time.perf_counter() - start
+            per_round[name].append(seconds / calls * 1e6)
     return per_round
 
 

@@ -192,3 +192,9 @@ def test_paired_ratio_is_the_median_of_each_rounds_ratio_and_refuses_unpaired_li
     rounds = interleaved_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 3, 2, warmup=1)
     assert [len(rounds["a"]), len(rounds["b"])] == [3, 3] and calls.count("a") == calls.count("b") == 1 + 3 * 2
     assert calls[2:] == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]  # the order rotates by round
+    # with `before`: it runs (untimed) before every timed call, and each call is timed on its own
+    calls.clear()
+    rounds = interleaved_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 2, 2, warmup=0,
+                                before=lambda: calls.append("clear"))
+    assert [len(rounds["a"]), len(rounds["b"])] == [2, 2]
+    assert calls == ["clear", "a"] * 2 + ["clear", "b"] * 4 + ["clear", "a"] * 2

@@ -39,7 +39,15 @@ from engine.kernels.decode import decode_native, native_build, native_paged, nat
 from engine.quantized import quantize
 from lab import plots
 from lab.bench.paged_pools import PLACEMENTS, on_huge_pages, pools, quantized_pool
-from lab.measure import evict_caches, format_table, machine_info, paired_ratio, progress, save_results
+from lab.measure import (
+    evict_caches,
+    format_table,
+    interleaved_rounds,
+    machine_info,
+    paired_ratio,
+    progress,
+    save_results,
+)
 from lab.options import add_common, apply_threads, parse_count, parse_counts, positive_int
 
 SWITCHED = (decode_native, native_paged, native_paged_listed)  # the modules whose load_native a build stands in for
@@ -193,15 +201,9 @@ def case_rows(name: str, make, builds: list[Build], args: argparse.Namespace) ->
             run = make()
             outputs.append(_through(build, run, name))  # (the plan's runner is decided on its first run)
         runs.append(run)
-    times: list[list[float]] = [[] for _ in builds]
-    for index in range(args.rounds):
-        order = list(range(len(builds)))
-        for i in order[index % len(order):] + order[:index % len(order)]:
-            if not args.warm:
-                evict_caches()
-            start = time.perf_counter()
-            _through(builds[i], runs[i], name)
-            times[i].append((time.perf_counter() - start) * 1e3)
+    timed = {i: functools.partial(_through, build, runs[i], name) for i, build in enumerate(builds)}
+    per_round = interleaved_rounds(timed, args.rounds, 1, warmup=0, before=None if args.warm else evict_caches)
+    times = [[us / 1e3 for us in per_round[i]] for i in range(len(builds))]  # ms
     return [{"case": name, "build": build.label, "ms": statistics.median(times[i]),
              "vs first": paired_ratio(times[i], times[0]), "bitwise same": bool(torch.equal(outputs[i], outputs[0])),
              "round ms": times[i]} for i, build in enumerate(builds)]

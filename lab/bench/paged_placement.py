@@ -6,14 +6,14 @@ pages, as PagedKVCache holds them, in three placements (``lab.bench.paged_pools.
 ``in order`` (what a fresh PagedKVCache gives prompts prefilled one after another) and ``interleaved`` (what it gives
 sequences growing a token at a time in lock step), each planned once (``engine.plan_paged``), beside the same keys
 contiguous (``engine.plan``, also on 2 MiB pages). The kernel and the keys' order are the same in every row; only the
-addresses differ. Every call is timed cold (``lab.measure.evict_caches`` first), in rounds whose order rotates;
+addresses differ. Every call is timed cold (``lab.measure.evict_caches`` first), in rounds whose order rotates
+(``lab.measure.interleaved_rounds``);
 ``time/contiguous`` is the median of the rounds' ratios.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from engine import plan_paged
 from engine.quantized import quantize
 from lab import plots
 from lab.bench.paged_pools import PLACEMENTS, on_huge_pages, pools, quantized_pool
-from lab.measure import evict_caches, paired_ratio, progress
+from lab.measure import evict_caches, interleaved_rounds, paired_ratio, progress
 
 B, HQ, HKV, D, PAGE = 8, 32, 8, 128, 16
 DTYPES = (torch.float32, torch.bfloat16, torch.int8)
@@ -61,14 +61,9 @@ def _placement_case(s: int, dtype: torch.dtype, g: torch.Generator, rounds: int)
     del k, v
     want = impls["contiguous"]()[:, :, 0]
     diff = {name: 0.0 if name == "contiguous" else (impls[name]() - want).abs().max().item() for name in impls}
-    times: dict[str, list[float]] = {name: [] for name in impls}
-    names = list(impls)
-    for index in range(rounds):
-        for name in names[index % len(names):] + names[:index % len(names)]:
-            evict_caches()
-            start = time.perf_counter()
-            impls[name]()
-            times[name].append(time.perf_counter() - start)
+    names = list(impls)  # (each run once above: no warm-up)
+    times = {name: [us / 1e6 for us in per_round] for name, per_round in
+             interleaved_rounds(impls, rounds, 1, warmup=0, before=evict_caches).items()}  # seconds
     kv_bytes = sum(x.data.nbytes + x.scale.nbytes if quantized else x.nbytes for x in (kc, vc))
     return [{"group": "placement", "case": f"B={B} S={s} page {PAGE} {str(dtype)[6:]}", "impl": name,
              "ms": statistics.median(times[name]) * 1e3,

@@ -13,7 +13,25 @@ import engine
 from engine import PagedKVCache, paged_attention
 from lab.bench import paged as bench_paged
 from lab.bench import paged_placement
-from lab.bench.paged_pools import PLACEMENTS, placement_table
+from lab.bench.paged_pools import PLACEMENTS, on_huge_pages, placement_table, quantized_pool
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_heads_outer_pools_hold_each_heads_pages_as_one_region_with_the_same_values(quantized):
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 3, 32, 8, generator=g)  # [B, Hkv, S, D]
+    pool, _, _ = bench_paged.pools(k, k, 8, g, True, "in order")  # [num_pages 8, page_size 8, Hkv 3, D 8]
+    if quantized:
+        pool = quantized_pool(pool)
+    for held, heads_outer in ((on_huge_pages(pool, heads_outer=True), True), (on_huge_pages(pool), False)):
+        parts = [(held.data, pool.data), (held.scale, pool.scale)] if quantized else [(held, pool)]
+        for x, want in parts:  # [num_pages, page_size, Hkv(, D)]
+            assert torch.equal(x, want)
+            row = x.stride(1)  # a slot's row
+            if heads_outer:  # storage [Hkv, num_pages, page_size(, D)]: page p + 1 starts where page p's slots end
+                assert (x.stride(0), x.stride(2)) == (8 * row, 8 * 8 * row)
+            else:  # PagedKVCache's [num_pages, Hkv, page_size(, D)]
+                assert (x.stride(0), x.stride(2)) == (3 * 8 * row, 8 * row)
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
@@ -192,10 +210,11 @@ def test_the_placement_group_times_every_placement_cold_against_contiguous(dtype
             return self.step.run(*args)
     monkeypatch.setattr(paged_placement, "plan_paged", Counted)
     rows = paged_placement._placement_case(512, dtype, torch.Generator().manual_seed(0), 2)
-    assert [r["impl"] for r in rows] == ["contiguous"] + [f"paged, {p}" for p in PLACEMENTS]
+    assert [r["impl"] for r in rows] == ["contiguous"] + [f"{layout}, {p}" for p in PLACEMENTS
+                                                          for layout in ("paged", "heads outer")]
     assert all(r["max |diff|"] == 0.0 for r in rows)
     assert rows[0]["time/contiguous"] == 1.0 and all(r["ms"] > 0 for r in rows)
-    # the diff's three paged calls, then two rounds of the four rows, each timed call right after a clearing (the
+    # the diff's six paged calls, then two rounds of the seven rows, each timed call right after a clearing (the
     # contiguous row's run is not counted here)
-    assert events[:3] == ["run"] * 3 and events.count("clear") == 2 * len(rows) and events.count("run") == 3 + 2 * 3
-    assert all(events[i - 1] == "clear" for i in range(3, len(events)) if events[i] == "run")
+    assert events[:6] == ["run"] * 6 and events.count("clear") == 2 * len(rows) and events.count("run") == 6 + 2 * 6
+    assert all(events[i - 1] == "clear" for i in range(6, len(events)) if events[i] == "run")

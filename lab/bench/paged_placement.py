@@ -5,7 +5,11 @@ The decode group's pools are shuffled, each page anywhere in the pool: the worst
 pages, as PagedKVCache holds them, in three placements (``lab.bench.paged_pools.placement_table``): ``shuffled``,
 ``in order`` (what a fresh PagedKVCache gives prompts prefilled one after another) and ``interleaved`` (what it gives
 sequences growing a token at a time in lock step), each planned once (``engine.plan_paged``), beside the same keys
-contiguous (``engine.plan``, also on 2 MiB pages). The kernel and the keys' order are the same in every row; only the
+contiguous (``engine.plan``, also on 2 MiB pages). ``heads outer`` rows hold the same pools with each KV head's pages
+one region (storage ``[Hkv, num_pages, page_size, D]``, ``lab.bench.paged_pools.on_huge_pages``) instead of
+PagedKVCache's ``[num_pages, Hkv, page_size, D]``: a head's keys over pages in order are then one run of memory, as
+contiguous keys are, and over pages apart a run of one page, where PagedKVCache's layout reads two heads' runs of a
+page as one (the kernel's heads_in_turn). The kernel and the keys' order are the same in every row; only the
 addresses differ. Every call is timed cold (``lab.measure.evict_caches`` first), in rounds whose order rotates
 (``lab.measure.interleaved_rounds``);
 ``time/contiguous`` is the median of the rounds' ratios.
@@ -55,9 +59,10 @@ def _placement_case(s: int, dtype: torch.dtype, g: torch.Generator, rounds: int)
         kp, vp, table = pools(k, v, PAGE, g, True, placement)
         if quantized:  # per token and head, as the contiguous int8 keys: the same numbers
             kp, vp = quantized_pool(kp), quantized_pool(vp)
-        kp, vp = on_huge_pages(kp), on_huge_pages(vp)
-        step = plan_paged(packed, kp, vp, table, lens, indptr)
-        impls[f"paged, {placement}"] = lambda step=step, kp=kp, vp=vp: step.run(packed, kp, vp)
+        for name, heads_outer in (f"paged, {placement}", False), (f"heads outer, {placement}", True):
+            held_k, held_v = on_huge_pages(kp, heads_outer), on_huge_pages(vp, heads_outer)
+            step = plan_paged(packed, held_k, held_v, table, lens, indptr)
+            impls[name] = lambda step=step, k=held_k, v=held_v: step.run(packed, k, v)
     del k, v
     want = impls["contiguous"]()[:, :, 0]
     diff = {name: 0.0 if name == "contiguous" else (impls[name]() - want).abs().max().item() for name in impls}
@@ -76,7 +81,9 @@ def plot_placement(rows: list[dict[str, Any]], path, target: float) -> None:
     fig, (axes,) = plots.figure(width=7.0)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     ratio = {(r["case"], r["impl"]): r["time/contiguous"] for r in rows}
-    plots.grouped_bars(axes, cases, {p: [ratio[c, f"paged, {p}"] for c in cases] for p in PLACEMENTS}, target)
+    bars = {f"{p}{layout}": [ratio[c, f"{impl}, {p}"] for c in cases] for impl, layout in
+            (("paged", ""), ("heads outer", ", heads outer")) for p in PLACEMENTS}
+    plots.grouped_bars(axes, cases, bars, target)
     axes.set_ylabel("time / contiguous decode (2 MiB pages both)")
     axes.set_title("paged decode by where the pool's pages lie (native kernel, cold)")
     plots.save(fig, path)

@@ -53,12 +53,17 @@ def quantized_pool(pool: torch.Tensor) -> QuantizedKV:
     return QuantizedKV(stored.data.permute(0, 2, 1, 3), stored.scale.permute(0, 2, 1))
 
 
-def on_huge_pages(x):
+def on_huge_pages(x, heads_outer: bool = False):
     """A copy of ``x`` (a tensor or a QuantizedKV) in ``engine.huge_pages`` buffers, as KVCache / PagedKVCache hold
-    theirs, its elements in the same memory order (the same strides up to a permutation)."""
+    theirs, its elements in the same memory order (the same strides up to a permutation). ``heads_outer``: a pool's
+    (``[num_pages, page_size, Hkv, D]``, scales ``[num_pages, page_size, Hkv]``) heads outermost instead, storage
+    ``[Hkv, num_pages, page_size, D]``: each head's pages one region, so a head's keys over pages in order are one
+    run of memory (the same view and values; the bench's placement group times this layout beside PagedKVCache's)."""
     if isinstance(x, QuantizedKV):
-        return QuantizedKV(on_huge_pages(x.data), on_huge_pages(x.scale))
+        return QuantizedKV(on_huge_pages(x.data, heads_outer), on_huge_pages(x.scale, heads_outer))
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first
+    if heads_outer:
+        order = [2] + [d for d in order if d != 2]
     held = huge_pages.zeros(*(x.shape[d] for d in order), dtype=x.dtype)
     held.copy_(x.permute(order))
     return held.permute([order.index(d) for d in range(x.dim())])

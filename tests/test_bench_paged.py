@@ -174,19 +174,24 @@ def test_page_runs_visit_each_heads_pages_in_page_table_order(quantized):
         assert torch.equal(sequence, k)
 
 
-def test_the_placements_are_what_a_fresh_paged_cache_gives():
-    # "in order": prompts prefilled one after another; "interleaved": sequences growing a token at a time together
+def test_a_fresh_paged_cache_gives_each_sequence_pages_that_follow_on_as_the_in_order_placement_does():
+    # prompts prefilled one after another, and sequences growing a token at a time together: either way each
+    # sequence's pages follow on (its next page is the one after its last), as in the "in order" placement; the
+    # first-free order of a plain free list gave growing sequences the "interleaved" one
     batch, pages, size = 3, 4, 2
-    cache = PagedKVCache(batch * pages, size, 1, 4)
-    seqs = [cache.add() for _ in range(batch)]
-    for seq in seqs:
-        cache.append([seq], torch.randn(pages * size, 1, 4), torch.randn(pages * size, 1, 4), torch.tensor([0, 8]))
-    assert torch.equal(cache.tables(seqs)[0], placement_table(batch, pages, "in order", torch.Generator()))
-    cache = PagedKVCache(batch * pages, size, 1, 4)
-    seqs = [cache.add() for _ in range(batch)]
-    for _ in range(pages * size):
-        cache.append(seqs, torch.randn(batch, 1, 4), torch.randn(batch, 1, 4), torch.arange(batch + 1))
-    assert torch.equal(cache.tables(seqs)[0], placement_table(batch, pages, "interleaved", torch.Generator()))
+    for together in (False, True):
+        cache = PagedKVCache(4 * batch * pages, size, 1, 4)
+        seqs = [cache.add() for _ in range(batch)]
+        if together:
+            for _ in range(pages * size):
+                cache.append(seqs, torch.randn(batch, 1, 4), torch.randn(batch, 1, 4), torch.arange(batch + 1))
+        for seq in seqs if not together else []:
+            cache.append([seq], torch.randn(pages * size, 1, 4), torch.randn(pages * size, 1, 4), torch.tensor([0, 8]))
+        table = cache.tables(seqs)[0]
+        assert torch.equal(table - table[:, :1], torch.arange(pages).expand(batch, pages))  # each a run of pages
+        assert len(set(table.reshape(-1).tolist())) == batch * pages
+    assert torch.equal(placement_table(batch, pages, "in order", torch.Generator())[:, 1:] - 1,
+                       placement_table(batch, pages, "in order", torch.Generator())[:, :-1])
     with pytest.raises(ValueError, match="placement must be one of"):
         placement_table(batch, pages, "random", torch.Generator())
 

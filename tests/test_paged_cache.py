@@ -97,9 +97,9 @@ def contiguous(q, keys, values):
 
 @settings(max_examples=30)
 @given(st.sampled_from([1, 3, 16]), st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=4), min_size=1,
-                                             max_size=4), st.integers(0, 1000))
-def test_ragged_appends_read_back_as_each_sequences_own_keys(page_size, steps, seed):
-    cache = PagedKVCache(64, page_size, HKV, D, dtype=torch.float64)
+                                             max_size=4), st.integers(0, 1000), st.booleans())
+def test_ragged_appends_read_back_as_each_sequences_own_keys(page_size, steps, seed, heads_outer):
+    cache = PagedKVCache(64, page_size, HKV, D, dtype=torch.float64, heads_outer=heads_outer)
     seqs = [cache.add() for _ in steps]
     held = {seq: ([], []) for seq in seqs}
     for round_ in range(max(len(s) for s in steps)):
@@ -123,6 +123,67 @@ def test_ragged_appends_read_back_as_each_sequences_own_keys(page_size, steps, s
         torch.testing.assert_close(out[i], contiguous(qs[i][0], keys, values), rtol=1e-12, atol=1e-12)
     holding = sum(-(-cache.length(seq) // page_size) for seq in seqs)
     assert cache.pages_in_use == holding  # at most one partly filled page per sequence beyond its tokens
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.lists(st.integers(1, 40), min_size=1, max_size=6), st.sampled_from([1, 4, 16]),
+       st.booleans())
+def test_sequences_growing_together_in_a_pool_with_room_each_hold_one_run_of_pages(batch, prompt, page_size,
+                                                                                  one_by_one):
+    # each sequence's next page is the one after its last, and a run starts mid-way in the longest free run: with
+    # room (8x the pages needed), prompts prefilled together or one by one and a decode a token at a time keep
+    # each sequence's pages one run, whatever the interleaving
+    lengths = [prompt[i % len(prompt)] for i in range(batch)]
+    steps = 2 * page_size + 1  # decode steps: each sequence takes two or three more pages
+    needed = sum(-(-(n + steps) // page_size) for n in lengths)
+    cache = PagedKVCache(8 * needed, page_size, 1, 2)
+    seqs = [cache.add() for _ in lengths]
+    for group in ([[seq] for seq in seqs] if one_by_one else [seqs]):
+        counts = [lengths[seq] for seq in group]
+        cache.append(group, torch.randn(sum(counts), 1, 2), torch.randn(sum(counts), 1, 2), offsets(counts))
+    for _ in range(steps):
+        cache.append(seqs, torch.randn(batch, 1, 2), torch.randn(batch, 1, 2), torch.arange(batch + 1))
+    table, lens = cache.tables(seqs)
+    for row, length in zip(table.tolist(), lens.tolist()):
+        pages = row[:-(-length // page_size)]
+        assert pages == list(range(pages[0], pages[0] + len(pages)))
+    assert cache.pages_in_use == needed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=str)
+@pytest.mark.parametrize("page_size, window", [(1, None), (4, None), (16, None), (4, 6)])
+def test_a_heads_outer_cache_holds_each_heads_pages_as_one_region_and_attends_bitwise_as_the_default(
+        dtype, page_size, window):
+    caches = [PagedKVCache(64, page_size, HKV, D, dtype=dtype, window=window, heads_outer=outer)
+              for outer in (False, True)]
+    for pool in (caches[1].keys, caches[1].values):  # [num_pages, P, Hkv, D] over [Hkv, num_pages, P, D]
+        data = pool.data if isinstance(pool, QuantizedKV) else pool
+        assert data.stride() == (page_size * D, D, 64 * page_size * D, 1)
+        if isinstance(pool, QuantizedKV):
+            assert pool.scale.stride() == (page_size, 1, 64 * page_size)
+    outs = []
+    for cache in caches:  # the same steps on each: prompts, a fork, decode steps, a free
+        seqs = [cache.add() for _ in range(3)]
+        keys, values = tokens(6 + 11 + 1, 5)
+        cache.append(seqs, keys.float(), values.float(), offsets([6, 11, 1]))
+        seqs.append(cache.fork(seqs[1]))
+        for step in range(5):
+            new_keys, new_values = tokens(len(seqs), 10 + step)
+            cache.append(seqs, new_keys.float(), new_values.float(), torch.arange(len(seqs) + 1))
+        cache.free(seqs.pop(0))
+        counts = [1, 3, 2]  # a decode row, and queries at each sequence's last positions (the gathered runs' path)
+        q = torch.randn(sum(counts), HQ, D, generator=torch.Generator().manual_seed(4))  # [Nq, Hq, D]
+        table, lens = cache.tables(seqs)
+        out = paged_attention(q, cache.keys, cache.values, table, lens, offsets(counts), window=window)
+        outs.append((table, out))
+        for seq, start, stop in zip(seqs, offsets(counts)[:-1].tolist(), offsets(counts)[1:].tolist()):
+            k, v = read_back(cache, seq)  # float64 attention over the keys as the pools hold them
+            live = ~k.isnan().any(-1).any(-1)  # (a window's released keys read as NaN: outside the window)
+            want = oracle(q[start:stop].double(), k[live], v[live], window)
+            torch.testing.assert_close(out[start:stop].double(), want, rtol=1e-4, atol=1e-4)
+    (table, out), (table_outer, out_outer) = outs
+    assert torch.equal(table, table_outer)  # where pages go is not the layout's
+    assert torch.equal(out, out_outer)
 
 
 def test_a_fork_shares_pages_and_copies_the_shared_partial_page_before_writing():
@@ -358,20 +419,24 @@ def test_a_page_shared_by_forks_returns_to_the_pool_only_when_every_holder_relea
     cache = PagedKVCache(6, 4, HKV, D, dtype=torch.float64, window=4)
     parent = cache.add()
     keys, values = tokens(9, 0)
-    cache.append([parent], keys[:8], values[:8], offsets([8]))  # pages 0 (keys 0..3), 1 (keys 4..7)
+    cache.append([parent], keys[:8], values[:8], offsets([8]))  # pages a (keys 0..3), b (keys 4..7)
+    (a, b), = cache.tables([parent])[0].tolist()
+    assert b == a + 1  # a sequence's pages follow on
     child = cache.fork(parent)
-    cache.append([parent], keys[8:], values[8:], offsets([1]))  # its query at 8 sees keys 5..8: page 0 released
-    assert cache.tables([parent, child])[0].tolist() == [[-1, 1, 2], [0, 1, 0]]  # the child still holds page 0
+    cache.append([parent], keys[8:], values[8:], offsets([1]))  # its query at 8 sees keys 5..8: page a released
+    table = cache.tables([parent, child])[0].tolist()
+    assert table == [[-1, b, b + 1], [a, b, 0]]  # the child still holds page a; the parent's new page follows b
     assert cache.pages_in_use == 3
-    cache.append([child], keys[8:], values[8:], offsets([1]))  # the last holder lets go: page 0 is free ...
-    assert cache.tables([child])[0].tolist() == [[-1, 1, 0]]  # ... and is the page the child's new key goes to
+    cache.append([child], keys[8:], values[8:], offsets([1]))  # the last holder lets go: page a is free
+    (released, shared, own), = cache.tables([child])[0].tolist()
+    assert (released, shared) == (-1, b) and own not in (b, b + 1)  # (b + 1, its follower, is the parent's)
     assert cache.pages_in_use == 3
     grandchild = cache.fork(child)  # shares the live pages only
-    assert cache.tables([grandchild])[0].tolist() == [[-1, 1, 0]] and cache.pages_in_use == 3
+    assert cache.tables([grandchild])[0].tolist() == [[-1, b, own]] and cache.pages_in_use == 3
     cache.free(child)
     assert cache.pages_in_use == 3  # the grandchild holds them
     cache.free(grandchild)
-    assert cache.pages_in_use == 2  # page 1 stays with the parent
+    assert cache.pages_in_use == 2  # page b stays with the parent
     cache.free(parent)
     assert cache.pages_in_use == 0
 
@@ -381,20 +446,23 @@ def test_truncate_cannot_roll_back_into_released_keys():
     seq = cache.add()
     keys, values = tokens(13, 0)
     cache.append([seq], keys[:12], values[:12], offsets([12]))
+    pages = cache.tables([seq])[0][0].tolist()
     cache.append([seq], keys[12:], values[12:], offsets([1]))  # its query at 12 sees keys 9..12: keys 0..7 released
-    assert cache.tables([seq])[0].tolist() == [[-1, -1, 2, 1]] and cache.pages_in_use == 2  # page 1 freed, reused
+    assert cache.tables([seq])[0].tolist() == [[-1, -1, pages[2], pages[2] + 1]] and cache.pages_in_use == 2
     with pytest.raises(ValueError, match=r"keys 0..7 were released and a query at position 10 \(window 4\) could need "
                                          r"one; the shortest length it can roll back to is 11"):
         cache.truncate(seq, 10)  # its query at 10 would see keys 7..10
     assert cache.length(seq) == 13 and cache.pages_in_use == 2  # refused: unchanged
     cache.truncate(seq, 11)  # the next query, at 11, sees keys 8..11: all kept
-    assert cache.length(seq) == 11 and cache.tables([seq])[0].tolist() == [[-1, -1, 2]] and cache.pages_in_use == 1
+    assert cache.length(seq) == 11 and cache.tables([seq])[0].tolist() == [[-1, -1, pages[2]]]
+    assert cache.pages_in_use == 1
     # released by hand (no window): pages whose keys are all before the position; no rolling back before it
     plain = PagedKVCache(8, 4, HKV, D, dtype=torch.float64)
     seq = plain.add()
     plain.append([seq], keys, values, offsets([13]))
-    plain.release_before(seq, 9)  # pages 0 and 1 (keys 0..7); page 2 still holds key 8
-    assert plain.tables([seq])[0].tolist() == [[-1, -1, 2, 3]] and plain.pages_held(seq) == 2
+    pages = plain.tables([seq])[0][0].tolist()
+    plain.release_before(seq, 9)  # its first two pages (keys 0..7); the third still holds key 8
+    assert plain.tables([seq])[0].tolist() == [[-1, -1] + pages[2:]] and plain.pages_held(seq) == 2
     plain.release_before(seq, 3)  # nothing more: a no-op
     with pytest.raises(ValueError, match="shortest length it can roll back to is 8"):
         plain.truncate(seq, 7)
@@ -462,11 +530,12 @@ def test_a_windowed_append_on_a_nearly_full_pool_takes_the_pages_a_later_sequenc
     cache = PagedKVCache(4, 2, HKV, D, dtype=torch.float64, window=2)
     x, y = cache.add(), cache.add()
     keys, values = tokens(6, 0)
-    cache.append([x, y], keys, values, offsets([4, 2]))  # x: pages 0, 1; y: page 2; one page free
+    cache.append([x, y], keys, values, offsets([4, 2]))  # x: two pages; y: one; one page free
+    x_pages = cache.tables([x])[0][0].tolist()
     seqs, counts = ([x, y], [0, 3]) if order == "releasing first" else ([y, x], [3, 0])
     more, more_values = tokens(3, 1)
     cache.append(seqs, more, more_values, offsets(counts))
-    assert cache.tables([x])[0].tolist()[0][:2] == [-1, 1]
+    assert cache.tables([x])[0].tolist()[0][:2] == [-1, x_pages[1]]
     assert cache.length(x) == 4 and cache.length(y) == 5 and cache.pages_in_use == 4
     got = cache.keys[cache.tables([y])[0][0, 1]][:2]  # y's keys 2, 3 (its second page)
     assert torch.equal(got, more[:2])

@@ -20,10 +20,10 @@ sequence holds it. A sequence of one-token decode steps so holds at most ``ceil(
         pages   [p3    p0    p5     p1]     keys 0..3, 4..7, 8..11, 12
         after   [None  None  p5     p1]     tables() row [-1, -1, 5, 1]; p3, p0 back to the pool
 
-Keys ``[N, Hkv, D]`` of any float dtype go to pools of ``dtype``: float, or int8 / float8_e4m3fn with one fp32 scale
-per token and head (``QuantizedKV`` pools; engine.paged.pool). ``append`` takes the packed new tokens of several
-sequences at once (FlashInfer's ``append_paged_kv_cache``), ``tables`` gives what ``paged_attention`` reads,
-``commit_tree`` keeps a verified draft tree's accepted path. A refused call leaves the cache as it was.
+Keys ``[N, Hkv, D]`` of any float dtype go to pools of ``dtype`` (float, or int8 / float8_e4m3fn with a scale per
+token and head; engine.paged.pool, which also says where a sequence's pages come from). ``append`` takes several
+sequences' packed new tokens (FlashInfer's ``append_paged_kv_cache``), ``tables`` gives what ``paged_attention``
+reads, ``commit_tree`` keeps a verified draft tree's accepted path. A refused call leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ __all__ = ["PagedKVCache", "Slots"]
 
 
 class Slots(NamedTuple):
-    """Where a step's packed new rows go: row i to slot ``slots[i]`` of page ``pages[i]`` (int64 ``[N]`` each, on
-    the pools' device), the same in every layer."""
+    """Where a step's packed new rows go, the same in every layer: row i to slot ``slots[i]`` of page ``pages[i]``."""
 
     pages: torch.Tensor
     slots: torch.Tensor
@@ -66,18 +65,21 @@ class PagedKVCache(TreeCommit):
     """Pools ``keys [num_pages, page_size, Hkv, D]`` and ``values [num_pages, page_size, Hkv, Dv]`` in ``dtype`` (the
     shape ``paged_attention`` reads; views of head-major storage; ``QuantizedKV`` for int8 / float8_e4m3fn);
     sequences are ids handed out by ``add`` or ``fork``. ``window``: keys a query sees, its own included (at least
-    the attention's window), or None to keep every page. ``shared_values``: values are the keys' first columns."""
+    the attention's window), or None to keep every page. ``shared_values``: values are the keys' first columns.
+    ``heads_outer``: each KV head's pages one region of memory (engine.paged.pool: faster where pages follow on)."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 window: int | None = None, layers: int = 1, shared_values: bool = False) -> None:
+                 window: int | None = None, layers: int = 1, shared_values: bool = False,
+                 heads_outer: bool = False) -> None:
         value_dim = head_dim if value_dim is None else value_dim
         for name, n in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("value_dim", value_dim), ("layers", layers)):
             if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
                 raise ValueError(f"{name} must be a positive int, got {n!r}")
         check_window(window)
-        self._pool = PagePool(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, device, layers, shared_values)
+        self._pool = PagePool(num_pages, page_size, kv_heads, head_dim, value_dim, dtype, device, layers, shared_values,
+                              heads_outer)
         self.page_size, self.window, self.layers = page_size, window, layers
         self.keys, self.values = self._pool.keys, self._pool.values  # layer 0's pools
         self._sequences: dict[int, _Sequence] = {}
@@ -115,16 +117,14 @@ class PagedKVCache(TreeCommit):
         a shared, partly filled page) and has the same pages released; returns its id."""
         parent, child = self._get(seq), self.add()
         self._sequences[child] = _Sequence(list(parent.pages), parent.length, parent.appended)
-        for page in parent.pages:
-            if page is not None:
-                self._pool.hold(page)
+        for page in [page for page in parent.pages if page is not None]:
+            self._pool.hold(page)
         return child
 
     def free(self, seq: int) -> None:
         """Forget ``seq``; pages no other sequence holds return to the pool."""
-        for page in self._get(seq).pages:
-            if page is not None:
-                self._pool.drop(page)
+        for page in [page for page in self._get(seq).pages if page is not None]:
+            self._pool.drop(page)
         del self._sequences[seq]
 
     def release_before(self, seq: int, position: int) -> None:
@@ -294,7 +294,7 @@ class PagedKVCache(TreeCommit):
             self._release(sequence, pages)
         for sequence, shared_tail, new in plans:
             if shared_tail:  # copy on write: this sequence gets its own copy of the shared, partly filled page
-                old, sequence.pages[-1] = sequence.pages[-1], self._pool.take()
+                old, sequence.pages[-1] = sequence.pages[-1], self._pool.take(sequence.pages[:-1])[0]
                 self._pool.copy(old, sequence.pages[-1])
                 self._pool.drop(old)
-            sequence.pages += [self._pool.take() for _ in range(new)]
+            sequence.pages += self._pool.take(sequence.pages, new)

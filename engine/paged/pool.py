@@ -1,8 +1,18 @@
-"""The pages of a paged KV cache: storage, reference counts and the free list (engine.paged.cache keeps sequences).
+"""The pages of a paged KV cache: storage, reference counts and where the next page comes from (engine.paged.cache
+keeps sequences).
 
 Storage is head-major, ``[num_pages, Hkv, page_size, D]``: a head's keys of one page are one run of memory, which
 the native kernel streams (the NHD order puts them Hkv * D apart: 1.3-1.9x slower decode, measured); ``keys`` and
-``values`` show it in ``paged_attention``'s ``[num_pages, page_size, Hkv, D]`` order through a permuted view.
+``values`` show it in ``paged_attention``'s ``[num_pages, page_size, Hkv, D]`` order through a permuted view. With
+``heads_outer`` each KV head's pages are one region instead, ``[Hkv, num_pages, page_size, D]``: a head's keys over
+pages p, p + 1, ... are then one run, as a contiguous cache's are (a decode over pages of 16 held so: 1.00-1.04x
+contiguous against 1.07-1.23x; over pages that do not follow on, 1.11-1.6x against 1.07-1.32x: docs/BENCHMARKS.md,
+"Decode at the bandwidth limit, round 18").
+
+Where pages come from (``take``): a sequence's next page is the one after its last where that is free, so its pages
+follow on; a page that starts a run (a new sequence's, or one whose follower is taken) is placed in the middle of
+the longest free run of pages, after room for the pages the same call takes, so sequences growing side by side each
+keep room to grow into.
 
 A quantized pool (``dtype`` int8 or float8_e4m3fn, engine.quantized) keeps 1-byte entries and one fp32 scale per
 token and head; ``keys`` and ``values`` are then ``QuantizedKV`` views::
@@ -21,6 +31,7 @@ With ``shared_values`` a layer has one pool of rows: ``values`` is ``keys[..., :
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import torch
 
@@ -43,40 +54,53 @@ def check_pool_dtype(dtype) -> bool:
                      f"{dtype!r}")
 
 
-def _pool(num_pages: int, page_size: int, heads: int, width: int, dtype: torch.dtype, device, quantized: bool):
-    """Zeroed ``[num_pages, page_size, Hkv, E]`` (a ``QuantizedKV`` with scales 1 when quantized)."""
-    data = huge_pages.zeros(num_pages, heads, page_size, width, dtype=dtype, device=device).permute(0, 2, 1, 3)
+def _pool(num_pages: int, page_size: int, heads: int, width: int, dtype: torch.dtype, device, quantized: bool,
+          heads_outer: bool):
+    """Zeroed ``[num_pages, page_size, Hkv, E]`` (a ``QuantizedKV`` with scales 1 when quantized), stored
+    ``[num_pages, Hkv, page_size, E]`` or with ``heads_outer`` ``[Hkv, num_pages, page_size, E]``."""
+    if heads_outer:
+        data = huge_pages.zeros(heads, num_pages, page_size, width, dtype=dtype, device=device).permute(1, 2, 0, 3)
+    else:
+        data = huge_pages.zeros(num_pages, heads, page_size, width, dtype=dtype, device=device).permute(0, 2, 1, 3)
     if not quantized:
         return data  # [num_pages, page_size, Hkv, E]
-    scale = torch.ones(num_pages, heads, page_size, device=device).permute(0, 2, 1)  # [num_pages, page_size, Hkv]
+    if heads_outer:
+        scale = torch.ones(heads, num_pages, page_size, device=device).permute(1, 2, 0)
+    else:
+        scale = torch.ones(num_pages, heads, page_size, device=device).permute(0, 2, 1)  # [num_pages, page_size, Hkv]
     return QuantizedKV(data, scale)
 
 
 class PagePool:
     """``keys [num_pages, page_size, Hkv, D]`` and ``values [num_pages, page_size, Hkv, Dv]`` (tensors, or
-    ``QuantizedKV`` for a quantized ``dtype``), with a reference count per page: ``take`` hands out a free page
-    (count 1), ``hold`` adds a holder, ``drop`` removes one and returns the page to the free list at 0."""
+    ``QuantizedKV`` for a quantized ``dtype``), with a reference count per page: ``take`` hands out free pages
+    (count 1; the module's note says which), ``hold`` adds a holder, ``drop`` removes one and frees the page at 0."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int,
                  dtype: torch.dtype, device: torch.device | str | None, layers: int = 1,
-                 shared_values: bool = False) -> None:
+                 shared_values: bool = False, heads_outer: bool = False) -> None:
         self.quantized = check_pool_dtype(dtype)
         if shared_values not in (True, False) or (shared_values and value_dim > head_dim):
             raise ValueError(f"shared_values (the values as the first value_dim columns of the keys' rows) must be "
                              f"True or False, with value_dim <= head_dim = {head_dim}: got {shared_values!r}, "
                              f"value_dim {value_dim}")
-        self.page_size, self.shared_values = page_size, shared_values
-        # one pair of pools per layer, one page numbering and free list for all of them (page p of every layer
+        if heads_outer not in (True, False):
+            raise ValueError(f"heads_outer (each KV head's pages one region of memory) must be True or False, got "
+                             f"{heads_outer!r}")
+        self.page_size, self.shared_values, self.heads_outer = page_size, shared_values, heads_outer
+        # one pair of pools per layer, one page numbering and set of free pages for all of them (page p of every layer
         # belongs to the same tokens); a layer's two allocated one after the other (huge_pages staggers them)
         self.layer_keys, self.layer_values = [], []
         for _ in range(layers):
-            keys = _pool(num_pages, page_size, kv_heads, head_dim, dtype, device, self.quantized)
+            keys = _pool(num_pages, page_size, kv_heads, head_dim, dtype, device, self.quantized, heads_outer)
             self.layer_keys.append(keys)
             self.layer_values.append(_value_rows(keys, value_dim) if shared_values else
-                                     _pool(num_pages, page_size, kv_heads, value_dim, dtype, device, self.quantized))
+                                     _pool(num_pages, page_size, kv_heads, value_dim, dtype, device, self.quantized,
+                                           heads_outer))
         self.keys, self.values = self.layer_keys[0], self.layer_values[0]
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: the lowest ids first
         self._references = [0] * num_pages  # holders of each page
+        self._free = bytearray(b"\x01") * num_pages  # 1 where a page is free (read as a tensor by _run_start)
+        self._free_count = num_pages
 
     @property
     def num_pages(self) -> int:
@@ -84,7 +108,7 @@ class PagePool:
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return self._free_count
 
     @property
     def nbytes(self) -> int:
@@ -95,13 +119,32 @@ class PagePool:
         return self._references[page]
 
     def freed_by(self, pages: list[int]) -> int:
-        """How many pages would return to the free list if one reference were dropped per entry of ``pages``."""
+        """How many pages would be freed if one reference were dropped per entry of ``pages``."""
         return sum(1 for page, n in Counter(pages).items() if self._references[page] == n)
 
-    def take(self) -> int:
-        page = self._free.pop()
-        self._references[page] = 1
-        return page
+    def take(self, before: Sequence[int | None] = (), count: int = 1) -> list[int]:
+        """``count`` free pages (each held once) to follow a sequence's pages ``before`` (None: released), in order:
+        each the page after the one before it where that is free, else ``_run_start``'s. The caller checks there are
+        ``count`` free pages."""
+        pages, after = [], before[-1] if before else None
+        for left in range(count, 0, -1):
+            follower = None if after is None else after + 1
+            page = follower if follower is not None and follower < self.num_pages and self._free[follower] else \
+                self._run_start(left)
+            self._free[page], self._free_count, self._references[page] = 0, self._free_count - 1, 1
+            pages.append(page)
+            after = page
+        return pages
+
+    def _run_start(self, count: int) -> int:
+        """Where a new run of ``count`` pages starts: in the middle of the longest free run (the lowest of equals)
+        after room for them, so the pages before and after it stay free for the sequences beside it to grow into."""
+        free = torch.frombuffer(self._free, dtype=torch.uint8).to(torch.int8)
+        edges = torch.diff(free, prepend=free.new_zeros(1), append=free.new_zeros(1))  # +1 a run's start, -1 its end
+        starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
+        longest = int(torch.argmax(ends - starts))  # (the first of equals)
+        start, length = int(starts[longest]), int(ends[longest] - starts[longest])
+        return start + max(0, length - count) // 2
 
     def hold(self, page: int) -> None:
         self._references[page] += 1
@@ -109,7 +152,7 @@ class PagePool:
     def drop(self, page: int) -> None:
         self._references[page] -= 1
         if self._references[page] == 0:
-            self._free.append(page)
+            self._free[page], self._free_count = 1, self._free_count + 1
 
     def copy(self, source: int, target: int) -> None:
         """Page ``target`` becomes a copy of page ``source`` in every layer (keys and values; data and scales)."""

@@ -91,7 +91,7 @@ def commit_tree(sequence, pool, page_size: int, seq: int, parents, accepted, win
         pool.drop(page)
     sequence.pages, sequence.length, sequence.appended = sequence.pages[:keep_pages], kept, 0
     for i in shared:  # copy on write: the other holders keep the page as it was
-        old, sequence.pages[i] = sequence.pages[i], pool.take()
+        old, sequence.pages[i] = sequence.pages[i], pool.take(sequence.pages[:i])[0]
         pool.copy(old, sequence.pages[i])
         pool.drop(old)
     if moves:

@@ -3,16 +3,16 @@
 The decode group's pools are shuffled, each page anywhere in the pool: the worst case. This group reads the same keys
 (B 8, Hq 32 / Hkv 8, D 128, pages of 16, fp32 / bf16 / int8, S 8k and 32k; ``--quick``: 8k) from pools on 2 MiB
 pages, as PagedKVCache holds them, in three placements (``lab.bench.paged_pools.placement_table``): ``shuffled``,
-``in order`` (what a fresh PagedKVCache gives prompts prefilled one after another) and ``interleaved`` (what it gives
-sequences growing a token at a time in lock step), each planned once (``engine.plan_paged``), beside the same keys
-contiguous (``engine.plan``, also on 2 MiB pages). ``heads outer`` rows hold the same pools with each KV head's pages
-one region (storage ``[Hkv, num_pages, page_size, D]``, ``lab.bench.paged_pools.on_huge_pages``) instead of
-PagedKVCache's ``[num_pages, Hkv, page_size, D]``: a head's keys over pages in order are then one run of memory, as
-contiguous keys are, and over pages apart a run of one page, where PagedKVCache's layout reads two heads' runs of a
-page as one (the kernel's heads_in_turn). The kernel and the keys' order are the same in every row; only the
-addresses differ. Every call is timed cold (``lab.measure.evict_caches`` first), in rounds whose order rotates
-(``lab.measure.interleaved_rounds``);
-``time/contiguous`` is the median of the rounds' ratios.
+``in order`` (each sequence's pages following on, as a PagedKVCache with room gives them) and ``interleaved`` (what
+a free list handing out the lowest id first gives sequences growing a token at a time in lock step), each planned
+once (``engine.plan_paged``), beside the same keys contiguous (``engine.plan``, also on 2 MiB pages). ``paged`` rows
+hold them in PagedKVCache's default layout, ``[num_pages, Hkv, page_size, D]`` in memory; ``heads outer`` rows in
+``PagedKVCache(heads_outer=True)``'s, each KV head's pages one region (``[Hkv, num_pages, page_size, D]``,
+``lab.bench.paged_pools.on_huge_pages``): a head's keys over pages in order are then one run of memory, as contiguous
+keys are, and over pages apart a run of one page, where the default layout reads two heads' runs of a page as one
+(the kernel's heads_in_turn). The kernel and the keys' order are the same in every row; only the addresses differ.
+Every call is timed cold (``lab.measure.evict_caches`` first), in rounds whose order rotates
+(``lab.measure.interleaved_rounds``); ``time/contiguous`` is the median of the rounds' ratios.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ PLACEMENTS = ("shuffled", "in order", "interleaved")
 
 def placement_table(batch: int, n: int, placement: str, generator: torch.Generator) -> torch.Tensor:
     """A page table ``[B, n]`` over ``B * n`` pages: ``shuffled`` (each page anywhere in the pool), ``in order``
-    (sequence b's pages b n .. b n + n - 1: what a fresh PagedKVCache gives prompts prefilled one after another, its
-    free list handing out the lowest ids first) or ``interleaved`` (sequence b's i-th page i B + b: what it gives B
-    sequences growing a token at a time in lock step)."""
+    (sequence b's pages b n .. b n + n - 1: each sequence's pages follow on, as a PagedKVCache with room gives them,
+    prompts and sequences growing together alike) or ``interleaved`` (sequence b's i-th page i B + b: what a free
+    list handing out the lowest id first gives B sequences growing a token at a time in lock step)."""
     if placement == "shuffled":
         return torch.randperm(batch * n, generator=generator).view(batch, n)
     if placement == "in order":
@@ -58,7 +58,7 @@ def on_huge_pages(x, heads_outer: bool = False):
     theirs, its elements in the same memory order (the same strides up to a permutation). ``heads_outer``: a pool's
     (``[num_pages, page_size, Hkv, D]``, scales ``[num_pages, page_size, Hkv]``) heads outermost instead, storage
     ``[Hkv, num_pages, page_size, D]``: each head's pages one region, so a head's keys over pages in order are one
-    run of memory (the same view and values; the bench's placement group times this layout beside PagedKVCache's)."""
+    run of memory (the same view and values: ``PagedKVCache(heads_outer=True)``'s layout)."""
     if isinstance(x, QuantizedKV):
         return QuantizedKV(on_huge_pages(x.data, heads_outer), on_huge_pages(x.scale, heads_outer))
     order = sorted(range(x.dim()), key=lambda d: -x.stride(d))  # outermost first

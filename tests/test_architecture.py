@@ -120,7 +120,9 @@ def test_lab_commands_import_shared_modules_never_each_other():
                "lab.bench.serving": {"lab.bench.serving_ways", "lab.bench.serving_peer", "lab.bench.serving_prefix"},
                "lab.bench.serving_peer": {"lab.bench.serving_http"},
                "lab.bench.serving_prefix": {"lab.bench.serving_ways"},
-               "lab.bench.paged": {"lab.bench.paged_placement", "lab.bench.paged_pools", "lab.bench.paged_step"},
+               "lab.bench.paged": {"lab.bench.paged_churn", "lab.bench.paged_placement", "lab.bench.paged_pools",
+                                   "lab.bench.paged_step"},
+               "lab.bench.paged_churn": {"lab.bench.paged_pools"},
                "lab.bench.paged_placement": {"lab.bench.paged_pools"},
                "lab.bench.paged_step": {"lab.bench.paged_pools"},
                "lab.bench.builds": {"lab.bench.paged_pools"}}

@@ -223,3 +223,35 @@ def test_the_placement_group_times_every_placement_cold_against_contiguous(dtype
     # contiguous row's run is not counted here)
     assert events[:6] == ["run"] * 6 and events.count("clear") == 2 * len(rows) and events.count("run") == 6 + 2 * 6
     assert all(events[i - 1] == "clear" for i in range(6, len(events)) if events[i] == "run")
+
+
+def test_the_churn_groups_allocators_serve_the_same_requests_each_page_held_once():
+    from engine.paged.pool import PagePool
+    from lab.bench.paged_churn import PAGE, FirstFree, pages_per_run, served_tables
+    first_free = FirstFree(8)
+    assert first_free.take((), 3) == [0, 1, 2]  # the lowest ids first, a freed page next
+    first_free.drop(1)
+    assert first_free.take([5]) == [1]
+    tables = [served_tables(allocator, 256, 120, 0.9, 3) for allocator in (FirstFree(256), PagePool(
+        256, PAGE, 1, 1, 1, torch.float32, None))]
+    (table, lens), (follows, follows_lens) = tables
+    assert torch.equal(lens, follows_lens) and lens.shape[0] > 1  # the same requests, running
+    for t in (table, follows):
+        ids = [page for row, n in zip(t.tolist(), lens.tolist()) for page in row[:-(-n // PAGE)]]
+        assert len(ids) == len(set(ids)) and 0 <= min(ids) and max(ids) < 256  # each page held by one sequence
+    assert pages_per_run(follows, lens) > pages_per_run(table, lens)
+    assert pages_per_run(torch.tensor([[4, 5, 9, 0]]), torch.tensor([3 * PAGE])) == 1.5  # runs [4, 5], [9]
+
+
+def test_the_churn_group_reads_each_table_bitwise_the_same_in_both_layouts(monkeypatch):
+    from lab.bench import paged_churn
+    for name, value in (("HQ", 8), ("HKV", 2), ("D", 32)):
+        monkeypatch.setattr(paged_churn, name, value)
+    monkeypatch.setattr(paged_churn, "evict_caches", lambda: None)
+    rows = paged_churn._churn_case(256, 80, 0.9, torch.int8, torch.Generator().manual_seed(0), 1, 2)
+    assert [r["impl"] for r in rows] == [f"{p}, {layout}" for layout in ("heads side by side", "heads outer")
+                                         for p in ("first free", "follows on", "one run each")
+                                         if (p, layout) != ("one run each", "heads side by side")]
+    assert all(r["bitwise as side by side"] for r in rows if not r["impl"].startswith("one run"))
+    assert rows[0]["time/before"] == 1.0 and all(r["ms"] > 0 and r["B"] > 1 for r in rows)
+    assert rows[-1]["pages per run"] >= max(r["pages per run"] for r in rows)  # one run a sequence

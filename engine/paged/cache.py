@@ -63,15 +63,15 @@ class _Sequence:
 
 class PagedKVCache(TreeCommit):
     """Pools ``keys [num_pages, page_size, Hkv, D]`` and ``values [num_pages, page_size, Hkv, Dv]`` in ``dtype`` (the
-    shape ``paged_attention`` reads; views of head-major storage; ``QuantizedKV`` for int8 / float8_e4m3fn);
+    shape ``paged_attention`` reads; views of engine.paged.pool's storage; ``QuantizedKV`` for int8 / e4m3fn);
     sequences are ids handed out by ``add`` or ``fork``. ``window``: keys a query sees, its own included (at least
     the attention's window), or None to keep every page. ``shared_values``: values are the keys' first columns.
-    ``heads_outer``: each KV head's pages one region of memory (engine.paged.pool: faster where pages follow on)."""
+    ``heads_outer=False``: each page's heads side by side in memory, not each head's pages (engine.paged.pool)."""
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
                  window: int | None = None, layers: int = 1, shared_values: bool = False,
-                 heads_outer: bool = False) -> None:
+                 heads_outer: bool = True) -> None:
         value_dim = head_dim if value_dim is None else value_dim
         for name, n in (("num_pages", num_pages), ("page_size", page_size), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("value_dim", value_dim), ("layers", layers)):

@@ -1,13 +1,15 @@
 """The pages of a paged KV cache: storage, reference counts and where the next page comes from (engine.paged.cache
 keeps sequences).
 
-Storage is head-major, ``[num_pages, Hkv, page_size, D]``: a head's keys of one page are one run of memory, which
-the native kernel streams (the NHD order puts them Hkv * D apart: 1.3-1.9x slower decode, measured); ``keys`` and
-``values`` show it in ``paged_attention``'s ``[num_pages, page_size, Hkv, D]`` order through a permuted view. With
-``heads_outer`` each KV head's pages are one region instead, ``[Hkv, num_pages, page_size, D]``: a head's keys over
-pages p, p + 1, ... are then one run, as a contiguous cache's are (a decode over pages of 16 held so: 1.00-1.04x
-contiguous against 1.07-1.23x; over pages that do not follow on, 1.11-1.6x against 1.07-1.32x: docs/BENCHMARKS.md,
-"Decode at the bandwidth limit, round 18").
+Storage is head-outer, ``[Hkv, num_pages, page_size, D]``: each KV head's pages are one region of memory, so a head's
+keys over pages p, p + 1, ... are one run, which the native kernel streams as it does a contiguous cache's. ``keys``
+and ``values`` show it in ``paged_attention``'s ``[num_pages, page_size, Hkv, D]`` order through a permuted view.
+``heads_outer=False`` stores ``[num_pages, Hkv, page_size, D]`` instead (a head's keys of one page one run, the
+kernel reading two heads of a page side by side): decodes over pages of 16 that follow on took 1.00-1.04x contiguous
+held so against 1.07-1.23x; over pages that do not, 1.11-1.6x against 1.07-1.32x; after a serving-like churn of
+requests 0.83-0.92x the time (90% of the pool in use) or 0.90-1.04x (98%) (docs/BENCHMARKS.md, "Decode at the
+bandwidth limit, round 18"). The NHD order (``[num_pages, page_size, Hkv, D]`` in memory) puts a head's keys of a
+page Hkv * D apart: 1.3-1.9x slower decode, measured.
 
 Where pages come from (``take``): a sequence's next page is the one after its last where that is free, so its pages
 follow on; a page that starts a run (a new sequence's, or one whose follower is taken) is placed in the middle of
@@ -17,8 +19,8 @@ keep room to grow into.
 A quantized pool (``dtype`` int8 or float8_e4m3fn, engine.quantized) keeps 1-byte entries and one fp32 scale per
 token and head; ``keys`` and ``values`` are then ``QuantizedKV`` views::
 
-    data  [num_pages, page_size, Hkv, D]   of storage [num_pages, Hkv, page_size, D]   (int8 / e4m3)
-    scale [num_pages, page_size, Hkv]      of storage [num_pages, Hkv, page_size]      (fp32)
+    data  [num_pages, page_size, Hkv, D]   of storage [Hkv, num_pages, page_size, D]   (int8 / e4m3)
+    scale [num_pages, page_size, Hkv]      of storage [Hkv, num_pages, page_size]      (fp32)
     entry [p, s, h, d] stands for data[p, s, h, d] * scale[p, s, h]
 
 so a token costs ``Hkv * (D + 4)`` bytes for its keys (fp32: ``4 * Hkv * D``). Slots no token was written to hold
@@ -57,7 +59,7 @@ def check_pool_dtype(dtype) -> bool:
 def _pool(num_pages: int, page_size: int, heads: int, width: int, dtype: torch.dtype, device, quantized: bool,
           heads_outer: bool):
     """Zeroed ``[num_pages, page_size, Hkv, E]`` (a ``QuantizedKV`` with scales 1 when quantized), stored
-    ``[num_pages, Hkv, page_size, E]`` or with ``heads_outer`` ``[Hkv, num_pages, page_size, E]``."""
+    ``[Hkv, num_pages, page_size, E]`` (``heads_outer``) or ``[num_pages, Hkv, page_size, E]``."""
     if heads_outer:
         data = huge_pages.zeros(heads, num_pages, page_size, width, dtype=dtype, device=device).permute(1, 2, 0, 3)
     else:
@@ -78,7 +80,7 @@ class PagePool:
 
     def __init__(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int, value_dim: int,
                  dtype: torch.dtype, device: torch.device | str | None, layers: int = 1,
-                 shared_values: bool = False, heads_outer: bool = False) -> None:
+                 shared_values: bool = False, heads_outer: bool = True) -> None:
         self.quantized = check_pool_dtype(dtype)
         if shared_values not in (True, False) or (shared_values and value_dim > head_dim):
             raise ValueError(f"shared_values (the values as the first value_dim columns of the keys' rows) must be "

@@ -63,6 +63,7 @@ from engine.kernels.decode.native_listed import data_of
 from engine.masks.tree import tree_attention_inputs
 from engine.quantized import quantize
 from lab import plots
+from lab.bench.paged_churn import churn_rows, plot_churn
 from lab.bench.paged_placement import placement_rows, plot_placement
 from lab.bench.paged_pools import on_huge_pages, pools, quantized_pool
 from lab.bench.paged_step import continuous_rows, invariant_rows, mixed_rows, step_rows
@@ -82,7 +83,7 @@ TARGET = 1.1
 CASCADE_TARGET = 4.0
 TREE_TARGET = 1.5  # a 16-node tree's verify over a one-token decode step
 TREE_KEYS = {"quick": (4096,), "full": (4096, 32768)}  # S, the sequence's cached keys
-GROUPS = ("decode", "placement", "step", "mixed", "continuous", "invariant", "cascade", "tree", "memory")
+GROUPS = ("decode", "placement", "churn", "step", "mixed", "continuous", "invariant", "cascade", "tree", "memory")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -289,7 +290,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"unknown --groups {unknown}: choose from {', '.join(GROUPS)}")
         return 2
     rows = ((decode_rows(args) if "decode" in groups else [])
-            + (placement_rows(args) if "placement" in groups else []) + (step_rows(args) if "step" in groups else [])
+            + (placement_rows(args) if "placement" in groups else []) + (churn_rows(args) if "churn" in groups else [])
+            + (step_rows(args) if "step" in groups else [])
             + (mixed_rows(args) if "mixed" in groups else []) + (invariant_rows(args) if "invariant" in groups else [])
             + (continuous_rows(args) if "continuous" in groups else [])
             + (cascade_rows(args) if "cascade" in groups else []) + (tree_rows(args) if "tree" in groups else [])
@@ -301,6 +303,10 @@ def main(args: argparse.Namespace) -> int:
     placement = [r for r in rows if r["group"] == "placement"]
     if placement:
         print("\n" + format_table(placement, ["case", "impl", "ms", "time/contiguous", "K/V GB/s", "max |diff|"]))
+    churn = [r for r in rows if r["group"] == "churn"]
+    if churn:
+        print("\n" + format_table(churn, ["case", "impl", "ms", "time/before", "pages per run", "B", "keys",
+                                          "bitwise as side by side"]))
     step = [r for r in rows if r["group"] in ("step", "mixed", "continuous", "invariant")]
     if step:
         print("\n" + format_table(step, ["case", "impl", "kernel", "us", "time/contiguous", "target", "met",
@@ -322,6 +328,9 @@ def main(args: argparse.Namespace) -> int:
     if placement:
         plot_placement(placement, f"{args.out}/paged_placement.png", TARGET)
         paths.append(f"{args.out}/paged_placement.png")
+    if churn:
+        plot_churn(churn, f"{args.out}/paged_churn.png")
+        paths.append(f"{args.out}/paged_churn.png")
     if tree:
         plot_tree(tree, f"{args.out}/paged_tree.png")
         paths.append(f"{args.out}/paged_tree.png")

@@ -3,7 +3,8 @@
 - ``decode``: B sequences of S keys each, one new query per sequence (Hq 32 / Hkv 8 / D 128, fp32 and bf16), their
   pages shuffled in the pool. Rows: ``contiguous`` (``engine.plan(...).run`` on ``[B, Hkv, S, D]``: the native
   decode kernel), ``paged`` (the step planned once, ``engine.plan_paged(...).run``, as serving runs it, on pools
-  laid out as ``PagedKVCache`` keeps them, head-major),
+  laid out as ``PagedKVCache(heads_outer=False)`` keeps them, each page's heads side by side: over shuffled pages
+  the faster of its two layouts; the placement and churn groups time both),
   ``paged NHD`` (the same pages in FlashInfer's ``[num_pages, page_size, Hkv, D]`` storage order) and ``copy`` (the
   machine's copy bandwidth on as many bytes). Timed interleaved; K/V GB/s and the ratio to contiguous (the median
   of each round's ratio). Both

@@ -159,5 +159,5 @@ def plot_churn(rows: list[dict[str, Any]], path) -> None:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     plots.grouped_bars(axes, cases, {impl: [ratio[c, impl] for c in cases] for impl in impls})
     axes.set_ylabel("time / first free, heads side by side")
-    axes.set_title("paged decode over the tables a serving-like churn leaves (native kernel, cold)")
+    axes.set_title("paged decode after a serving-like churn (native kernel, cold)")
     plots.save(fig, path)

@@ -1,7 +1,7 @@
 """The paged cases the paged tests share: a float64 oracle that reads each key straight through the page table (a
 per-query loop), and a hypothesis strategy of paged batches (shuffled and shared pages, partial last pages, mixed
 batches, NaN in every slot no sequence owns, windows, softcap, sinks, ALiBi, per-token positions, queries of a
-sequence with no keys, a fork at exactly the shared prefix's length)."""
+sequence with no keys, a fork at exactly the shared prefix's length; the pools in each of three memory orders)."""
 
 from __future__ import annotations
 
@@ -50,6 +50,19 @@ def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positio
     return out, lse
 
 
+LAYOUTS = ("NHD", "heads side by side", "heads outer")
+
+
+def stored(pool: torch.Tensor, layout: str) -> torch.Tensor:
+    """``pool [num_pages, page_size, Hkv, E]`` (the same view and values) stored ``[num_pages, page_size, Hkv, E]``
+    (NHD), ``[num_pages, Hkv, page_size, E]`` (heads side by side) or ``[Hkv, num_pages, page_size, E]`` (heads outer:
+    PagedKVCache's)."""
+    if layout == "NHD":
+        return pool.contiguous()
+    order = (0, 2, 1, 3) if layout == "heads side by side" else (2, 0, 1, 3)
+    return pool.permute(order).contiguous().permute([order.index(d) for d in range(4)])
+
+
 @st.composite
 def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float64):
     """A pool of shuffled pages, some shared between sequences, NaN in every slot no sequence owns; ``uniform``:
@@ -91,6 +104,8 @@ def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float6
                 continue  # sequence 0 wrote this shared page
             k_pages[page, slot] = torch.randn(hkv, d, generator=g, dtype=dtype)
             v_pages[page, slot] = torch.randn(hkv, d + 1, generator=g, dtype=dtype)
+    layout = draw(st.sampled_from(LAYOUTS))  # the same values, stored in one of the three orders
+    k_pages, v_pages = (stored(x, layout) for x in (k_pages, v_pages))
     indptr = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.long)
     q = torch.randn(int(indptr[-1]), hkv * group, d, generator=g, dtype=dtype)
     options = {}

@@ -16,7 +16,7 @@ import engine
 from engine import paged_attention
 from engine.kernels.decode.native_build import native_unavailable
 from tests.kernel_matrix import MATRIX
-from tests.paged_cases import oracle, paged_batches
+from tests.paged_cases import LAYOUTS, oracle, paged_batches, stored
 
 
 @settings(max_examples=60)
@@ -237,6 +237,22 @@ def test_runs_of_pages_and_shared_prefix_passes_equal_the_oracle(problem, cascad
     # (engine.paged.cascade), against the oracle that reads every key through the page table
     with small_runs(run_keys):
         assert_equals_the_oracle(*problem, cascade=cascade)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_runs_of_several_pages_gather_each_heads_keys_in_order_in_every_pool_layout(layout):
+    # runs of 4 keys over pages of 2, shuffled: each run gathers two pages (engine.paged.runs.run_keys, a path per
+    # memory order); causal queries at every position, so a page read out of order or from the wrong place shows
+    g = torch.Generator().manual_seed(11)
+    k_pool, v_pool = torch.randn(9, 2, 2, 8, generator=g, dtype=torch.float64), torch.randn(9, 2, 2, 8, generator=g,
+                                                                                               dtype=torch.float64)
+    k_pool, v_pool = stored(k_pool, layout), stored(v_pool, layout)
+    table, lens = torch.tensor([[7, 2, 5, 0, 8]]), torch.tensor([9])
+    q, indptr = torch.randn(9, 4, 8, generator=g, dtype=torch.float64), torch.tensor([0, 9])
+    with small_runs(4):
+        assert "by runs of 4 keys" in engine.explain_paged(q, k_pool, v_pool, table, lens, indptr)
+        out = paged_attention(q, k_pool, v_pool, table, lens, indptr)
+    torch.testing.assert_close(out, oracle(q, k_pool, v_pool, table, lens, indptr)[0], rtol=1e-9, atol=1e-9)
 
 
 def test_explain_names_the_shared_prefix_pass_and_the_runs_of_pages():

@@ -150,9 +150,25 @@ def test_sequences_growing_together_in_a_pool_with_room_each_hold_one_run_of_pag
     assert cache.pages_in_use == needed
 
 
+def test_the_pool_gives_a_sequence_the_page_after_its_last_else_the_middle_of_the_longest_free_run():
+    from engine.paged.pool import PagePool
+    pool = PagePool(16, 4, 1, 2, 2, torch.float32, None)
+    first = pool.take((), 3)
+    assert first == [6, 7, 8]  # the middle of pages 0..15, after room for 3
+    assert pool.take(first) == [9] and pool.take([None, 2]) == [3]  # followers; a released page (None) is no page
+    assert pool.take([15]) == [12]  # no page 16: the middle of the longest free run (10..15)
+    for page in (3, 9):
+        pool.drop(page)
+    assert pool.free_pages == 16 - 4 and pool.references(3) == 0 and pool.take([2]) == [3]
+    while pool.free_pages:
+        pool.take(())
+    with pytest.raises(ValueError, match="no free page in this pool of 16"):
+        pool.take(())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=str)
 @pytest.mark.parametrize("page_size, window", [(1, None), (4, None), (16, None), (4, 6)])
-def test_a_heads_outer_cache_holds_each_heads_pages_as_one_region_and_attends_bitwise_as_the_default(
+def test_a_heads_outer_cache_holds_each_heads_pages_as_one_region_and_attends_bitwise_as_heads_side_by_side(
         dtype, page_size, window):
     caches = [PagedKVCache(64, page_size, HKV, D, dtype=dtype, window=window, heads_outer=outer)
               for outer in (False, True)]

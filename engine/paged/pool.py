@@ -141,6 +141,8 @@ class PagePool:
     def _run_start(self, count: int) -> int:
         """Where a new run of ``count`` pages starts: in the middle of the longest free run (the lowest of equals)
         after room for them, so the pages before and after it stay free for the sequences beside it to grow into."""
+        if not self._free_count:
+            raise ValueError(f"no free page in this pool of {self.num_pages} (its caller checks before taking)")
         free = torch.frombuffer(self._free, dtype=torch.uint8).to(torch.int8)
         edges = torch.diff(free, prepend=free.new_zeros(1), append=free.new_zeros(1))  # +1 a run's start, -1 its end
         starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]

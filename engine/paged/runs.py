@@ -54,7 +54,9 @@ def run_keys(pages, owned: list[int], j0: int, j1: int, page_size: int):
     if count == 1:
         return pages[ids[0]].transpose(0, 1)[:, :j1 - j0].unsqueeze(0)  # [1, Hkv, n, E], a view
     index = torch.tensor(ids, dtype=torch.long, device=pages.device)  # [count] (none for no keys: an int64 index)
-    if pages.stride(1) < pages.stride(2):  # a slot's rows of a head one after another (PagedKVCache's): heads first
+    if pages.stride(2) > pages.stride(0):  # each head's pages one region (PagedKVCache's): one copy, per head
+        rows = pages.permute(2, 0, 1, 3).index_select(1, index).flatten(1, 2)  # [Hkv, count * P, E]
+    elif pages.stride(1) < pages.stride(2):  # each page's heads side by side: whole pages, then heads first
         rows = pages.transpose(1, 2).index_select(0, index).transpose(0, 1).flatten(1, 2)  # [Hkv, count * P, E]
     else:  # [num_pages, page_size, Hkv, E] pools: whole pages, seen heads first (a view of the copy)
         rows = pages.index_select(0, index).flatten(0, 1).transpose(0, 1)

@@ -17,8 +17,8 @@
   (the same runs, the same copy, in address order; whose own is over ``copy``'s): what the memory makes of runs
   that short (a bf16 page of 16 keys is a 4 KiB run) before any attention's arithmetic.
 - ``placement``: the decode's keys in pools whose pages lie shuffled, in order (each sequence's following on, as a
-  PagedKVCache gives them) or interleaved (a first-free list's sequences growing in lock step), in PagedKVCache's
-  layout and with each head's pages one region (heads outer), on 2 MiB pages, each call cold
+  PagedKVCache gives them) or interleaved (a first-free list's sequences growing in lock step), each page's heads side
+  by side and each head's pages one region (heads outer: PagedKVCache's default), on 2 MiB pages, each call cold
   (lab.bench.paged_placement).
 - ``step``: SmolLM2-135M's attention shape (Hq 9 / Hkv 3 / D 64), B = 8 and 32 ragged sequences of 256-768 keys,
   pages of 16 and 256, fp32 / bf16 / int8, 1 and 2 threads: the planned paged step, the unplanned

@@ -1,10 +1,11 @@
 """``run.py bench paged --groups churn``: a decode over the page tables a serving-like churn of requests leaves.
 
 The placement group times fixed placements. Here the pages lie where an allocator put them: requests arrive (prompts
-of 200-3000 tokens, 100-1000 tokens to generate, seeded), are admitted while the pool stays under a fill (90% and 98%
-of its pages; ``--quick``: 90%), decode a token per step, and leave when done; a step that finds no free page preempts
-the longest request, as a server would. After the steps (2000; ``--quick``: 300) the running requests' tables are
-decoded (B ~170 sequences of up to ~4k keys, Hq 32 / Hkv 8, D 128, pages of 16, fp32 / bf16 / int8) two ways each:
+of 200-3000 tokens, 100-1000 tokens to generate, seeded), are admitted while the pages in use stay under a fill (90%
+and 98% of the pool; ``--quick``: 90%; the running requests' growth fills it further), decode a token per step, and
+leave when done; a step that finds no free page preempts the longest request, as a server would. After the steps
+(2000; ``--quick``: 300) the running requests' tables are decoded (B ~170 sequences of up to ~4k keys, Hq 32 / Hkv 8,
+D 128, pages of 16, fp32 / bf16 / int8) two ways each:
 
 - where pages come from: ``follows on`` (engine.paged.pool's ``PagePool.take``, as PagedKVCache gives them: a
   sequence's next page the one after its last) or ``first free`` (a free list of the lowest ids, freed pages on top:
@@ -16,7 +17,7 @@ and ``one run each``: the same sequences with every sequence's pages in order (t
 allocators see the same requests and the same page counts, so the same sequences and lengths. Every call is timed
 cold (lab.measure.evict_caches first), in rounds whose order rotates; ``time/before`` is each row's time over ``first
 free, heads side by side`` (the median of the rounds' ratios); ``pages per run`` the mean length of the tables' runs
-of consecutive pages.
+of consecutive pages; ``bitwise as side by side`` whether a heads-outer row's output equals its table's other row's.
 """
 
 from __future__ import annotations
@@ -142,11 +143,11 @@ def _churn_case(num_pages: int, steps: int, fill: float, dtype: torch.dtype, g: 
             outputs[name] = impls[name]()
     del k, v
     same = {name: torch.equal(outputs[name], outputs[f"{name.split(',')[0]}, heads side by side"])
-            for name in outputs if name.startswith(("first free", "follows on"))}
+            for name in outputs if name in ("first free, heads outer", "follows on, heads outer")}
     times = interleaved_rounds(impls, rounds, 1, warmup=0, before=evict_caches)
     base = times["first free, heads side by side"]
     keys = int(lens.sum())
-    return [{"group": "churn", "case": f"{num_pages} pages of {PAGE}, {fill:.0%} in use, {str(dtype)[6:]}",
+    return [{"group": "churn", "case": f"{num_pages} pages of {PAGE}, admitted under {fill:.0%}, {str(dtype)[6:]}",
              "impl": name, "ms": statistics.median(times[name]) / 1e3, "time/before": paired_ratio(times[name], base),
              "pages per run": pages_per_run(*tables[name.split(",")[0]]), "B": int(lens.shape[0]), "keys": keys,
              "bitwise as side by side": same.get(name), "fill": fill, "dtype": str(dtype)} for name in impls]

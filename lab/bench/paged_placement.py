@@ -6,13 +6,14 @@ pages, as PagedKVCache holds them, in three placements (``lab.bench.paged_pools.
 ``in order`` (each sequence's pages following on, as a PagedKVCache with room gives them) and ``interleaved`` (what
 a free list handing out the lowest id first gives sequences growing a token at a time in lock step), each planned
 once (``engine.plan_paged``), beside the same keys contiguous (``engine.plan``, also on 2 MiB pages). ``paged`` rows
-hold them in PagedKVCache's default layout, ``[num_pages, Hkv, page_size, D]`` in memory; ``heads outer`` rows in
-``PagedKVCache(heads_outer=True)``'s, each KV head's pages one region (``[Hkv, num_pages, page_size, D]``,
-``lab.bench.paged_pools.on_huge_pages``): a head's keys over pages in order are then one run of memory, as contiguous
-keys are, and over pages apart a run of one page, where the default layout reads two heads' runs of a page as one
-(the kernel's heads_in_turn). The kernel and the keys' order are the same in every row; only the addresses differ.
-Every call is timed cold (``lab.measure.evict_caches`` first), in rounds whose order rotates
-(``lab.measure.interleaved_rounds``); ``time/contiguous`` is the median of the rounds' ratios.
+hold them with each page's heads side by side, ``[num_pages, Hkv, page_size, D]`` in memory
+(``PagedKVCache(heads_outer=False)``); ``heads outer`` rows as PagedKVCache does by default, each KV head's pages one
+region (``[Hkv, num_pages, page_size, D]``, ``lab.bench.paged_pools.on_huge_pages``): a head's keys over pages in
+order are then one run of memory, as contiguous keys are, and over pages apart a run of one page, where the other
+layout reads two heads' runs of a page as one (the kernel's heads_in_turn). The kernel and the keys' order are the
+same in every row; only the addresses differ. Every call is timed cold (``lab.measure.evict_caches`` first), in
+rounds whose order rotates (``lab.measure.interleaved_rounds``); ``time/contiguous`` is the median of the rounds'
+ratios.
 """
 
 from __future__ import annotations

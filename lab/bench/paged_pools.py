@@ -31,8 +31,9 @@ def placement_table(batch: int, n: int, placement: str, generator: torch.Generat
 def pools(k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator, head_major: bool,
           placement: str = "shuffled"):
     """``(k_pages, v_pages, page_table)`` holding ``k, v [B, Hkv, S, D]`` in pages ``[num_pages, page_size, Hkv,
-    D]`` placed as ``placement`` says (``placement_table``; shuffled by default): head-major storage (as
-    PagedKVCache keeps it) or FlashInfer's NHD order."""
+    D]`` placed as ``placement`` says (``placement_table``; shuffled by default): each page's heads side by side
+    (``head_major``: storage ``[num_pages, Hkv, page_size, D]``, as ``PagedKVCache(heads_outer=False)`` keeps it) or
+    FlashInfer's NHD order."""
     batch, kv_heads, s, d = k.shape
     n = s // page_size
     table = placement_table(batch, n, placement, generator)  # [B, pages per sequence]

@@ -1,6 +1,7 @@
 """``run.py bench paged``'s step group: one decode step of SmolLM2-135M's attention shape over a paged cache, planned
 once (``engine.plan_paged``) as serving runs it, beside the same keys contiguous (``engine.plan(...).run``) and the
-unplanned ``paged_attention`` call, measured interleaved in the same run.
+unplanned ``paged_attention`` call, measured interleaved in the same run. The pools hold each page's heads side by
+side (``PagedKVCache(heads_outer=False)``'s layout), their pages shuffled.
 
 Hq 9 / Hkv 3 / D 64, B = 8 and 32 sequences of 512 keys each (the same keys both ways) or of 256-768 (ragged: the
 contiguous cache holds each row's keys at positions 0..S_b-1 and pads to the longest, as a KVCache does, so its

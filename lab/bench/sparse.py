@@ -15,8 +15,8 @@ them), one list shared by every head. Rows:
 - a decode step (T = 1) against S keys beside a dense decode over K keys (``engine plan.run`` on K contiguous
   keys): ``engine native listed`` is decode_native reading only the listed keys in place (a page table of one-key
   pages, engine.kernels.decode.native_listed; auto's choice for a decode step), ``engine paged listed`` the same
-  keys in a head-major pool of shuffled pages of 16 (as engine.paged.pool lays them out; both on huge pages, as the
-  engine's caches are) read in place by ``engine.plan_paged(..., key_indices=)``
+  keys in a pool of shuffled pages of 16, each page's heads side by side (``PagedKVCache(heads_outer=False)``'s
+  layout; on huge pages, as the engine's caches are) read in place by ``engine.plan_paged(..., key_indices=)``
   (engine.kernels.decode.native_paged_listed); the target, on both, is a decode time set by K, not S.
 
     python run.py bench sparse --quick      # S = 2k, T = 256, K = 128: seconds
@@ -140,7 +140,7 @@ def _decode_case(s: int, k: int, hq: int, hkv: int, g, args) -> list[dict[str, A
     order = torch.randperm(pages, generator=g)  # the sequence's pages shuffled in the pool
     k_pool, v_pool = (huge_pages.zeros(pages, hkv, PAGE, D, dtype=torch.float32, device="cpu").permute(0, 2, 1, 3)
                       .index_copy_(0, order, x[0].transpose(0, 1).reshape(pages, PAGE, hkv, D))
-                      for x in (keys, values))  # head-major pages on huge pages, as engine.paged.pool's
+                      for x in (keys, values))  # each page's heads side by side, on huge pages
     paged_args = (q[0].transpose(0, 1), k_pool, v_pool, order[None], torch.tensor([s]), torch.tensor([0, 1]))
     paged = engine.plan_paged(*paged_args, key_indices=listed[0].transpose(0, 1))  # [Nq = 1, 1, K]
     repeats = 5 if args.quick else 21

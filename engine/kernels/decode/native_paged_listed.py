@@ -3,7 +3,7 @@
 
 The contiguous call's way (engine.kernels.decode.native_listed) through the page table: key j of sequence b lives in
 slot ``j % page_size`` of page ``page_table[b, j // page_size]``. Where every stride the ids use is a multiple of one
-unit u (NHD pools and the head-major pools engine.paged.pool makes alike), the pool is a buffer of one-key rows u
+unit u (NHD pools and both of engine.paged.pool's layouts alike), the pool is a buffer of one-key rows u
 apart, and each query row's listed keys become its own sequence of them::
 
     pool [num_pages, page_size, Hkv, E], strides (sp, ss, sh, 1) = u * (P, Q, H, 1/u)
@@ -48,7 +48,7 @@ def _steps(t, per_head: bool) -> tuple[int, tuple[int, int, int]]:
 def listed_layout(k_pages, v_pages, per_head: bool) -> tuple[str | None, tuple]:
     """``(why the pools cannot be read as one-key pages or None, the (page, slot, head) steps in units)``: every
     part of both (data, and scales in their own unit) must step its pages, slots (and, for lists per KV head, heads)
-    by the same multiples of one unit, so one id names the same key in each (NHD and head-major pools do)."""
+    by the same multiples of one unit, so one id names the same key in each (NHD and engine.paged.pool's pools do)."""
     found = {_steps(t, per_head)[1] for t in parts_of(k_pages) + parts_of(v_pages)}
     if len(found) != 1:
         return f"pools whose parts step pages, slots and heads differently ({sorted(found)})", ()

@@ -150,16 +150,18 @@ def test_sequences_growing_together_in_a_pool_with_room_each_hold_one_run_of_pag
     assert cache.pages_in_use == needed
 
 
-def test_the_pool_gives_a_sequence_the_page_after_its_last_else_the_middle_of_the_longest_free_run():
+def test_the_pool_gives_a_sequence_the_page_after_its_last_else_the_free_run_with_the_most_room():
     from engine.paged.pool import PagePool
-    pool = PagePool(16, 4, 1, 2, 2, torch.float32, None)
-    first = pool.take((), 3)
-    assert first == [6, 7, 8]  # the middle of pages 0..15, after room for 3
-    assert pool.take(first) == [9] and pool.take([None, 2]) == [3]  # followers; a released page (None) is no page
-    assert pool.take([15]) == [12]  # no page 16: the middle of the longest free run (10..15)
-    for page in (3, 9):
+    pool, claimed = PagePool(16, 4, 1, 2, 2, torch.float32, None), set()
+    first = pool.take((), 3, claimed)
+    assert first == [0, 1, 2] and claimed == {3}  # no sequence grows into pages 0..15: the run's from page 0
+    second = pool.take((), 2, claimed)  # pages 3..15 are the first one's to grow into: shared, from the middle
+    assert second == [3 + (13 - 2) // 2, 3 + (13 - 2) // 2 + 1] and claimed == {3, 10}
+    assert pool.take(first, 1, claimed) == [3] and pool.take([None, 9], 1, claimed) == [10]  # followers
+    assert pool.take([15]) == [11]  # no page 16; no claims given: the longest free run (11..15) from its start
+    for page in (3, 10):
         pool.drop(page)
-    assert pool.free_pages == 16 - 4 and pool.references(3) == 0 and pool.take([2]) == [3]
+    assert pool.free_pages == 16 - 6 and pool.references(3) == 0 and pool.take([2]) == [3]
     while pool.free_pages:
         pool.take(())
     with pytest.raises(ValueError, match="no free page in this pool of 16"):

@@ -196,9 +196,8 @@ class PagedKVCache(TreeCommit):
             pages.append(owned[positions // self.page_size - first])  # [n]
             slots.append(positions % self.page_size)  # [n]
             sequence.length += n
-        empty = torch.zeros(0, dtype=torch.long)
         device = self.keys.data.device if isinstance(self.keys, QuantizedKV) else self.keys.device
-        return Slots(torch.cat(pages or [empty]).to(device), torch.cat(slots or [empty]).to(device))
+        return Slots(*(torch.cat(rows or [torch.zeros(0, dtype=torch.long)]).to(device) for rows in (pages, slots)))
 
     def write(self, slots: Slots, keys: torch.Tensor, values: torch.Tensor | None, layer: int = 0) -> None:
         """Layer ``layer``'s new keys ``[N, Hkv, D]`` and values ``[N, Hkv, Dv]`` to the rows ``extend`` gave."""
@@ -216,9 +215,8 @@ class PagedKVCache(TreeCommit):
         rows = [self._get(seq) for seq in seqs]
         width = max([len(s.pages) for s in rows] + [1])
         table = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, sequence in enumerate(rows):
-            table[b, :len(sequence.pages)] = torch.tensor([RELEASED if p is None else p for p in sequence.pages],
-                                                          dtype=torch.long)
+        for b, pages in enumerate([[RELEASED if p is None else p for p in s.pages] for s in rows]):
+            table[b, :len(pages)] = torch.tensor(pages, dtype=torch.long)
         lengths = torch.tensor([s.length for s in rows], dtype=torch.long)
         return table.to(self.keys.device), lengths.to(self.keys.device)
 
@@ -292,9 +290,10 @@ class PagedKVCache(TreeCommit):
                              f"pool larger (num_pages)")
         for (sequence, _, _), pages in zip(plans, released):  # every release first: the check counted their pages
             self._release(sequence, pages)
-        for sequence, shared_tail, new in plans:
+        claimed = {s.pages[-1] + 1 for s in self._sequences.values() if s.pages and s.pages[-1] is not None}
+        for sequence, shared_tail, new in plans:  # (claimed: each sequence's follower, engine.paged.pool)
             if shared_tail:  # copy on write: this sequence gets its own copy of the shared, partly filled page
-                old, sequence.pages[-1] = sequence.pages[-1], self._pool.take(sequence.pages[:-1])[0]
+                old, sequence.pages[-1] = sequence.pages[-1], self._pool.take(sequence.pages[:-1], 1, claimed)[0]
                 self._pool.copy(old, sequence.pages[-1])
                 self._pool.drop(old)
-            sequence.pages += self._pool.take(sequence.pages, new)
+            sequence.pages += self._pool.take(sequence.pages, new, claimed)

@@ -13,9 +13,10 @@ order (``[num_pages, page_size, Hkv, D]`` in memory) puts a head's keys of a pag
 decode, measured.
 
 Where pages come from (``take``): a sequence's next page is the one after its last where that is free, so its pages
-follow on; a page that starts a run (a new sequence's, or one whose follower is taken) is placed in the middle of
-the longest free run of pages, after room for the pages the same call takes, so sequences growing side by side each
-keep room to grow into.
+follow on. A page that starts a run (a new sequence's, or one whose follower is taken) goes where the new run has the
+most room: a free run no sequence grows into is its own from its first page; one that a sequence would grow into
+(its first page the follower of that sequence's last: ``claimed``) is shared, the new run starting in its middle, so
+sequences growing side by side each keep room to grow into.
 
 A quantized pool (``dtype`` int8 or float8_e4m3fn, engine.quantized) keeps 1-byte entries and one fp32 scale per
 token and head; ``keys`` and ``values`` are then ``QuantizedKV`` views::
@@ -125,31 +126,39 @@ class PagePool:
         """How many pages would be freed if one reference were dropped per entry of ``pages``."""
         return sum(1 for page, n in Counter(pages).items() if self._references[page] == n)
 
-    def take(self, before: Sequence[int | None] = (), count: int = 1) -> list[int]:
+    def take(self, before: Sequence[int | None] = (), count: int = 1, claimed: set[int] | None = None) -> list[int]:
         """``count`` free pages (each held once) to follow a sequence's pages ``before`` (None: released), in order:
-        each the page after the one before it where that is free, else ``_run_start``'s. The caller checks there are
-        ``count`` free pages."""
+        each the page after the one before it where that is free, else ``_run_start``'s. ``claimed``: the pages other
+        sequences would grow into next (each one's last page + 1), to which the pages' own follower is added. The
+        caller checks there are ``count`` free pages."""
         pages, after = [], before[-1] if before else None
         for left in range(count, 0, -1):
             follower = None if after is None else after + 1
             page = follower if follower is not None and follower < self.num_pages and self._free[follower] else \
-                self._run_start(left)
+                self._run_start(left, claimed or ())
             self._free[page], self._free_count, self._references[page] = 0, self._free_count - 1, 1
             pages.append(page)
             after = page
+        if claimed is not None and pages:
+            claimed.add(pages[-1] + 1)
         return pages
 
-    def _run_start(self, count: int) -> int:
-        """Where a new run of ``count`` pages starts: in the middle of the longest free run (the lowest of equals)
-        after room for them, so the pages before and after it stay free for the sequences beside it to grow into."""
+    def _run_start(self, count: int, claimed) -> int:
+        """Where a new run of ``count`` pages starts: in the free run it has the most room in (the lowest of equals).
+        A free run that a sequence would grow into (its first page ``claimed``) is shared, the new run starting in its
+        middle after room for the ``count`` pages; any other free run is the new run's from its first page."""
         if not self._free_count:
             raise ValueError(f"no free page in this pool of {self.num_pages} (its caller checks before taking)")
         free = torch.frombuffer(self._free, dtype=torch.uint8).to(torch.int8)
         edges = torch.diff(free, prepend=free.new_zeros(1), append=free.new_zeros(1))  # +1 a run's start, -1 its end
         starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
-        longest = int(torch.argmax(ends - starts))  # (the first of equals)
-        start, length = int(starts[longest]), int(ends[longest] - starts[longest])
-        return start + max(0, length - count) // 2
+        shared = torch.zeros(self.num_pages + 1, dtype=torch.bool)
+        shared[[page for page in claimed if 0 <= page < self.num_pages]] = True
+        shared = shared[starts]  # [free runs]: a sequence grows into it
+        lengths = ends - starts
+        best = int(torch.argmax(torch.where(shared, lengths // 2, lengths)))  # (the first of equals)
+        start, length = int(starts[best]), int(lengths[best])
+        return start + max(0, length - count) // 2 if shared[best] else start
 
     def hold(self, page: int) -> None:
         self._references[page] += 1

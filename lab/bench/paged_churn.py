@@ -46,7 +46,7 @@ class FirstFree:
     def __init__(self, num_pages: int) -> None:
         self.free = list(range(num_pages - 1, -1, -1))
 
-    def take(self, before=(), count: int = 1) -> list[int]:
+    def take(self, before=(), count: int = 1, claimed=None) -> list[int]:
         return [self.free.pop() for _ in range(count)]
 
     def drop(self, page: int) -> None:
@@ -55,7 +55,8 @@ class FirstFree:
 
 def served_tables(allocator, num_pages: int, steps: int, fill: float, seed: int):
     """``(page_table [B, max pages], kv_lens [B])`` of the requests running after ``steps`` decode steps of a
-    seeded churn, pages taken from ``allocator`` (``take(before, count)`` / ``drop(page)``)."""
+    seeded churn, pages taken from ``allocator`` (``take(before, count, claimed)`` / ``drop(page)``; ``claimed``
+    the running requests' followers, as PagedKVCache passes them)."""
     draw = random.Random(seed)
     pages: dict[int, list[int]] = {}  # running request -> its pages
     length: dict[int, int] = {}  # running request -> its tokens
@@ -74,13 +75,15 @@ def served_tables(allocator, num_pages: int, steps: int, fill: float, seed: int)
             if sum(map(len, pages.values())) + need + len(pages) + 1 > fill * num_pages:
                 break
             request = next(arrivals)
-            pages[request], length[request], left[request] = allocator.take((), need), prompt, new
+            claimed = {held[-1] + 1 for held in pages.values()}
+            pages[request], length[request], left[request] = allocator.take((), need, claimed), prompt, new
         growing = [r for r in pages if length[r] % PAGE == 0]  # each needs a page for its next token
         while growing and sum(map(len, pages.values())) + len(growing) > num_pages:  # preempt the longest
             leave(max(pages, key=length.get))
             growing = [r for r in pages if length[r] % PAGE == 0]
+        claimed = {held[-1] + 1 for held in pages.values()}
         for request in growing:
-            pages[request] += allocator.take(pages[request])
+            pages[request] += allocator.take(pages[request], 1, claimed)
         for request in list(pages):
             length[request], left[request] = length[request] + 1, left[request] - 1
             if left[request] == 0:

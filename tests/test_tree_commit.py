@@ -125,6 +125,21 @@ def test_a_fork_taken_after_the_append_keeps_its_own_path():
     assert cache.pages_in_use == len(live_pages(cache, [seq, child]))
 
 
+def test_a_page_copied_on_commit_leaves_the_sequences_followers_free():
+    # the commit copies the shared page it writes to; the copy goes where no sequence would grow next (the page after
+    # the shared last page is both sequences' follower): the middle of the free pages after it, not their first
+    cache = PagedKVCache(16, 4, HKV, D, layers=LAYERS)
+    seq = cache.add()
+    append(cache, seq, rows(6, 0))
+    append(cache, seq, rows(3, 1))  # a tree of 3 nodes at slots 6, 7, 8
+    (pages,), _ = cache.tables([seq])
+    assert pages.tolist() == [0, 1, 2]  # a fresh pool: from page 0, each page after the last
+    child = cache.fork(seq)
+    cache.commit_tree(seq, [-1, 0, 0], [0, 2])  # node 2 moves from slot 8 to 7, in page 1, which the child shares
+    assert cache.tables([seq])[0].tolist() == [[0, 3 + (13 - 1) // 2]]  # not page 3: both sequences' follower
+    assert cache.tables([child])[0].tolist() == [[0, 1, 2]]
+
+
 def state(cache, seqs):
     pools = [t.clone() for layer in range(cache.layers) for pool in cache.layer(layer)
              for t in ([pool.data, pool.scale] if isinstance(pool, QuantizedKV) else [pool])]

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from engine.masks.window import check_window
-from engine.paged.pool import PagePool
+from engine.paged.pool import PagePool, followers
 from engine.paged.tables import RELEASED
 from engine.paged.tree_commit import TreeCommit
 from engine.quantized import QuantizedKV
@@ -290,7 +290,7 @@ class PagedKVCache(TreeCommit):
                              f"pool larger (num_pages)")
         for (sequence, _, _), pages in zip(plans, released):  # every release first: the check counted their pages
             self._release(sequence, pages)
-        claimed = {s.pages[-1] + 1 for s in self._sequences.values() if s.pages and s.pages[-1] is not None}
+        claimed = followers(s.pages for s in self._sequences.values())
         for sequence, shared_tail, new in plans:  # (claimed: each sequence's follower, engine.paged.pool)
             if shared_tail:  # copy on write: this sequence gets its own copy of the shared, partly filled page
                 old, sequence.pages[-1] = sequence.pages[-1], self._pool.take(sequence.pages[:-1], 1, claimed)[0]

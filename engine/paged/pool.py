@@ -43,7 +43,7 @@ from engine import huge_pages
 from engine.inputs import SUPPORTED_DTYPES
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
 
-__all__ = ["PagePool", "check_pool_dtype"]
+__all__ = ["PagePool", "check_pool_dtype", "followers"]
 
 
 def check_pool_dtype(dtype) -> bool:
@@ -56,6 +56,11 @@ def check_pool_dtype(dtype) -> bool:
     quantized = ", ".join(str(d) for d in QUANTIZED_DTYPES)
     raise ValueError(f"dtype must be one the kernels compute ({plain}) or a quantized one ({quantized}), got "
                      f"{dtype!r}")
+
+
+def followers(page_lists) -> set[int]:
+    """The pages sequences would grow into next (each list's last page + 1; None: released): ``take``'s ``claimed``."""
+    return {pages[-1] + 1 for pages in page_lists if pages and pages[-1] is not None}
 
 
 def _pool(num_pages: int, page_size: int, heads: int, width: int, dtype: torch.dtype, device, quantized: bool,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from engine.masks.tree import tree_depths
+from engine.paged.pool import followers
 from engine.quantized import QuantizedKV
 
 __all__ = ["TreeCommit", "check_path", "commit_tree"]
@@ -34,7 +35,8 @@ class TreeCommit:
         """Keep the root path ``accepted`` (node indices, each the parent of the next) of the draft tree ``parents``
         (engine.masks.tree) that ``seq``'s last extend appended, at its next slots; drop the other nodes (every
         layer). A ValueError, and no change, for a path that is not a root path of that tree."""
-        commit_tree(self._get(seq), self._pool, self.page_size, seq, parents, accepted, self.window)
+        claimed = followers(s.pages for s in self._sequences.values())  # (where a copied page must not go)
+        commit_tree(self._get(seq), self._pool, self.page_size, seq, parents, accepted, self.window, claimed)
 
 
 def check_path(parents, accepted, appended: int, seq: int) -> list[int]:
@@ -61,10 +63,11 @@ def check_path(parents, accepted, appended: int, seq: int) -> list[int]:
     return list(accepted)
 
 
-def commit_tree(sequence, pool, page_size: int, seq: int, parents, accepted, window: int | None = None) -> None:
+def commit_tree(sequence, pool, page_size: int, seq: int, parents, accepted, window: int | None = None,
+                claimed: set[int] | None = None) -> None:
     """Keep the accepted root path of the tree ``sequence`` (engine.paged.cache's record of sequence ``seq``: its
-    pages, length and rows appended last) appended last; ``pool``: the cache's PagePool, ``window`` its window. See
-    the module's text."""
+    pages, length and rows appended last) appended last; ``pool``: the cache's PagePool, ``window`` its window,
+    ``claimed`` its sequences' followers (``PagePool.take``'s). See the module's text."""
     path = check_path(parents, accepted, sequence.appended, seq)
     past = sequence.length - sequence.appended
     kept = past + len(path)
@@ -91,7 +94,7 @@ def commit_tree(sequence, pool, page_size: int, seq: int, parents, accepted, win
         pool.drop(page)
     sequence.pages, sequence.length, sequence.appended = sequence.pages[:keep_pages], kept, 0
     for i in shared:  # copy on write: the other holders keep the page as it was
-        old, sequence.pages[i] = sequence.pages[i], pool.take(sequence.pages[:i])[0]
+        old, sequence.pages[i] = sequence.pages[i], pool.take(sequence.pages[:i], 1, claimed)[0]
         pool.copy(old, sequence.pages[i])
         pool.drop(old)
     if moves:

@@ -48,9 +48,9 @@ def read_pool(pool, row, stop, start=0):
     return torch.stack(slots) if slots else torch.zeros(0, *pool.shape[2:], dtype=torch.float64)
 
 
-def read_back(cache, seq, start=0):
-    """``(keys [S, Hkv, D], values [S, Hkv, Dv])`` float64 of ``seq`` from ``start`` as the pools hold them; a
-    quantized pool dequantized here, ``data * scale`` (exact in float64)."""
+def read_back(cache, seq, start=0, layer=0):
+    """``(keys [S, Hkv, D], values [S, Hkv, Dv])`` float64 of ``seq`` from ``start`` as ``layer``'s pools hold them;
+    a quantized pool dequantized here, ``data * scale`` (exact in float64)."""
     table, lens = cache.tables([seq])
 
     def one(pool):
@@ -59,7 +59,7 @@ def read_back(cache, seq, start=0):
             return read_pool(pool.data, table[0], int(lens[0]), start) * scale[..., None]  # [S, Hkv, E]
         return read_pool(pool, table[0], int(lens[0]), start)  # [S, Hkv, E]
 
-    return one(cache.keys), one(cache.values)
+    return tuple(one(pool) for pool in cache.layer(layer))
 
 
 def as_stored(x, dtype):
@@ -725,3 +725,59 @@ def test_a_refused_model_step_leaves_the_cache_as_it_was():
     with pytest.raises(ValueError, match=r"cache must hold \[Hkv, D, Dv\]"):
         model.forward_paged(torch.tensor([1, 2, 3]), wrong, [seq], offsets([3]))
     assert wrong.length(seq) == 0 and wrong.pages_in_use == 0
+
+
+# --- compaction ---------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "append", "fork", "free"]), st.integers(0, 5), st.integers(1, 9)),
+                min_size=1, max_size=25), st.sampled_from([1, 3, 4]), st.sampled_from([None, 6]),
+       st.sampled_from([torch.float64, torch.int8]), st.integers(1, 2))
+def test_compact_makes_each_sequences_own_pages_one_run_and_keeps_every_key(ops, page_size, window, dtype, layers):
+    cache = PagedKVCache(48, page_size, HKV, D, dtype=dtype, window=window, layers=layers)
+    seqs, step = [], 0
+    for op, pick, count in ops:  # a churn: sequences added, grown, forked and freed in any order
+        step += 1
+        if op == "add" or not seqs:
+            seqs.append(cache.add())
+        elif op == "fork":
+            seqs.append(cache.fork(seqs[pick % len(seqs)]))
+        elif op == "free" and len(seqs) > 1:
+            cache.free(seqs.pop(pick % len(seqs)))
+        elif op == "append" and cache.num_pages - cache.pages_in_use > count:
+            seq = seqs[pick % len(seqs)]
+            slots = cache.extend([seq], offsets([count]))
+            for layer in range(layers):
+                cache.write(slots, *tokens(count, 100 * step + layer), layer)
+    before = {seq: [read_back(cache, seq, layer=layer) for layer in range(layers)] for seq in seqs}
+    in_use, lengths = cache.pages_in_use, {seq: cache.length(seq) for seq in seqs}
+    cache.compact()
+    assert cache.pages_in_use == in_use and {seq: cache.length(seq) for seq in seqs} == lengths
+    owned = set()
+    for seq in sorted(seqs):
+        for layer in range(layers):  # every key and value as it was, bitwise (a released one: NaN both times)
+            for got, want in zip(read_back(cache, seq, layer=layer), before[seq][layer]):
+                assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+        (row,), _ = cache.tables([seq])
+        pages = [page for page in row.tolist()[:-(-cache.length(seq) // page_size)] if page >= 0]  # (-1: released)
+        own = [page for page in pages if page not in owned]  # (a fork's shared prefix: its parent's run)
+        assert own == list(range(own[0], own[0] + len(own))) if own else True  # its own pages: one run
+        owned.update(pages)
+    for seq in seqs:  # the pool's counts follow the pages: freeing every sequence frees every page
+        cache.free(seq)
+    assert cache.pages_in_use == 0
+
+
+def test_compact_places_sequences_in_order_with_the_free_pages_as_gaps_and_moves_the_rows():
+    cache = PagedKVCache(13, 1, HKV, D, dtype=torch.float64)  # 10 pages held, 3 free: a gap of 1 after each
+    a, b, c = cache.add(), cache.add(), cache.add()
+    for seq, count in ((a, 2), (b, 1), (c, 2), (b, 2), (a, 2), (c, 1)):
+        cache.append([seq], *tokens(count, seq * 10 + count), offsets([count]))
+    keys = {seq: read_back(cache, seq)[0] for seq in (a, b, c)}
+    assert cache.compact() > 0
+    assert cache.tables([a, b, c])[0].tolist() == [[0, 1, 2, 3], [5, 6, 7, 0], [9, 10, 11, 0]]  # gaps of 1
+    assert all(torch.equal(read_back(cache, seq)[0], keys[seq]) for seq in (a, b, c))
+    assert cache.compact() == 0  # already one run each
+    cache.append([a, b, c], *tokens(3, 99), offsets([1, 1, 1]))  # each grows into its gap
+    assert cache.tables([a, b, c])[0].tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 0], [9, 10, 11, 12, 0]]

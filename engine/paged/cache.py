@@ -21,9 +21,9 @@ sequence holds it. A sequence of one-token decode steps so holds at most ``ceil(
         after   [None  None  p5     p1]     tables() row [-1, -1, 5, 1]; p3, p0 back to the pool
 
 Keys ``[N, Hkv, D]`` of any float dtype go to pools of ``dtype`` (float, or int8 / float8_e4m3fn with a scale per
-token and head; engine.paged.pool, which also says where a sequence's pages come from). ``append`` takes several
-sequences' packed new tokens (FlashInfer's ``append_paged_kv_cache``), ``tables`` gives what ``paged_attention``
-reads, ``commit_tree`` keeps a verified draft tree's accepted path. A refused call leaves the cache as it was.
+token and head; engine.paged.pool: where pages come from). ``append`` takes several sequences' packed new tokens
+(FlashInfer's ``append_paged_kv_cache``), ``tables`` gives what ``paged_attention`` reads, ``commit_tree`` keeps a
+draft tree's accepted path, ``compact`` makes each sequence's pages one run. A refused call leaves the cache as it was.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from engine.masks.window import check_window
+from engine.paged.compaction import Compaction
 from engine.paged.pool import PagePool, followers
 from engine.paged.tables import RELEASED
 from engine.paged.tree_commit import TreeCommit
@@ -61,7 +62,7 @@ class _Sequence:
         return next((i for i, page in enumerate(self.pages) if page is not None), len(self.pages))
 
 
-class PagedKVCache(TreeCommit):
+class PagedKVCache(TreeCommit, Compaction):
     """Pools ``keys [num_pages, page_size, Hkv, D]`` and ``values [num_pages, page_size, Hkv, Dv]`` in ``dtype`` (the
     shape ``paged_attention`` reads; views of engine.paged.pool's storage; ``QuantizedKV`` for int8 / e4m3fn);
     sequences are ids handed out by ``add`` or ``fork``. ``window``: keys a query sees, its own included (at least

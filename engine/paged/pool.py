@@ -181,6 +181,27 @@ class PagePool:
             else:
                 pool[target] = pool[source]
 
+    def renumber(self, moves: dict[int, int]) -> None:
+        """Each held page ``old`` of ``moves`` becomes page ``moves[old]`` (every held page named once, the new
+        numbers distinct): its rows in every layer (keys and values; data and scales) and its holders; every other
+        page is free after. The moved pages are read before any is written (one copy of them at a time per pool)."""
+        held = [page for page, n in enumerate(self._references) if n]
+        if sorted(held) != sorted(moves) or len(set(moves.values())) != len(moves) or not all(
+                0 <= page < self.num_pages for page in moves.values()):
+            raise ValueError(f"renumber needs every held page ({len(held)}) once, each to a distinct page in "
+                             f"[0, {self.num_pages}): got {len(moves)} moves")
+        old = torch.tensor([page for page, to in moves.items() if page != to], dtype=torch.long)
+        new = torch.tensor([to for page, to in moves.items() if page != to], dtype=torch.long)
+        for pool in self._stored():
+            for tensor in (pool.data, pool.scale) if self.quantized else (pool,):
+                tensor[new.to(tensor.device)] = tensor[old.to(tensor.device)]  # (the right side: a copy)
+        references = [0] * self.num_pages
+        for page, to in moves.items():
+            references[to] = self._references[page]
+        self._references = references
+        self._free[:] = bytes(int(n == 0) for n in references)
+        self._free_count = self.num_pages - len(moves)
+
     def write(self, pages: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               layer: int = 0) -> None:
         """Row i of ``keys [N, Hkv, D]`` and ``values [N, Hkv, Dv]`` goes to slot ``slots[i]`` of page ``pages[i]``

@@ -291,8 +291,8 @@ class PagedKVCache(TreeCommit, Compaction):
                              f"pool larger (num_pages)")
         for (sequence, _, _), pages in zip(plans, released):  # every release first: the check counted their pages
             self._release(sequence, pages)
-        claimed = followers(s.pages for s in self._sequences.values())
-        for sequence, shared_tail, new in plans:  # (claimed: each sequence's follower, engine.paged.pool)
+        claimed = followers(s.pages for s in self._sequences.values()) if needed else None  # (engine.paged.pool)
+        for sequence, shared_tail, new in plans:
             if shared_tail:  # copy on write: this sequence gets its own copy of the shared, partly filled page
                 old, sequence.pages[-1] = sequence.pages[-1], self._pool.take(sequence.pages[:-1], 1, claimed)[0]
                 self._pool.copy(old, sequence.pages[-1])

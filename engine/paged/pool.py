@@ -67,17 +67,12 @@ def _pool(num_pages: int, page_size: int, heads: int, width: int, dtype: torch.d
           heads_outer: bool):
     """Zeroed ``[num_pages, page_size, Hkv, E]`` (a ``QuantizedKV`` with scales 1 when quantized), stored
     ``[Hkv, num_pages, page_size, E]`` (``heads_outer``) or ``[num_pages, Hkv, page_size, E]``."""
-    if heads_outer:
-        data = huge_pages.zeros(heads, num_pages, page_size, width, dtype=dtype, device=device).permute(1, 2, 0, 3)
-    else:
-        data = huge_pages.zeros(num_pages, heads, page_size, width, dtype=dtype, device=device).permute(0, 2, 1, 3)
+    stored, view = ((heads, num_pages, page_size), (1, 2, 0)) if heads_outer else \
+        ((num_pages, heads, page_size), (0, 2, 1))  # the storage's leading axes; their order in the view
+    data = huge_pages.zeros(*stored, width, dtype=dtype, device=device).permute(*view, 3)
     if not quantized:
         return data  # [num_pages, page_size, Hkv, E]
-    if heads_outer:
-        scale = torch.ones(heads, num_pages, page_size, device=device).permute(1, 2, 0)
-    else:
-        scale = torch.ones(num_pages, heads, page_size, device=device).permute(0, 2, 1)  # [num_pages, page_size, Hkv]
-    return QuantizedKV(data, scale)
+    return QuantizedKV(data, torch.ones(*stored, device=device).permute(*view))  # scale [num_pages, page_size, Hkv]
 
 
 class PagePool:

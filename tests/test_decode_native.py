@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine import KVCache, causal_attention, window_mask
-from engine.kernels.decode.native_build import cpu_key, load_native
+from engine.kernels.decode.native_build import VECTOR_PATHS, cpu_key, load_native
 from engine.kernels.dispatch import KERNELS
 from engine.masks import key_padding_mask
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
@@ -458,16 +458,13 @@ def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
 
 # --- the other vector paths: this CPU's build takes the widest; build the narrower ones too ----------------------
 
-PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread")  # no -march=native, no -fopenmp (plain threads)
-# Each vector path with its own flags (cpu_key's name for what it needs, its lanes); the cached build is
-# -march=native, the widest this CPU has (AVX-512 here, AVX2 on a Zen 3), so the others are built here and checked
-# too: a CPU without AVX-512 (or without AVX2) runs code that was tested.
-VARIANTS = {
-    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"),
-               ("avx512f", "avx512bw", "avx512dq"), 16),
-    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c"), 8),
-    "plain_cpp": ((), (), 1),
-}
+PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp-simd")  # no -march=native; no -fopenmp
+# (plain threads), but its `omp simd` loops, as the native build has them
+# Each vector path with its own flags (native_build.VECTOR_PATHS: its flags, cpu_key's names for what it needs) and
+# lanes; the cached build is -march=native, the widest this CPU has (AVX-512 here, AVX2 on a Zen 3), so the others
+# are built here and checked too: a CPU without AVX-512 (or without AVX2, or not x86) runs code that was tested.
+VARIANTS = {"avx512": (*VECTOR_PATHS["avx512"], 16), "avx2": (*VECTOR_PATHS["avx2"], 8),
+            "plain_cpp": (*VECTOR_PATHS["plain"], 1)}
 
 
 def _missing(name):
@@ -683,6 +680,36 @@ def test_every_e4m3_code_reads_as_torch_reads_it_on_each_vector_path(variant, bf
     assert _call(library, q_rows, 0.25, (zeros.data, zeros.scale), (table.data, table.scale), visible, out, lse) == 0
     torch.testing.assert_close(out.double(), values, rtol=0, atol=0, equal_nan=True)
     assert bool((lse == 0).all())
+
+
+@needs_native
+@pytest.mark.parametrize("variant", ["native", "avx512", "avx2", "plain_cpp"])
+@pytest.mark.parametrize("d", [128, 72], ids=["d128", "d72"])
+def test_every_fp16_code_reads_as_torch_reads_it_on_each_vector_path(variant, d, variant_library):
+    # All 65,536 fp16 codes (subnormals, infs and NaNs included) as values, each row seeing one key alone, so its
+    # output is that key's value row itself (an inf as NaN); keys 0 (every score 0). The plain path converts the
+    # codes by masks (no branch) and, on Arm, by the CPU's own conversion; D 72 takes it on every build (no vector
+    # width divides 72).
+    from engine.kernels.decode.decode_native import _call
+
+    library = variant_library(variant)
+    b, hkv, rows = 16, 4, 8
+    codes = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)  # every bit pattern once
+    s = -(-codes.numel() // (b * hkv * rows * d)) * rows  # keys per (batch row, head), rows of them per call
+    values = torch.zeros(b * hkv * s * d, dtype=torch.int16)
+    values[: codes.numel()] = codes
+    values = values.view(torch.float16).view(b, hkv, s, d)
+    keys = torch.zeros(b, hkv, s, d, dtype=torch.float16)
+    for start in range(0, s, rows):  # row r sees key start + r alone
+        visible = torch.zeros(1, 1, rows, s, dtype=torch.bool)
+        visible[0, 0, torch.arange(rows), start + torch.arange(rows)] = True
+        out, lse = torch.zeros(b, hkv, rows, d), torch.zeros(b, hkv, rows)
+        assert _call(library, torch.zeros(b, hkv, rows, d), 1.0, (keys, None), (values, None), visible, out, lse) == 0
+        want = values[:, :, start:start + rows].float()  # torch's reading of each code
+        want[want.isinf()] = float("nan")  # (a visible non-finite value makes its channel NaN: the kernel's contract)
+        torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+        assert bool((lse == 0).all())
+    assert int(values.isnan().sum()) == 2046 and int(values.isinf().sum()) == 2  # (all of them were read)
 
 
 @needs_native

@@ -95,6 +95,13 @@ constexpr int64_t kind_bytes(int kind) {
     return kind == F32 ? 4 : (kind == BF16 || kind == F16 || kind == BF16_PAIRS) ? 2 : 1;
 }
 
+// what the plain path's loops call, inlined so that the compiler can make the loops its vectors
+#if defined(__GNUC__)
+#define DN_INLINE inline __attribute__((always_inline))
+#else
+#define DN_INLINE inline
+#endif
+
 // ---- scalar conversions (the readable definition of each kind) --------------------------------------------
 
 // p rounded up to a multiple of 64 bytes: scratch the vector stores and tile loads fill, within a buffer allocated
@@ -103,21 +110,29 @@ constexpr int64_t kind_bytes(int kind) {
 template <class T> inline T* aligned64(T* p) {
     return (T*)(((uintptr_t)p + 63) & ~(uintptr_t)63);
 }
-inline float half_to_float(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13);  // inf / NaN
-    } else if (exp == 0) {
-        float f = std::ldexp((float)man, -24);  // subnormal (or zero)
-        std::memcpy(&bits, &f, 4);
-        bits |= sign;
-    } else {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    }
+inline uint32_t float_bits(float x) {
+    uint32_t out;
+    std::memcpy(&out, &x, 4);
+    return out;
+}
+inline float bits_float(uint32_t bits) {
     float out;
     std::memcpy(&out, &bits, 4);
     return out;
+}
+// fp16 bits to fp32, exactly, with no branch (each case computed and one chosen by masks, so a loop of them
+// vectorises; chosen by ?: the compiler branched around the subnormal's subtraction, and the loop stayed scalar): the
+// exponent rebiased from 15 to 127 (normal); inf / NaN kept so (exponent 31 to 255); a subnormal m 2^-24 as
+// 2^-14 (1 + m / 1024) - 2^-14, an exact difference of normal numbers (no subnormal operand: no slow path, and a
+// CPU flushing subnormals to zero reads them too)
+DN_INLINE float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, em = (uint32_t)(h & 0x7FFF) << 13, exp = em & 0x0F800000u;
+    const uint32_t normal = em + (112u << 23), special = em + (224u << 23);
+    const uint32_t subnormal = float_bits(bits_float(em + (113u << 23)) - 0x1p-14f);
+    const uint32_t is_subnormal = 0u - (uint32_t)(exp == 0), is_special = 0u - (uint32_t)(exp == 0x0F800000u);
+    const uint32_t magnitude =
+        (subnormal & is_subnormal) | (special & is_special) | (normal & ~(is_subnormal | is_special));
+    return bits_float(magnitude | sign);
 }
 
 // fp8 e4m3 (fn): its bits placed in fp16's layout give a half whose value is 2^-8 times the fp8 value (both
@@ -125,19 +140,64 @@ inline float half_to_float(uint16_t h) {
 // is folded into the per-key scale by the caller, so no lookup table is needed in registers either.
 inline uint16_t e4m3_as_half_bits(uint8_t x) { return (uint16_t)(((x & 0x80) << 8) | ((x & 0x7F) << 7)); }
 
-template <int K> inline float load_scalar(const void* p, int64_t i);
-template <> inline float load_scalar<F32>(const void* p, int64_t i) { return ((const float*)p)[i]; }
-template <> inline float load_scalar<BF16>(const void* p, int64_t i) {
-    uint32_t bits = (uint32_t)((const uint16_t*)p)[i] << 16;
-    float out;
-    std::memcpy(&out, &bits, 4);
-    return out;
+template <int K> DN_INLINE float load_scalar(const void* p, int64_t i);
+template <> DN_INLINE float load_scalar<F32>(const void* p, int64_t i) { return ((const float*)p)[i]; }
+template <> DN_INLINE float load_scalar<BF16>(const void* p, int64_t i) {
+    return bits_float((uint32_t)((const uint16_t*)p)[i] << 16);
 }
-template <> inline float load_scalar<F16>(const void* p, int64_t i) { return half_to_float(((const uint16_t*)p)[i]); }
-template <> inline float load_scalar<I8>(const void* p, int64_t i) { return (float)((const int8_t*)p)[i]; }
-template <> inline float load_scalar<F8E4M3>(const void* p, int64_t i) {
+// fp16 bits to fp32 as the plain path reads them: on Arm by the CPU's own conversion (vectorised as fcvtl), exactly
+// half_to_float's values; elsewhere half_to_float
+DN_INLINE float half_value(uint16_t h) {
+#if defined(__aarch64__)
+    __fp16 x;
+    std::memcpy(&x, &h, 2);
+    return (float)x;
+#else
+    return half_to_float(h);
+#endif
+}
+template <> DN_INLINE float load_scalar<F16>(const void* p, int64_t i) { return half_value(((const uint16_t*)p)[i]); }
+template <> DN_INLINE float load_scalar<I8>(const void* p, int64_t i) { return (float)((const int8_t*)p)[i]; }
+template <> DN_INLINE float load_scalar<F8E4M3>(const void* p, int64_t i) {
     const uint8_t x = ((const uint8_t*)p)[i];
-    return (x & 0x7F) == 0x7F ? std::numeric_limits<float>::quiet_NaN() : half_to_float(e4m3_as_half_bits(x));
+    const float value = half_value(e4m3_as_half_bits(x));
+    const uint32_t nan = 0u - (uint32_t)((x & 0x7F) == 0x7F);  // (a mask, as half_to_float's)
+    return bits_float((0x7FC00000u & nan) | (float_bits(value) & ~nan));
+}
+
+// ---- the plain C++ path's loops --------------------------------------------------------------------------------
+//
+// Without the intrinsics (a CPU with neither AVX-512 nor AVX2, an Arm one, a head dim no vector width divides) the
+// kernel's loops run over channels or keys with no dependence from one to the next, each marked `omp simd` (a sum's
+// reassociation allowed there alone): the compiler makes them its own vectors (SSE2's or NEON's 4 lanes, AVX's 8), as
+// it cannot make one running sum per row (a chain of dependent adds) without that leave. Every conversion above is
+// free of branches for the same reason. Each sum is computed by one loop whatever the block, so a key's score and a
+// row's sum do not depend on where a block ends.
+// a * b + c, fused where the CPU has FMA (the compiler's vector FMA then), else a product and a sum
+DN_INLINE float lane_fma(float a, float b, float c) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+    return std::fma(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+// e^x for x <= 0, as vexp computes it (x <= -87 gives 0, e^-inf too): 2^n p(r), n rounded by adding and taking away
+// 1.5 * 2^23, p the same degree-6 polynomial; no branch and no call, so a loop of them vectorises
+DN_INLINE float exp_lane(float x) {
+    const float x0 = x;
+    x = x > -87.0f ? x : -87.0f;
+    const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
+    float r = lane_fma(-n, 0.693359375f, x);
+    r = lane_fma(-n, -2.12194440e-4f, r);
+    float poly = 1.0f / 720;
+    poly = lane_fma(poly, r, 1.0f / 120);
+    poly = lane_fma(poly, r, 1.0f / 24);
+    poly = lane_fma(poly, r, 1.0f / 6);
+    poly = lane_fma(poly, r, 0.5f);
+    poly = lane_fma(poly, r, 1.0f);
+    poly = lane_fma(poly, r, 1.0f);
+    const float y = poly * bits_float((uint32_t)((int32_t)n + 127) << 23);
+    return bits_float(float_bits(y) & (0u - (uint32_t)(x0 > -87.0f)));  // (a mask: no branch)
 }
 
 // ---- vectors of W fp32 lanes --------------------------------------------------------------------------------
@@ -1128,16 +1188,29 @@ struct Item {
             }
 #endif
         } else {
-            for (; jj < n; ++jj) {
-                const void* krow = krows[jj];
-                float dots[N] = {};
-                for (int64_t d = 0; d < D; ++d) {
-                    const float kd = load_scalar<KIND>(krow, d);
-                    for (int r = 0; r < N; ++r) dots[r] += qb[(r0 + r) * D + d] * kd;
-                }
-                const float unit = kunit[jj];
-                for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = dots[r] * unit;
+            scores_lanes<N>(r0, n);
+        }
+    }
+
+    // the plain path's scores: one key at a time, its channels in one loop for all N rows
+    template <int N>
+    void scores_lanes(int64_t r0, int n) {
+        const int64_t D = o.D;
+        const float* q = qb + r0 * D;
+        for (int jj = 0; jj < n; ++jj) {
+            const void* krow = krows[jj];
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (int64_t d = 0; d < D; ++d) {
+                const float x = load_scalar<KIND>(krow, d);
+                a0 = lane_fma(q[d], x, a0);
+                if constexpr (N > 1) a1 = lane_fma(q[D + d], x, a1);
+                if constexpr (N > 2) a2 = lane_fma(q[2 * D + d], x, a2);
+                if constexpr (N > 3) a3 = lane_fma(q[3 * D + d], x, a3);
             }
+            if (pass_asks) ask_next();
+            const float dots[4] = {a0, a1, a2, a3};
+            for (int r = 0; r < N; ++r) s[(r0 + r) * BLOCK + jj] = dots[r] * kunit[jj];
         }
     }
 
@@ -1195,15 +1268,42 @@ struct Item {
                 default: break;
             }
         } else {
-            const int64_t Dv = o.Dv;
-            float* acc = part.acc;
-            for (int jj = 0; jj < n; ++jj) {
-                const void* vrow = vrows[jj];
-                for (int r = 0; r < N; ++r) {
-                    if (MASKED && !_bits(keep[(r0 + r) * BLOCK + jj])) continue;
-                    const float p = s[(r0 + r) * BLOCK + jj];
-                    for (int64_t d = 0; d < Dv; ++d) acc[(r0 + r) * Dv + d] += p * load_scalar<KIND>(vrow, d);
+            accumulate_lanes<N, MASKED>(r0, n);
+        }
+    }
+
+    // the plain path's values: four keys at a time into each row's output, channel by channel (a block every row sees
+    // whole); else a key at a time, each row that sees it (a hidden key's value may be NaN)
+    template <int N, bool MASKED>
+    void accumulate_lanes(int64_t r0, int n) {
+        const int64_t Dv = o.Dv;
+        float* acc = part.acc + r0 * Dv;
+        const float* p = s + r0 * BLOCK;
+        int jj = 0;
+        if constexpr (!MASKED)
+            for (; jj + 4 <= n; jj += 4) {
+                const void *v0 = vrows[jj], *v1 = vrows[jj + 1], *v2 = vrows[jj + 2], *v3 = vrows[jj + 3];
+                float w[N][4];
+                for (int r = 0; r < N; ++r)
+                    for (int k = 0; k < 4; ++k) w[r][k] = p[r * BLOCK + jj + k];
+#pragma omp simd
+                for (int64_t d = 0; d < Dv; ++d) {
+                    const float x0 = load_scalar<KIND>(v0, d), x1 = load_scalar<KIND>(v1, d);
+                    const float x2 = load_scalar<KIND>(v2, d), x3 = load_scalar<KIND>(v3, d);
+                    for (int r = 0; r < N; ++r)
+                        acc[r * Dv + d] = lane_fma(w[r][3], x3, lane_fma(w[r][2], x2, lane_fma(w[r][1], x1,
+                                                   lane_fma(w[r][0], x0, acc[r * Dv + d]))));
                 }
+            }
+        for (; jj < n; ++jj) {
+            if (MASKED && !seen_key[jj]) continue;
+            const void* vrow = vrows[jj];
+            for (int r = 0; r < N; ++r) {
+                if (MASKED && !_bits(keep[(r0 + r) * BLOCK + jj])) continue;
+                const float w = p[r * BLOCK + jj];
+                float* a = acc + r * Dv;
+#pragma omp simd
+                for (int64_t d = 0; d < Dv; ++d) a[d] = lane_fma(w, load_scalar<KIND>(vrow, d), a[d]);
             }
         }
     }
@@ -1266,7 +1366,7 @@ struct Item {
         int64_t r0 = 0;
         // The next block's rows are asked for a share at a time through the passes' scores and value tiles, one share
         // per step of keys: the full passes', or with fewer rows than one pass, the one pass's (the rest after the
-        // asking value passes; on the plain C++ path all of them before the scores' remainder pass). One thread,
+        // asking value passes; the portable C++ path's scores ask a share per key, its values none). One thread,
         // against asking at the start of each pass: trees of 64 rows, latents of 16 and 128 rows, top-k prefill of 16:
         // 0.84-0.99x the time; a decode's 4 rows (G 4): 0.74-0.89x, paged or contiguous, fp32 / bf16 / int8. The value
         // tiles asking too, against the scores alone (from DRAM, one thread, B 1 S 32k and B 8 S 8k, contiguous or
@@ -1275,13 +1375,14 @@ struct Item {
         // tile of a many-row call, or on AVX2 every 4 keys: 1.02-1.06). docs/BENCHMARKS.md, round 8.
         const int64_t rest = o.R % NR;
         const int passes = (int)(o.R / NR), asking_passes = passes > 0 ? passes : rest > 0;
-        const int scores_steps = W_ == 16 && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;  // (scores_rows' passes)
+        // (scores_rows' passes: the portable path's one key each)
+        const int scores_steps = !SIMD ? n : W_ == 16 && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;
         if (scores) {
             const int values_steps = values_ask ? n / (ask_mask + 1) * (int)(o.Dv / W_ / TILE) : 0;
             const int steps = asking_passes * scores_steps + values_steps + 1;
             ask_step = 0, ask_rate = ((int64_t)ahead_rows << 16) / steps;
         }
-        const bool asking = SIMD && asking_passes > 0, finish = scores != asking;
+        const bool asking = asking_passes > 0, finish = scores != asking;
         pass_asks = asking;
         for (; r0 + NR <= o.R; r0 += NR) rows_pass<NR>(r0, j0, n, masked, scores);
         if (finish && (passes > 0 || !asking)) ask_upto(ahead_rows);
@@ -1361,7 +1462,7 @@ struct Item {
         const int64_t R = o.R, Dv = o.Dv;
         // The exp and the sum run over the whole block in vectors (keys past n weigh 0), so a key's weight and a
         // row's sum do not depend on where the block ends (the sequence's end, padding, a work item's cut)
-        const int width = SIMD ? BLOCK : n;
+        const int width = BLOCK;
         for (int64_t r = 0; r < R; ++r) {
             float* sr = &s[r * BLOCK];
             for (int jj = n; jj < width; ++jj) sr[jj] = NEG_INF;
@@ -1388,13 +1489,12 @@ struct Item {
                 continue;
             }
             const float alpha = m_new > m_old ? std::exp(m_old - m_new) : 1.0f;  // 0 when m_old = -inf
-            int jj = 0;
             float sum = 0.0f;
 #if DN_AVX512 || DN_AVX2
             if (SIMD) {
                 vec mv = vset(m_new);
                 vec acc = vzero();
-                for (; jj + W <= width; jj += W) {
+                for (int jj = 0; jj + W <= width; jj += W) {
                     vec p = vexp(_sub(vloadf(sr + jj), mv));
                     vstore(sr + jj, p);
                     acc = _add(acc, p);
@@ -1402,9 +1502,12 @@ struct Item {
                 sum = vsum(acc);
             }
 #endif
-            for (; jj < n; ++jj) {
-                sr[jj] = std::exp(sr[jj] - m_new);
-                sum += sr[jj];
+            if (!SIMD) {  // (the whole block in one loop, as the vectors do)
+#pragma omp simd reduction(+ : sum)
+                for (int j = 0; j < width; ++j) {
+                    sr[j] = exp_lane(sr[j] - m_new);
+                    sum += sr[j];
+                }
             }
             // acc stays normalised (the output so far, within max|v|: no overflow for values near the float
             // max): rescale it to the new sum and add this block's weights divided by that sum
@@ -1787,7 +1890,8 @@ int64_t heads_in_turn(const Operands& o, int64_t elem, bool tiles) {
 
 extern "C" {
 
-// The vector width this build uses (16: AVX-512, 8: AVX2 + FMA + F16C, 1: scalar C++).
+// The vector width this build uses (16: AVX-512, 8: AVX2 + FMA + F16C, 1: the portable C++, vectorised by the
+// compiler).
 int decode_native_lanes() {
 #if DN_AVX512 || DN_AVX2
     return W;

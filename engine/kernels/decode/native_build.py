@@ -2,7 +2,8 @@
 
 The source (``decode_native.cpp``) needs only the C++ standard library and the compiler's intrinsics headers,
 so a build takes seconds, not the minute ``torch/extension.h`` costs. It is compiled with ``-march=native``:
-the build uses the widest vectors this CPU has (AVX-512, else AVX2 + FMA + F16C, else plain C++), so the
+the build uses the widest vectors this CPU has (AVX-512, else AVX2 + FMA + F16C, else the portable C++ whose
+``omp simd`` loops the compiler makes its own vectors: SSE2's, NEON's), so the
 cached library is keyed on the CPU (model and feature flags), the compiler, the flags and the source, and a
 library is never loaded on a CPU it was not built for::
 
@@ -43,6 +44,16 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("decode_native.cpp")
 # -fopenmp: the kernel's threads are torch's OpenMP workers (the libgomp.so.1 torch has loaded serves this library too)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
+# The other vector paths, built on this CPU for the tests and for ``run.py bench builds``: each path's flags in place
+# of -march=native (the cached build takes the widest this CPU has; a CPU without AVX-512, or without AVX2, or not
+# x86 at all, runs one of the others), and the CPU flags it needs. The plain path is the kernel's portable C++ (its
+# ``omp simd`` loops made vectors by the compiler: SSE2's here, NEON's on Arm).
+VECTOR_PATHS = {
+    "avx512": (("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"), ("avx512f", "avx512bw",
+                                                                                          "avx512dq")),
+    "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+    "plain": ((), ()),
+}
 DISABLE_ENV = "ATTENTION_ENGINE_NATIVE"
 BF16_DOT_ENV = "ATTENTION_ENGINE_BF16_DOT"  # 1 / 0 / auto (NativeLibrary.dot_mode)
 BUILD_TIMEOUT_S = 300
@@ -279,6 +290,11 @@ def _build(cxx: str, path: Path, flags: tuple[str, ...] = FLAGS, source: Path = 
             os.unlink(tmp)
 
 
+def path_flags(path: str) -> tuple[str, ...]:
+    """The build flags of vector path ``path`` (``VECTOR_PATHS``): ``FLAGS`` with its flags for ``-march=native``."""
+    return tuple(flag for flag in FLAGS if flag != "-march=native") + VECTOR_PATHS[path][0]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = ("Compile the native decode kernel for this CPU now (else the first decode call that runs "
                           "it does, once per CPU) and print where the library is cached.")
@@ -291,5 +307,6 @@ def main(args: argparse.Namespace) -> int:
         print(f"the native kernel is unavailable: {library}")
         return 1
     built = f"built in {library.build_s:.1f} s" if library.build_s else "already built"
-    print(f"{library.path}: {built}, {library.lanes}-lane vectors")
+    vectors = f"{library.lanes}-lane vectors" if library.lanes > 1 else "the portable C++ (the compiler's vectors)"
+    print(f"{library.path}: {built}, {vectors}")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,8 +44,14 @@ def test_each_build_runs_its_own_library_in_every_timed_call(tmp_path, monkeypat
     rows = json.loads((tmp_path / "out" / "builds.json").read_text())["rows"]
     assert [(r["case"], r["build"]) for r in rows][:2] == [("bf16 contiguous", seen[0].label),
                                                         ("bf16 contiguous", seen[1].label)]
-    assert len(rows) == 2 * 4 and all(r["bitwise same"] for r in rows)  # (the same code twice)
+    assert len(rows) == 3 * 4  # each case: the two builds, then the copy of its K/V bytes
+    built, copies = [r for r in rows if r["vs first"] is not None], rows[2::3]
+    assert len(built) == 2 * 4 and all(r["bitwise same"] for r in built)  # (the same code twice)
+    assert all(r["build"].startswith("copy of the K/V bytes") and r["of copy"] == 1.0 for r in copies)
     assert all(len(r["round ms"]) == 2 and r["ms"] > 0 for r in rows)
+    for i, row in enumerate(built):  # K/V bytes per second over the copy's (read + written) per second, per round
+        copy = copies[i // 2]["round ms"]
+        assert row["of copy"] == pytest.approx(statistics.median(c / t for c, t in zip(copy, row["round ms"])) / 2)
     assert seen[0].library is not seen[1].library and seen[0].library.lib._handle != seen[1].library.lib._handle
     # each case: one untimed call per build, then one per round; every one through the build's own library
     assert seen[0].calls == seen[1].calls == 4 * (1 + 2)
@@ -89,10 +96,29 @@ def test_placement_lays_the_pools_pages_as_asked(tmp_path, monkeypatch):
     real = builds.pools
     monkeypatch.setattr(builds, "pools", lambda *a: placed.append(a[-1]) or real(*a))
     args = arguments(tmp_path, "--kinds", "bf16", "--placement", "interleaved")
-    assert [name for name, _ in builds.cases(args)] == ["bf16 contiguous", "bf16 pages of 16, interleaved"]
+    assert [name for name, _, _ in builds.cases(args)] == ["bf16 contiguous", "bf16 pages of 16, interleaved"]
     assert placed == ["interleaved"]
     with pytest.raises(SystemExit):
         arguments(tmp_path, "--placement", "random")
     args.pages = []
     with pytest.raises(SystemExit, match="give --pages too"):
         builds.main(args)
+
+
+def test_a_vector_path_is_the_sources_build_with_its_flags_and_one_this_cpu_lacks_is_refused(tmp_path, monkeypatch):
+    parser = argparse.ArgumentParser()
+    builds.add_arguments(parser)
+    compiled = []
+    monkeypatch.setattr(native_build, "compiler", lambda: "c++")
+    monkeypatch.setattr(native_build, "_build", lambda cxx, target, flags, source: compiled.append((flags, source)))
+    monkeypatch.setattr(builds, "load_build", lambda label, path: builds.Build(label, None))
+    made = builds.builds_from(parser.parse_args(["--path", "native", "--path", "plain", "--quiet"]), tmp_path)
+    assert [b.label for b in made] == ["native path", "plain path"]
+    assert compiled == [(native_build.FLAGS, native_build.SOURCE), (native_build.path_flags("plain"),
+                                                                     native_build.SOURCE)]
+    assert "-march=native" not in native_build.path_flags("plain") and "-mavx2" in native_build.path_flags("avx2")
+    monkeypatch.setattr(native_build, "cpu_key", lambda: "x86_64 flags: sse2 avx2 fma f16c")
+    with pytest.raises(SystemExit, match="--path avx512 needs avx512f, avx512bw, avx512dq, which this CPU lacks"):
+        builds.builds_from(parser.parse_args(["--path", "avx512", "--path", "plain"]), tmp_path)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--path", "neon"])

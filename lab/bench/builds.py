@@ -10,11 +10,14 @@ library (a count of its kernel calls): a comparison that timed one build twice, 
 would, stops with an error instead of a ratio of 1.
 
 Rows: each case and build, ``ms`` (median over rounds), ``vs first`` (the median of the per-round ratios to the first
-build: ``lab.measure.paired_ratio``) and ``bitwise same`` (its output against the first build's).
+build: ``lab.measure.paired_ratio``), ``of copy`` (the K/V bytes read per second over a copy's bytes read and written
+per second, the copy of as many bytes timed in the same rounds, cold too: the issue's "of copy") and ``bitwise same``
+(its output against the first build's); then the copy's own row.
 
     python run.py bench builds --against HEAD                    # the working tree's source vs HEAD's: 1 min + builds
     python run.py bench builds --source a.cpp --source b.cpp --pages 16 --batch 8 --keys 8k
     python run.py bench builds --library x.so --library y.so --quick
+    python run.py bench builds --path native --path avx2 --path plain  # this source on each vector path this CPU runs
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a decode_native.cpp to build and time (repeat: two or more builds)")
     parser.add_argument("--library", action="append", default=[], metavar="SO",
                         help="a built library to time as it is (repeat; with --source too)")
+    parser.add_argument("--path", action="append", default=[], choices=("native", *native_build.VECTOR_PATHS),
+                        help="the working tree's source built for a vector path (repeat): native (-march=native, "
+                        "the library the engine builds), or avx512 / avx2 / plain (the portable C++) as a CPU "
+                        "without the wider ones builds it; one this CPU lacks is refused")
     parser.add_argument("--kinds", default="bf16,int8,fp8", help=f"K/V kinds, comma-separated: {', '.join(KINDS)}")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
     parser.add_argument("--keys", type=parse_count, default=32768, help="keys per sequence (default 32k; 2k with "
@@ -117,11 +124,18 @@ def builds_from(args: argparse.Namespace, folder: Path) -> list[Build]:
         wanted += [(args.against, "source", old), ("working tree", "source", native_build.SOURCE)]
     wanted += [(Path(s).name, "source", Path(s)) for s in args.source]
     wanted += [(Path(s).name, "library", Path(s)) for s in args.library]
+    wanted += [(f"{path} path", path, native_build.SOURCE) for path in args.path]
     if len(wanted) < 2:
-        raise SystemExit("bench builds: give two or more builds (--against REV, or --source / --library twice)")
+        raise SystemExit("bench builds: give two or more builds (--against REV, or --source / --library / --path "
+                         "twice)")
     for _, _, path in wanted:
         if not path.is_file():
             raise SystemExit(f"bench builds: {path} is not a file")
+    cpu = native_build.cpu_key().split()
+    for path in args.path:
+        missing = [flag for flag in native_build.VECTOR_PATHS.get(path, ((), ()))[1] if flag not in cpu]
+        if missing:
+            raise SystemExit(f"bench builds: --path {path} needs {', '.join(missing)}, which this CPU lacks")
     cxx = native_build.compiler()
     builds = []
     for index, (label, what, path) in enumerate(wanted):
@@ -132,7 +146,8 @@ def builds_from(args: argparse.Namespace, folder: Path) -> list[Build]:
             raise SystemExit("bench builds: no C++ compiler to build the sources with")
         else:
             start = time.perf_counter()
-            native_build._build(cxx, target, native_build.FLAGS, source=path)
+            flags = native_build.FLAGS if what in ("source", "native") else native_build.path_flags(what)
+            native_build._build(cxx, target, flags, source=path)
             if not args.quiet:
                 print(f"built {label} in {time.perf_counter() - start:.0f} s")
         try:
@@ -156,8 +171,9 @@ def using(build: Build) -> Iterator[None]:
             module.load_native = load
 
 
-def cases(args: argparse.Namespace) -> list[tuple[str, Callable[[], Callable[[], torch.Tensor]]]]:
-    """``(name, make)`` per case: ``make()`` plans the call (under a build) and returns its run."""
+def cases(args: argparse.Namespace) -> list[tuple[str, Callable[[], Callable[[], torch.Tensor]], int]]:
+    """``(name, make, kv_bytes)`` per case: ``make()`` plans the call (under a build) and returns its run; the K/V
+    bytes a call reads (a quantized cache's scales included)."""
     keys, generator = args.keys, torch.Generator().manual_seed(args.seed)
     q = torch.randn(args.batch, HQ, 1, D, generator=generator)  # [B, Hq, 1, D]
     k, v = (torch.randn(args.batch, HKV, keys, D, generator=generator) for _ in range(2))  # [B, Hkv, S, D]
@@ -170,7 +186,8 @@ def cases(args: argparse.Namespace) -> list[tuple[str, Callable[[], Callable[[],
         qc = q.to(q_kind)
         held = [on_huge_pages(quantize(x, kind) if kind in (torch.int8, KINDS.get("fp8")) else x.to(kind))
                 for x in (k, v)]
-        out.append((f"{name} contiguous", functools.partial(_contiguous, qc, *held)))
+        kv_bytes = sum(x.data.nbytes + x.scale.nbytes if hasattr(x, "scale") else x.nbytes for x in held)
+        out.append((f"{name} contiguous", functools.partial(_contiguous, qc, *held), kv_bytes))
         for page in args.pages if kind != KINDS.get("fp8") else []:
             if keys % page:
                 raise SystemExit(f"bench builds: --keys {keys} is not a multiple of the page size {page}")
@@ -179,7 +196,7 @@ def cases(args: argparse.Namespace) -> list[tuple[str, Callable[[], Callable[[],
             lengths, starts = torch.full((args.batch,), keys), torch.arange(args.batch + 1)
             placed = "" if args.placement == "shuffled" else f", {args.placement}"
             out.append((f"{name} pages of {page}{placed}",
-                        functools.partial(_paged, qc[:, :, 0], kp, vp, table, lengths, starts)))
+                        functools.partial(_paged, qc[:, :, 0], kp, vp, table, lengths, starts), kv_bytes))
     return out
 
 
@@ -193,20 +210,30 @@ def _paged(q, k_pages, v_pages, table, lengths, starts) -> Callable[[], torch.Te
     return lambda: plan.run(q, k_pages, v_pages)
 
 
-def case_rows(name: str, make, builds: list[Build], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each build's row for one case, its plan made under it and every timed call checked to have run it."""
+def case_rows(name: str, make, kv_bytes: int, builds: list[Build], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each build's row for one case, its plan made under it and every timed call checked to have run it; then the
+    row of a copy of ``kv_bytes`` timed in the same rounds."""
     runs, outputs = [], []
     for build in builds:
         with using(build):
             run = make()
             outputs.append(_through(build, run, name))  # (the plan's runner is decided on its first run)
         runs.append(run)
-    timed = {i: functools.partial(_through, build, runs[i], name) for i, build in enumerate(builds)}
+    timed: dict[Any, Callable[[], Any]] = {i: functools.partial(_through, build, runs[i], name)
+                                           for i, build in enumerate(builds)}
+    source = torch.ones(kv_bytes // 4)
+    target = torch.empty_like(source)
+    timed["copy"] = lambda: target.copy_(source)
     per_round = interleaved_rounds(timed, args.rounds, 1, warmup=0, before=None if args.warm else evict_caches)
     times = [[us / 1e3 for us in per_round[i]] for i in range(len(builds))]  # ms
-    return [{"case": name, "build": build.label, "ms": statistics.median(times[i]),
-             "vs first": paired_ratio(times[i], times[0]), "bitwise same": bool(torch.equal(outputs[i], outputs[0])),
-             "round ms": times[i]} for i, build in enumerate(builds)]
+    copy = [us / 1e3 for us in per_round["copy"]]
+    rows = [{"case": name, "build": build.label, "ms": statistics.median(times[i]),
+             "vs first": paired_ratio(times[i], times[0]), "of copy": paired_ratio(copy, times[i]) / 2,
+             "bitwise same": bool(torch.equal(outputs[i], outputs[0])), "round ms": times[i]}
+            for i, build in enumerate(builds)]
+    return rows + [{"case": name, "build": f"copy of the K/V bytes ({kv_bytes / 2**20:.0f} MiB)",
+                    "ms": statistics.median(copy), "vs first": None, "of copy": 1.0, "bitwise same": None,
+                    "round ms": copy}]
 
 
 def _through(build: Build, run: Callable[[], torch.Tensor], name: str) -> torch.Tensor:
@@ -219,6 +246,7 @@ def _through(build: Build, run: Callable[[], torch.Tensor], name: str) -> torch.
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
+    rows = [r for r in rows if r["vs first"] is not None]  # (the builds; not the copies)
     fig, (ax,) = plots.figure(width=7.0, height=0.5 + 0.45 * len(rows))
     labels = [f"{r['case']}: {r['build']}" for r in rows]
     ax.barh(range(len(rows)), [r["vs first"] for r in rows], color="tab:blue")
@@ -245,9 +273,9 @@ def main(args: argparse.Namespace) -> int:
         builds = builds_from(args, Path(folder))
         rows = []
         with torch.no_grad():
-            for name, make in progress(planned, "bench builds", quiet=args.quiet):
-                rows += case_rows(name, make, builds, args)
-    print(format_table(rows, ["case", "build", "ms", "vs first", "bitwise same"]))
+            for name, make, kv_bytes in progress(planned, "bench builds", quiet=args.quiet):
+                rows += case_rows(name, make, kv_bytes, builds, args)
+    print(format_table(rows, ["case", "build", "ms", "vs first", "of copy", "bitwise same"]))
     meta = {**machine_info(), "command": "bench builds", "args": vars(args), "cold": not args.warm,
             "B": args.batch, "S": args.keys, "Hq": HQ, "Hkv": HKV, "D": D}
     paths = save_results(args.out, "builds", rows, meta)

@@ -516,6 +516,7 @@ def variant_library():
                 done.result()  # (a failed build raises here, in the test that needs it)
             built[name] = native_build.NativeLibrary(path, 0.0)
             assert built[name].lanes == VARIANTS[name][2]
+            assert not built[name].openmp  # (built without -fopenmp: the library's own threads run it)
         return built[name]
 
     yield build

@@ -1900,6 +1900,15 @@ int decode_native_lanes() {
 #endif
 }
 
+// 1 when the runs go to OpenMP's workers (torch's), 0 when to threads of the library's own (a build without OpenMP)
+int decode_native_openmp() {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 // 1 when int8 K/V run on AMX tiles where they fit (amx_usable): built for a CPU with AMX-INT8 and granted the tiles
 int decode_native_amx() {
 #if DN_AMX

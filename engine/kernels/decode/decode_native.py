@@ -30,15 +30,13 @@ from engine.inputs import AttentionInputs
 from engine.invariance import is_batch_invariant
 from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, needs_grad, unfold_groups
 from engine.kernels.decode.native_build import (
-    NON_FINITE_Q,
-    OK,
-    DecodeCall,
     bf16_dot_built,
     bf16_dot_scores,
     load_native,
     native_amx,
     native_unavailable,
 )
+from engine.kernels.decode.native_library import NON_FINITE_Q, OK, DecodeCall
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
 from engine.kernels.visibility import chunk_rows, decode_rows
 from engine.masks.key_indices import split_listed

@@ -17,14 +17,16 @@ at load decide. Nothing is built while
 choosing a kernel or explaining a call: the first call that runs the kernel builds it (seconds, once per CPU), or
 ``python run.py build-native`` does ahead of time.
 
-The boundary with Python is one C struct, ``DecodeCall`` (declared here and in the source; the library reports
-its field offsets and a mismatch is refused at load).
+The boundary with Python is one C struct, ``DecodeCall`` (declared in engine.kernels.decode.native_library and in
+the source; the library reports its field offsets and a mismatch is refused at load).
 
 OpenMP: the library is built with ``-fopenmp`` and links ``libgomp.so.1``, the runtime of PyPI's torch builds,
 so the kernel's runs go to the OpenMP workers torch already has (no second thread pool). Where torch uses
 another runtime (Intel's ``libiomp5`` or LLVM's ``libomp``: ``torch.__config__.parallel_info()`` names it), the
 process holds two: results are the same, but the kernel's threads are not torch's and may share cores with
-them; if that runtime refuses a second one in the process, set ``ATTENTION_ENGINE_NATIVE=0``.
+them; if that runtime refuses a second one in the process, set ``ATTENTION_ENGINE_NATIVE=0``. A compiler that
+refuses ``-fopenmp`` (clang without libomp, as Apple's) builds the library without it (``NO_OPENMP_FLAGS``): its
+runs then go to threads of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.kernels.decode.native_library import BF16_DOT_ENV, NativeLibrary, dot_mode_asked
+
 SOURCE = Path(__file__).with_name("decode_native.cpp")
 # -fopenmp: the kernel's threads are torch's OpenMP workers (the libgomp.so.1 torch has loaded serves this library too)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
@@ -55,94 +59,10 @@ VECTOR_PATHS = {
     "plain": ((), ()),
 }
 DISABLE_ENV = "ATTENTION_ENGINE_NATIVE"
-BF16_DOT_ENV = "ATTENTION_ENGINE_BF16_DOT"  # 1 / 0 / auto (NativeLibrary.dot_mode)
+# A compiler without OpenMP's runtime (clang without libomp, Apple's among them) refuses -fopenmp: the library is then
+# built without it, its runs on threads of its own (std::thread) and its `omp simd` loops still the compiler's vectors
+NO_OPENMP_FLAGS = tuple(flag for flag in FLAGS if flag != "-fopenmp") + ("-fopenmp-simd",)
 BUILD_TIMEOUT_S = 300
-
-
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-
-
-class DecodeCall(ctypes.Structure):
-    """The one argument of the C entry point ``decode_native`` (``DecodeCall`` in decode_native.cpp, field for
-    field; a library whose offsets differ is refused at load). Shapes and strides count elements."""
-
-    _fields_ = [
-        ("kind", _I64), ("threads", _I64),
-        ("B", _I64), ("H", _I64), ("R", _I64), ("S", _I64), ("D", _I64), ("Dv", _I64),
-        ("k", _PTR), ("k_strides", _I64 * 3), ("k_scale", _PTR), ("k_scale_strides", _I64 * 3),
-        ("v", _PTR), ("v_strides", _I64 * 3), ("v_scale", _PTR), ("v_scale_strides", _I64 * 3),
-        ("q", _PTR), ("q_strides", _I64 * 3), ("scale", ctypes.c_double),
-        ("visible", _PTR), ("visible_strides", _I64 * 4),
-        ("out", _PTR), ("lse", _PTR),
-        ("pages", _PTR), ("pages_stride", _I64), ("page_size", _I64), ("lengths", _PTR), ("key_offset", _I64),
-        ("io_kind", _I64),  # q's and out's: 0 fp32, 1 bf16 (decode_native.IO_KINDS)
-    ]
-
-
-# decode_native's return codes
-OK, UNKNOWN_KIND, NON_FINITE_Q = 0, 1, 2
-
-
-class NativeLibrary:
-    """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``listed_tables`` builds a list of keys' page
-    table, ``lanes`` is its vector width, ``amx`` whether it computes int8 K/V on AMX tiles (a CPU with AMX-INT8,
-    granted by Linux), ``bf16_dot`` whether bf16 K's scores are AVX512-BF16 dot products where q's values are bf16
-    numbers (where ``dot_rates``, ns per vdpbf16ps and per FMA timed once as the library loads, show one costing at
-    most ``dot_rates[2]`` FMAs; ``use_bf16_dot`` forces it, ``dot_mode`` says how it is set: None by the rates, else
-    forced, at load by ``ATTENTION_ENGINE_BF16_DOT``), ``build_s`` the seconds the build took in this process (0 when
-    the cache had it)."""
-
-    def __init__(self, path: Path, build_s: float) -> None:
-        self.path, self.build_s = path, build_s
-        self.lib = ctypes.CDLL(str(path))
-        self.lib.decode_native_layout.restype = ctypes.c_int
-        self.lib.decode_native_layout.argtypes = [ctypes.POINTER(_I64), ctypes.c_int]
-        offsets = (_I64 * 64)()
-        count = self.lib.decode_native_layout(offsets, 64)
-        ours = [getattr(DecodeCall, name).offset for name, _ in DecodeCall._fields_] + [ctypes.sizeof(DecodeCall)]
-        if list(offsets[:count]) != ours:
-            raise RuntimeError(f"{path} lays DecodeCall out as {list(offsets[:count])}, Python as {ours}: the "
-                               f"library and engine/kernels/native_build.py disagree")
-        self.decode = self.lib.decode_native
-        self.decode.restype = ctypes.c_int
-        self.decode.argtypes = [ctypes.POINTER(DecodeCall)]
-        self.lib.decode_native_lanes.restype = ctypes.c_int
-        self.lanes = int(self.lib.decode_native_lanes())
-        self.lib.decode_native_amx.restype = ctypes.c_int
-        self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (amx_usable)
-        self.lib.decode_native_bf16_dot.restype = ctypes.c_int
-        self.bf16_dot = bool(self.lib.decode_native_bf16_dot())  # bf16 K against bf16 numbers in q: vdpbf16ps
-        # (a library built from an older source, which run.py bench builds may time, has neither of the two below)
-        timed, rates = hasattr(self.lib, "decode_native_bf16_dot_rates"), (ctypes.c_double * 3)()
-        self.dot_rates = tuple(rates) if timed and self.lib.decode_native_bf16_dot_rates(rates) else None
-        self.dot_mode: bool | None = None
-        if timed:
-            self.lib.decode_native_use_bf16_dot.restype = ctypes.c_int
-            self.lib.decode_native_use_bf16_dot.argtypes = [ctypes.c_int]
-            # (the mode is the loaded file's: objects loading one path share it, so only an asked mode is applied)
-            if (asked := dot_mode_asked()) is not None:
-                self.use_bf16_dot(asked)
-        self.listed_tables = self.lib.decode_native_listed_tables  # (engine.kernels.decode.native_listed)
-        self.listed_tables.restype = ctypes.c_int
-        self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
-                                       _PTR, _I64, _I64, _I64]
-
-    def use_bf16_dot(self, mode: bool | None) -> bool:
-        """Force this process's later calls onto vdpbf16ps scores (True, where the build has them) or the FMAs
-        (False), or leave it to ``dot_rates`` (None); for tests and A/B timings. Returns ``bf16_dot`` after."""
-        self.bf16_dot = bool(self.lib.decode_native_use_bf16_dot(-1 if mode is None else int(mode)))
-        self.dot_mode = mode
-        return self.bf16_dot
-
-
-def dot_mode_asked() -> bool | None:
-    """``ATTENTION_ENGINE_BF16_DOT``: True (``1``), False (``0``) or None (unset, empty or ``auto``); any other value
-    is refused (the library does not load, and explain() says why)."""
-    value = os.environ.get(BF16_DOT_ENV, "").strip().lower()
-    if value not in ("", "auto", "0", "1"):
-        raise RuntimeError(f"{BF16_DOT_ENV}={os.environ[BF16_DOT_ENV]!r}: expected 1 (pair dot products), 0 (FMAs) "
-                           f"or auto")
-    return None if value in ("", "auto") else value == "1"
 
 
 def cpu_key() -> str:
@@ -224,10 +144,10 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def library_path(cxx: str) -> Path:
+def library_path(cxx: str, flags: tuple[str, ...] = FLAGS) -> Path:
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), cpu_key().encode()):
+    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(), cpu_key().encode()):
         digest.update(part)
     root = Path(os.environ.get("ATTENTION_ENGINE_CACHE") or Path.home() / ".cache" / "attention-engine")
     return root / f"decode_native-{digest.hexdigest()[:16]}.so"
@@ -259,17 +179,32 @@ def load_native() -> NativeLibrary | str:
         return why_not
     cxx = compiler()
     try:
-        path = library_path(cxx)
-        build_s = 0.0
-        if not path.exists():
-            start = time.perf_counter()
-            _build(cxx, path)
-            build_s = time.perf_counter() - start
+        path, build_s = built_library(cxx)
         library = NativeLibrary(path, build_s)
         _loaded[:] = [library]
         return library
     except (OSError, subprocess.SubprocessError, RuntimeError) as error:
         return f"the native kernel failed to build or load: {str(error).strip()[-300:]}"
+
+
+def built_library(cxx: str) -> tuple[Path, float]:
+    """The library for this CPU and ``cxx`` and the seconds its build took here (0: cached): built with ``FLAGS``, or
+    where the compiler refuses them, with ``NO_OPENMP_FLAGS`` (found first if cached, so a refusal is met once). Raises
+    RuntimeError with both compilers' words when neither builds."""
+    paths = [library_path(cxx, flags) for flags in (FLAGS, NO_OPENMP_FLAGS)]
+    for path in paths:
+        if path.exists():
+            return path, 0.0
+    start = time.perf_counter()
+    try:
+        _build(cxx, paths[0])
+        return paths[0], time.perf_counter() - start
+    except RuntimeError as refused:
+        try:
+            _build(cxx, paths[1], NO_OPENMP_FLAGS)
+        except RuntimeError as again:
+            raise RuntimeError(f"with OpenMP: {str(refused).strip()[-200:]}; without: {again}") from None
+        return paths[1], time.perf_counter() - start
 
 
 def _build(cxx: str, path: Path, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> None:
@@ -308,5 +243,6 @@ def main(args: argparse.Namespace) -> int:
         return 1
     built = f"built in {library.build_s:.1f} s" if library.build_s else "already built"
     vectors = f"{library.lanes}-lane vectors" if library.lanes > 1 else "the portable C++ (the compiler's vectors)"
-    print(f"{library.path}: {built}, {vectors}")
+    threads = "" if library.openmp else "; its own threads (the compiler has no OpenMP)"
+    print(f"{library.path}: {built}, {vectors}{threads}")
     return 0

@@ -24,7 +24,7 @@ import torch
 
 from engine.inputs import AttentionInputs
 from engine.kernels.common import DoesNotFit
-from engine.kernels.decode.native_build import NON_FINITE_Q, NativeLibrary
+from engine.kernels.decode.native_library import NON_FINITE_Q, NativeLibrary
 from engine.masks.key_indices import split_listed
 from engine.quantized import QuantizedKV
 

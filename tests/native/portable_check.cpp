@@ -1,0 +1,174 @@
+// The decode kernel built for another CPU (tests/test_decode_portable.py: aarch64, its portable C++ path in NEON
+// vectors, run under qemu) against a float64 oracle written here: every fp16 and e4m3 code as the kernel reads
+// it, then decodes over each kind, head dims no vector width divides, 1-6 rows, masks, 1 and 2 threads, contiguous
+// and paged (pages of 16, shuffled). Prints one line per failure and a summary; exits 1 on any failure.
+#include "../../engine/kernels/decode/decode_native.cpp"
+
+#include <cstdio>
+#include <random>
+
+namespace check {
+
+double half_value(uint16_t h) {  // IEEE fp16, read from its fields
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const double sign = (h & 0x8000) ? -1.0 : 1.0;
+    if (e == 31) return m ? NAN : sign * INFINITY;
+    return sign * (e == 0 ? m * std::ldexp(1.0, -24) : (1 + m / 1024.0) * std::ldexp(1.0, e - 15));
+}
+double e4m3_value(uint8_t x) {  // fp8 e4m3fn: no inf, 0x7F / 0xFF NaN
+    const int e = (x >> 3) & 15, m = x & 7;
+    const double sign = (x & 0x80) ? -1.0 : 1.0;
+    if ((x & 0x7F) == 0x7F) return NAN;
+    return sign * (e == 0 ? m * std::ldexp(1.0, -9) : (1 + m / 8.0) * std::ldexp(1.0, e - 7));
+}
+bool same(double want, double got) { return want == got || (std::isnan(want) && std::isnan(got)); }
+
+struct Case {
+    int kind;
+    int64_t D, Dv, R, S;
+    bool masked, paged;
+    int threads;
+};
+
+// worst error over the case's rows, as a share of the tolerance (lse: 1e-5 (1 + |lse|); out: 1e-5 (1 + max |v|))
+double run(const Case& t, std::mt19937& g) {
+    const int64_t B = 2, H = 2, D = t.D, Dv = t.Dv, R = t.R, S = t.S, eb = kind_bytes(t.kind);
+    const bool scaled = t.kind == I8 || t.kind == F8E4M3;
+    std::normal_distribution<float> normal;
+    std::vector<uint8_t> k(B * H * S * D * eb), v(B * H * S * Dv * eb);
+    std::vector<double> kd(B * H * S * D), vd(B * H * S * Dv);
+    std::vector<float> ks(B * H * S), vs(B * H * S);
+    for (auto* sc : {&ks, &vs})
+        for (auto& x : *sc) x = 0.01f + (float)(g() % 100) / 1000.0f;
+    auto fill = [&](std::vector<uint8_t>& raw, std::vector<double>& value, const std::vector<float>& sc, int64_t w) {
+        for (int64_t i = 0; i < (int64_t)value.size(); ++i) {
+            const float x = normal(g);
+            const double unit = scaled ? sc[i / w] : 1.0;
+            if (t.kind == F32) {
+                std::memcpy(&raw[4 * i], &x, 4), value[i] = x;
+            } else if (t.kind == BF16) {
+                const uint16_t h = (uint16_t)(float_bits(x) >> 16);
+                std::memcpy(&raw[2 * i], &h, 2), value[i] = bits_float((uint32_t)h << 16);
+            } else if (t.kind == F16) {  // any sign and mantissa, exponents 0 (subnormal) to 17
+                const uint16_t h = (uint16_t)((g() & 0x83FF) | ((g() % 18) << 10));
+                std::memcpy(&raw[2 * i], &h, 2), value[i] = half_value(h);
+            } else if (t.kind == I8) {
+                const int8_t c = (int8_t)((int)(g() % 255) - 127);
+                raw[i] = (uint8_t)c, value[i] = c * unit;
+            } else {
+                uint8_t c = (uint8_t)(g() & 0xFF);
+                if ((c & 0x7F) == 0x7F) c = 0;
+                raw[i] = c, value[i] = e4m3_value(c) * unit;
+            }
+        }
+    };
+    fill(k, kd, ks, D);
+    fill(v, vd, vs, Dv);
+    std::vector<float> q(B * H * R * D), out(B * H * R * Dv), lse(B * H * R);
+    for (auto& x : q) x = normal(g);
+    std::vector<uint8_t> visible(B * H * R * S, 1);
+    if (t.masked)
+        for (auto& x : visible) x = g() % 10 > 2;
+    DecodeCall c{};
+    c.kind = t.kind, c.threads = t.threads, c.B = B, c.H = H, c.R = R, c.S = S, c.D = D, c.Dv = Dv;
+    c.q = q.data(), c.q_strides[0] = H * R * D, c.q_strides[1] = R * D, c.q_strides[2] = D;
+    c.scale = 1.0 / std::sqrt((double)D);
+    if (t.masked)
+        c.visible = visible.data(), c.visible_strides[0] = H * R * S, c.visible_strides[1] = R * S,
+        c.visible_strides[2] = S, c.visible_strides[3] = 1;
+    c.out = out.data(), c.lse = lse.data(), c.io_kind = F32;
+    // paged: pools [pages, 16, H, D] whose pages are the sequences' in shuffled order; else [B, H, S, D]
+    const int64_t P = 16, per = (S + P - 1) / P;
+    std::vector<int64_t> table(B * per), lengths(B, S);
+    std::vector<uint8_t> kp, vp;
+    std::vector<float> ksp, vsp;
+    if (t.paged) {
+        for (int64_t i = 0; i < B * per; ++i) table[i] = i;
+        std::shuffle(table.begin(), table.end(), g);
+        kp.assign(B * per * P * H * D * eb, 0), vp.assign(B * per * P * H * Dv * eb, 0);
+        ksp.assign(B * per * P * H, 1.0f), vsp.assign(B * per * P * H, 1.0f);
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t h = 0; h < H; ++h)
+                for (int64_t j = 0; j < S; ++j) {
+                    const int64_t slot = (table[b * per + j / P] * P + j % P) * H + h, row = (b * H + h) * S + j;
+                    std::memcpy(&kp[slot * D * eb], &k[row * D * eb], D * eb);
+                    std::memcpy(&vp[slot * Dv * eb], &v[row * Dv * eb], Dv * eb);
+                    ksp[slot] = ks[row], vsp[slot] = vs[row];
+                }
+        c.k = kp.data(), c.k_strides[0] = P * H * D, c.k_strides[1] = H * D, c.k_strides[2] = D;
+        c.v = vp.data(), c.v_strides[0] = P * H * Dv, c.v_strides[1] = H * Dv, c.v_strides[2] = Dv;
+        if (scaled)
+            c.k_scale = ksp.data(), c.v_scale = vsp.data(), c.k_scale_strides[0] = c.v_scale_strides[0] = P * H,
+            c.k_scale_strides[1] = c.v_scale_strides[1] = H, c.k_scale_strides[2] = c.v_scale_strides[2] = 1;
+        c.pages = table.data(), c.pages_stride = per, c.page_size = P, c.lengths = lengths.data();
+    } else {
+        c.k = k.data(), c.k_strides[0] = H * S * D, c.k_strides[1] = S * D, c.k_strides[2] = D;
+        c.v = v.data(), c.v_strides[0] = H * S * Dv, c.v_strides[1] = S * Dv, c.v_strides[2] = Dv;
+        if (scaled)
+            c.k_scale = ks.data(), c.v_scale = vs.data(), c.k_scale_strides[0] = c.v_scale_strides[0] = H * S,
+            c.k_scale_strides[1] = c.v_scale_strides[1] = S, c.k_scale_strides[2] = c.v_scale_strides[2] = 1;
+    }
+    if (decode_native(&c) != 0) return INFINITY;
+    double worst = 0;
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t r = 0; r < R; ++r) {
+                const int64_t row = (b * H + h) * R + r;
+                std::vector<double> s(S, -INFINITY);
+                double m = -INFINITY, l = 0, vmax = 0;
+                for (int64_t j = 0; j < S; ++j) {
+                    if (!visible[row * S + j]) continue;
+                    s[j] = 0;
+                    for (int64_t d = 0; d < D; ++d) s[j] += (double)q[row * D + d] * c.scale * kd[((b * H + h) * S + j) * D + d];
+                    m = std::max(m, s[j]);
+                }
+                std::vector<double> o(Dv, 0.0);
+                for (int64_t j = 0; j < S; ++j) {
+                    for (int64_t d = 0; d < Dv; ++d) vmax = std::max(vmax, std::fabs(vd[((b * H + h) * S + j) * Dv + d]));
+                    if (s[j] == -INFINITY) continue;
+                    const double p = std::exp(s[j] - m);
+                    l += p;
+                    for (int64_t d = 0; d < Dv; ++d) o[d] += p * vd[((b * H + h) * S + j) * Dv + d];
+                }
+                const double want_lse = l > 0 ? m + std::log(l) : -INFINITY;
+                double err = l > 0 ? std::fabs(lse[row] - want_lse) / (1e-5 * (1 + std::fabs(want_lse)))
+                                   : (lse[row] == -INFINITY ? 0.0 : INFINITY);
+                for (int64_t d = 0; d < Dv; ++d)
+                    err = std::max(err, std::fabs(out[row * Dv + d] - (l > 0 ? o[d] / l : 0.0)) / (1e-5 * (1 + vmax)));
+                worst = std::max(worst, std::isnan(err) ? INFINITY : err);
+            }
+    return worst;
+}
+
+}  // namespace check
+
+int main() {
+    int wrong = 0;
+    for (int h = 0; h < 65536; ++h) {
+        const uint16_t code = (uint16_t)h;
+        if (!check::same(check::half_value(code), load_scalar<F16>(&code, 0)) && wrong++ < 5) printf("fp16 %04x\n", h);
+    }
+    for (int x = 0; x < 256; ++x) {  // (the kernel reads e4m3 as 2^-8 of its value, the 2^8 in the key's scale)
+        const uint8_t code = (uint8_t)x;
+        if (!check::same(check::e4m3_value(code), load_scalar<F8E4M3>(&code, 0) * 256.0) && wrong++ < 10)
+            printf("e4m3 %02x\n", x);
+    }
+    std::mt19937 g(7);
+    int cases = 0;
+    double worst = 0;
+    const int64_t dims[][2] = {{128, 128}, {72, 40}, {36, 20}};
+    for (int kind = F32; kind <= F8E4M3; ++kind)
+        for (const auto& dd : dims)
+            for (int64_t R : {1, 4, 6})
+                for (int64_t S : {1, 70, 2100})
+                    for (int variant = 0; variant < 4; ++variant) {
+                        const check::Case t{kind, dd[0], dd[1], R, S, variant % 2 == 1, variant >= 2, 1 + variant % 2};
+                        const double err = check::run(t, g);
+                        ++cases, worst = std::max(worst, err);
+                        if (!(err <= 1.0) && wrong++ < 30)
+                            printf("kind %d D %ld Dv %ld R %ld S %ld masked %d paged %d threads %d: %g of tolerance\n",
+                                   kind, (long)t.D, (long)t.Dv, (long)R, (long)S, t.masked, t.paged, t.threads, err);
+                    }
+    printf("lanes %d; %d cases, worst %.3f of tolerance; %d wrong\n", decode_native_lanes(), cases, worst, wrong);
+    return wrong != 0;
+}

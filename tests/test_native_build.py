@@ -62,3 +62,45 @@ def test_a_compiler_taking_openmp_builds_with_it(tmp_path, monkeypatch):
         pytest.skip("no native library here to stand in for a build")
     path, _ = built_library(cxx)
     assert path == library_path(cxx, FLAGS) and len(builds(tmp_path)) == 1
+
+
+def test_explain_names_the_vector_path_a_call_takes(monkeypatch):
+    from types import SimpleNamespace
+
+    from engine.kernels.decode.native_build import vector_path
+
+    def cpu(machine: str, flags: str) -> None:
+        monkeypatch.setattr(native_build.platform, "machine", lambda: machine)
+        monkeypatch.setattr(native_build, "cpu_key", lambda: f"{machine} flags: {flags}")
+        native_build.cpu_lanes.cache_clear()
+
+    monkeypatch.setattr(native_build, "loaded_native", lambda: None)
+    cpu("x86_64", "avx2 fma f16c avx512f avx512bw avx512dq")
+    assert vector_path(128, 64) == "AVX-512 vectors (16 lanes)"
+    assert vector_path(72, 64) == ("the portable C++ path (its loops the compiler's own vectors): D 72 / Dv 64 not "
+                                   "both multiples of AVX-512's 16 lanes (slower than AVX-512)")
+    assert vector_path(128, 40).startswith("the portable C++ path")  # (Dv counts too)
+    cpu("x86_64", "avx2 fma f16c")
+    assert vector_path(72, 40) == "AVX2 vectors (8 lanes)" and "AVX2's 8 lanes" in vector_path(36, 40)
+    monkeypatch.setattr(native_build, "loaded_native", lambda: SimpleNamespace(lanes=16))  # the loaded build decides
+    assert vector_path(128, 128) == "AVX-512 vectors (16 lanes)"
+    monkeypatch.setattr(native_build, "loaded_native", lambda: None)
+    cpu("aarch64", "fp asimd avx512f avx512bw avx512dq")  # (not x86: whatever its flags say)
+    assert vector_path(128, 128).endswith("no AVX-512 or AVX2 here")
+    monkeypatch.undo()
+    native_build.cpu_lanes.cache_clear()  # (this CPU's again)
+
+
+@pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")
+def test_explain_says_a_head_dim_no_vector_width_divides_takes_the_portable_path():
+    import torch
+
+    import engine
+
+    wide = load_native().lanes
+    if wide == 1:
+        pytest.skip("this CPU's build is the portable path for every head dim")
+    odd = wide + 4  # (a multiple of 4, not of the lanes)
+    for d, portable in ((odd, True), (2 * wide, False)):
+        told = str(engine.explain(torch.randn(1, 8, 1, d), torch.randn(1, 2, 300, d), torch.randn(1, 2, 300, d)))
+        assert "decode_native" in told and ("portable C++ path" in told) == portable, told

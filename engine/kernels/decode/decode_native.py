@@ -1,9 +1,9 @@
 """Kernel ``decode_native``: the decode kernel in C++, at the memory-bandwidth limit of the CPU.
 
-Decode reads the whole KV cache for a few queries, so its time is the cache's bytes over the memory
-bandwidth. This kernel (``decode_native.cpp``, built by ``native_build``) reads each K/V row once for
-all ``R = G * T`` query rows of its KV head, converts it to fp32 in registers (bf16, fp16, int8, fp8),
-computes the R scores, updates an online softmax and adds the R weighted rows, in blocks of 64 keys; each
+Decode reads the whole KV cache for a few queries, so its time is the cache's bytes over the memory bandwidth. This
+kernel (``decode_native.cpp``, built by ``native_build``) reads each K/V row once for all ``R = G * T`` query rows of
+its KV head, converts it to fp32 in registers (bf16, fp16, int8, fp8), computes the R scores, updates an online
+softmax and adds the R weighted rows, in blocks of 64 keys (AVX-512, AVX2 or portable C++: ``vector_path``); each
 sequence's keys are cut into work items at multiples of 2,048 positions (``SPLIT`` in the source), shared out to
 the threads and merged by log-sum-exp in order, so a row's result depends on its own keys alone: bitwise the same
 whatever else shares the batch, however many threads run it, contiguous or paged (batch invariance)::
@@ -35,6 +35,7 @@ from engine.kernels.decode.native_build import (
     load_native,
     native_amx,
     native_unavailable,
+    vector_path,
 )
 from engine.kernels.decode.native_library import NON_FINITE_Q, OK, DecodeCall
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
@@ -72,11 +73,12 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
 
 
 def native_decode_notes(inputs: AttentionInputs) -> list[str]:
-    """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place; int8 K/V
-    on AMX tiles (decode_native.cpp, "int8 on AMX tiles", its ``amx_usable``): a CPU whose tiles the library uses
+    """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place; int8 K/V on
+    AMX tiles (decode_native.cpp, "int8 on AMX tiles", its ``amx_usable``): a CPU whose tiles the library uses
     (``native_amx``), an int8 cache, at most 4 query rows per KV head (G * T), D 64 or 128 and Dv a multiple of 64,
-    K and V not one tensor; or the scores by vdpbf16ps (DN_BF16_DOT, ``bf16_dot_scores``): 4k rows per KV head, D
-    32k, a bf16 q (the kernel checks q's values), K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
+    K and V not one tensor; else its vector path (``vector_path``), and the scores by vdpbf16ps (DN_BF16_DOT,
+    ``bf16_dot_scores``) for 4k rows per KV head, D 32k, a bf16 q (the kernel checks q's values), K bf16 (Dv 32k),
+    fp8 or int8 (not where int8 takes the tiles)."""
     if listed_fits(inputs) is None:
         return ["key_indices: read in place, only each query's listed keys (native_listed)"]
     k, v, q = inputs.k, inputs.v, inputs.q
@@ -88,9 +90,10 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
     fits = v.shape[3] % 16 == 0 and not (keys == torch.int8 and native_amx()) if isinstance(k, QuantizedKV) else \
         v.shape[3] % 32 == 0
+    path = [vector_path(q.shape[3], v.shape[3])]
     if bf16_dot_built() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and fits:
-        return [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores {bf16_dot_scores()}"]
-    return []
+        return path + [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores {bf16_dot_scores()}"]
+    return path
 
 
 def native_decode_pays_off(inputs: AttentionInputs) -> str | None:
@@ -117,9 +120,8 @@ def native_decode_attention(inputs: AttentionInputs, return_lse: bool = False):
 
 def native_decode_runner(inputs: AttentionInputs):
     """The kernel for a plan: ``run(q, k, v, return_lse) -> (out, lse)`` with everything that depends on shapes,
-    positions and masks decided here, once (the span of keys some row sees, each row's visibility, the
-    ``DecodeCall`` descriptor). Raises DoesNotFit where the library cannot be built; ``run`` raises it for NaN/inf
-    in q (the kernel finds it as it scales q)."""
+    positions and masks decided here, once (the span of keys some row sees, each row's visibility, the ``DecodeCall``
+    descriptor). Raises DoesNotFit where the library cannot be built; ``run`` raises it for NaN/inf in q."""
     return inputs.decided("native_runner", lambda: _runner(inputs))
 
 

@@ -140,6 +140,29 @@ def bf16_dot_built() -> bool:
     return platform.machine() == "x86_64" and {"avx512f", "avx512bw", "avx512dq", "avx512_bf16"} <= flags
 
 
+@functools.cache
+def cpu_lanes() -> int:
+    """The vector width the ``-march=native`` build has on this CPU (builds nothing): 16 (AVX-512), 8 (AVX2 + FMA +
+    F16C) or 1 (the portable C++: any other CPU)."""
+    flags, x86 = set(cpu_key().split()), platform.machine() in ("x86_64", "AMD64")
+    return 16 if x86 and set(VECTOR_PATHS["avx512"][1]) <= flags else 8 if x86 and set(VECTOR_PATHS["avx2"][1]) <= \
+        flags else 1
+
+
+def vector_path(d: int, dv: int) -> str:
+    """explain()'s words for which of the library's paths reads head dims ``d`` / ``dv`` here (builds nothing: the
+    loaded library's width, else the one this CPU's flags give the build)."""
+    library = loaded_native()
+    lanes = library.lanes if library is not None else cpu_lanes()
+    name = {16: "AVX-512", 8: "AVX2"}.get(lanes)
+    portable = "the portable C++ path (its loops the compiler's own vectors)"
+    if name is None:
+        return f"{portable}: no AVX-512 or AVX2 here"
+    if d % lanes or dv % lanes:
+        return f"{portable}: D {d} / Dv {dv} not both multiples of {name}'s {lanes} lanes (slower than {name})"
+    return f"{name} vectors ({lanes} lanes)"
+
+
 def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 

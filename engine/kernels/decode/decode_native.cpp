@@ -173,6 +173,7 @@ template <> DN_INLINE float load_scalar<F8E4M3>(const void* p, int64_t i) {
 // it cannot make one running sum per row (a chain of dependent adds) without that leave. Every conversion above is
 // free of branches for the same reason. Each sum is computed by one loop whatever the block, so a key's score and a
 // row's sum do not depend on where a block ends.
+
 // a * b + c, fused where the CPU has FMA (the compiler's vector FMA then), else a product and a sum
 DN_INLINE float lane_fma(float a, float b, float c) {
 #if defined(__FMA__) || defined(__ARM_FEATURE_FMA)

@@ -174,9 +174,11 @@ template <> DN_INLINE float load_scalar<F8E4M3>(const void* p, int64_t i) {
 // free of branches for the same reason. Each sum is computed by one loop whatever the block, so a key's score and a
 // row's sum do not depend on where a block ends.
 
-// a * b + c, fused where the CPU has FMA (the compiler's vector FMA then), else a product and a sum
+// a * b + c, fused where the CPU has FMA (the compiler's vector FMA then), else a product and a sum. Clang fuses the
+// expression itself (its -ffp-contract=on) and vectorises a sum of those, where std::fma kept its reductions scalar;
+// GCC (-std=c++17: no contraction) needs std::fma.
 DN_INLINE float lane_fma(float a, float b, float c) {
-#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
+#if !defined(__clang__) && (defined(__FMA__) || defined(__ARM_FEATURE_FMA))
     return std::fma(a, b, c);
 #else
     return a * b + c;

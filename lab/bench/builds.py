@@ -11,8 +11,8 @@ would, stops with an error instead of a ratio of 1.
 
 Rows: each case and build, ``ms`` (median over rounds), ``vs first`` (the median of the per-round ratios to the first
 build: ``lab.measure.paired_ratio``), ``of copy`` (the K/V bytes read per second over a copy's bytes read and written
-per second, the copy of as many bytes timed in the same rounds, cold too: the issue's "of copy") and ``bitwise same``
-(its output against the first build's); then the copy's own row.
+per second, the copy of as many bytes timed in the same rounds, cold too, on torch's ``--threads``: the issue's "of
+copy") and ``bitwise same`` (its output against the first build's); then the copy's own row.
 
     python run.py bench builds --against HEAD                    # the working tree's source vs HEAD's: 1 min + builds
     python run.py bench builds --source a.cpp --source b.cpp --pages 16 --batch 8 --keys 8k

@@ -64,7 +64,14 @@ def test_a_compiler_taking_openmp_builds_with_it(tmp_path, monkeypatch):
     assert path == library_path(cxx, FLAGS) and len(builds(tmp_path)) == 1
 
 
-def test_explain_names_the_vector_path_a_call_takes(monkeypatch):
+@pytest.fixture
+def fresh_cpu_lanes():
+    """cpu_lanes read again from this CPU after the test, whatever it faked (it is cached)."""
+    yield
+    native_build.cpu_lanes.cache_clear()
+
+
+def test_explain_names_the_vector_path_a_call_takes(monkeypatch, fresh_cpu_lanes):
     from types import SimpleNamespace
 
     from engine.kernels.decode.native_build import vector_path
@@ -87,8 +94,6 @@ def test_explain_names_the_vector_path_a_call_takes(monkeypatch):
     monkeypatch.setattr(native_build, "loaded_native", lambda: None)
     cpu("aarch64", "fp asimd avx512f avx512bw avx512dq")  # (not x86: whatever its flags say)
     assert vector_path(128, 128).endswith("no AVX-512 or AVX2 here")
-    monkeypatch.undo()
-    native_build.cpu_lanes.cache_clear()  # (this CPU's again)
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import engine
 from engine import KVCache, causal_attention, window_mask
-from engine.kernels.decode.native_build import VECTOR_PATHS, cpu_key, load_native
+from engine.kernels.decode.native_build import cpu_key, load_native, path_flags, path_missing
 from engine.kernels.dispatch import KERNELS
 from engine.masks import key_padding_mask
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
@@ -458,17 +458,15 @@ def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
 
 # --- the other vector paths: this CPU's build takes the widest; build the narrower ones too ----------------------
 
-PLAIN = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp-simd")  # no -march=native; no -fopenmp
-# (plain threads), but its `omp simd` loops, as the native build has them
-# Each vector path with its own flags (native_build.VECTOR_PATHS: its flags, cpu_key's names for what it needs) and
-# lanes; the cached build is -march=native, the widest this CPU has (AVX-512 here, AVX2 on a Zen 3), so the others
+# Each vector path (native_build.VECTOR_PATHS: its flags, cpu_key's names for what it needs) and its lanes, built with
+# native_build.path_flags(path, openmp=False): no -march=native, no -fopenmp (plain threads), its `omp simd` loops
+# kept. The cached build is -march=native, the widest this CPU has (AVX-512 here, AVX2 on a Zen 3), so the others
 # are built here and checked too: a CPU without AVX-512 (or without AVX2, or not x86) runs code that was tested.
-VARIANTS = {"avx512": (*VECTOR_PATHS["avx512"], 16), "avx2": (*VECTOR_PATHS["avx2"], 8),
-            "plain_cpp": (*VECTOR_PATHS["plain"], 1)}
+VARIANTS = {"avx512": ("avx512", 16), "avx2": ("avx2", 8), "plain_cpp": ("plain", 1)}  # (native_build's path, lanes)
 
 
 def _missing(name):
-    return [flag for flag in VARIANTS[name][1] if flag not in cpu_key().split()]
+    return path_missing(VARIANTS[name][0])
 
 
 def _variant_path(native_build, cxx, name):
@@ -477,7 +475,8 @@ def _variant_path(native_build, cxx, name):
     it again; the same source is not compiled again by every run of the tests)."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     digest = hashlib.sha256()
-    for part in (native_build.SOURCE.read_bytes(), " ".join(PLAIN + VARIANTS[name][0]).encode(), version.encode()):
+    flags = " ".join(path_flags(VARIANTS[name][0], openmp=False))
+    for part in (native_build.SOURCE.read_bytes(), flags.encode(), version.encode()):
         digest.update(part)
     return native_build.library_path(cxx).parent / f"decode_native-{name}-{digest.hexdigest()[:16]}.so"
 
@@ -495,11 +494,11 @@ def variant_library():
     def start_builds():
         cxx = native_build.compiler()
         pool = ThreadPoolExecutor(len(VARIANTS))
-        for name, (flags, _, _) in VARIANTS.items():
+        for name, (vector_path, _) in VARIANTS.items():
             if not _missing(name):
                 path = _variant_path(native_build, cxx, name)
                 builds[name] = path, (None if path.exists() else pool.submit(native_build._build, cxx, path,
-                                                                             PLAIN + flags))
+                                                                             path_flags(vector_path, openmp=False)))
         pool.shutdown(wait=False)
 
     def build(name):
@@ -515,7 +514,7 @@ def variant_library():
             if done is not None:
                 done.result()  # (a failed build raises here, in the test that needs it)
             built[name] = native_build.NativeLibrary(path, 0.0)
-            assert built[name].lanes == VARIANTS[name][2]
+            assert built[name].lanes == VARIANTS[name][1]
             assert not built[name].openmp  # (built without -fopenmp: the library's own threads run it)
         return built[name]
 

@@ -131,9 +131,8 @@ def builds_from(args: argparse.Namespace, folder: Path) -> list[Build]:
     for _, _, path in wanted:
         if not path.is_file():
             raise SystemExit(f"bench builds: {path} is not a file")
-    cpu = native_build.cpu_key().split()
     for path in args.path:
-        missing = [flag for flag in native_build.VECTOR_PATHS.get(path, ((), ()))[1] if flag not in cpu]
+        missing = native_build.path_missing(path) if path != "native" else []
         if missing:
             raise SystemExit(f"bench builds: --path {path} needs {', '.join(missing)}, which this CPU lacks")
     cxx = native_build.compiler()

@@ -1465,10 +1465,9 @@ struct Item {
         const int64_t R = o.R, Dv = o.Dv;
         // The exp and the sum run over the whole block in vectors (keys past n weigh 0), so a key's weight and a
         // row's sum do not depend on where the block ends (the sequence's end, padding, a work item's cut)
-        const int width = BLOCK;
         for (int64_t r = 0; r < R; ++r) {
             float* sr = &s[r * BLOCK];
-            for (int jj = n; jj < width; ++jj) sr[jj] = NEG_INF;
+            for (int jj = n; jj < BLOCK; ++jj) sr[jj] = NEG_INF;
             float block_max = NEG_INF;
             if (!(SIMD && !masked && n == BLOCK && finite_max(sr, block_max))) {
                 block_max = NEG_INF;
@@ -1497,7 +1496,7 @@ struct Item {
             if (SIMD) {
                 vec mv = vset(m_new);
                 vec acc = vzero();
-                for (int jj = 0; jj + W <= width; jj += W) {
+                for (int jj = 0; jj + W <= BLOCK; jj += W) {
                     vec p = vexp(_sub(vloadf(sr + jj), mv));
                     vstore(sr + jj, p);
                     acc = _add(acc, p);
@@ -1507,7 +1506,7 @@ struct Item {
 #endif
             if (!SIMD) {  // (the whole block in one loop, as the vectors do)
 #pragma omp simd reduction(+ : sum)
-                for (int j = 0; j < width; ++j) {
+                for (int j = 0; j < BLOCK; ++j) {
                     sr[j] = exp_lane(sr[j] - m_new);
                     sum += sr[j];
                 }

@@ -144,9 +144,8 @@ def bf16_dot_built() -> bool:
 def cpu_lanes() -> int:
     """The vector width the ``-march=native`` build has on this CPU (builds nothing): 16 (AVX-512), 8 (AVX2 + FMA +
     F16C) or 1 (the portable C++: any other CPU)."""
-    flags, x86 = set(cpu_key().split()), platform.machine() in ("x86_64", "AMD64")
-    return 16 if x86 and set(VECTOR_PATHS["avx512"][1]) <= flags else 8 if x86 and set(VECTOR_PATHS["avx2"][1]) <= \
-        flags else 1
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return 16 if x86 and not path_missing("avx512") else 8 if x86 and not path_missing("avx2") else 1
 
 
 def vector_path(d: int, dv: int) -> str:
@@ -248,9 +247,17 @@ def _build(cxx: str, path: Path, flags: tuple[str, ...] = FLAGS, source: Path = 
             os.unlink(tmp)
 
 
-def path_flags(path: str) -> tuple[str, ...]:
-    """The build flags of vector path ``path`` (``VECTOR_PATHS``): ``FLAGS`` with its flags for ``-march=native``."""
-    return tuple(flag for flag in FLAGS if flag != "-march=native") + VECTOR_PATHS[path][0]
+def path_flags(path: str, openmp: bool = True) -> tuple[str, ...]:
+    """The build flags of vector path ``path`` (``VECTOR_PATHS``): ``FLAGS`` (``NO_OPENMP_FLAGS`` without
+    ``openmp``) with its flags for ``-march=native``."""
+    return tuple(flag for flag in (FLAGS if openmp else NO_OPENMP_FLAGS) if flag != "-march=native") + \
+        VECTOR_PATHS[path][0]
+
+
+def path_missing(path: str) -> list[str]:
+    """The CPU flags vector path ``path`` needs that this CPU lacks (``cpu_key``'s names; none: it can run it)."""
+    flags = set(cpu_key().split())
+    return [flag for flag in VECTOR_PATHS[path][1] if flag not in flags]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -79,6 +79,10 @@
 #include <unistd.h>
 #define DN_AMX 1
 #endif
+// bf16 K/V with many query rows a KV head on AMX-BF16 tiles (the section "bf16 on AMX tiles, many rows")
+#if DN_AMX && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define DN_AMX_BF16 1
+#endif
 
 namespace {
 
@@ -549,6 +553,78 @@ inline __m512 digit_sums(const int32_t* rows) {
 }
 #endif
 
+#if DN_AMX_BF16
+// ---- bf16 on AMX tiles, many rows ---------------------------------------------------------------------------------
+//
+// A latent (absorbed MLA: 16-128 query heads on one latent row), a tree verify (nodes x G rows) or a top-k prefill
+// gives many query rows per key, where the vector path is bound by its FMAs (docs/BENCHMARKS.md, "Many rows per
+// key"). A bf16 q value times a bf16 key value is exact in fp32, and one TDPBF16PS takes 16 keys x 32 channels
+// against 16 query rows, summing in fp32: the scores' A tiles are the key rows as they lie (16 rows a stride apart),
+// the B tiles q's rows two channels to a 32-bit lane (built once a call: q_tiles), and the sums come out [key][row],
+// transposed into s. The weights p (fp32) go in as three bf16 pieces (p = hi + mid + lo, 24 bits: an fp32's
+// significand) against V's rows laid two keys to a 32-bit lane (v_words), three products summed in fp32 per 16
+// rows x 16 channels. Taken where q's values are all bf16 numbers (a bf16 model's: the scale applied to the sums)
+// and for blocks every row sees whole: a masked block runs the vector path, where a hidden key's value never meets a
+// row (not even times 0). The tiles flush subnormal inputs and products to zero (below 2^-126).
+constexpr int TILE_ROWS = 16;  // query rows a tile; calls with at least this many rows a KV head take the tiles
+// bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
+// its own, 2^-8 of the output's rounding)
+constexpr int P_PIECES = 3;
+std::atomic<int> bf16_tiles_mode{-1};  // -1: where AMX is granted; 0 / 1: forced (decode_native_use_bf16_tiles)
+
+// 16 vectors x[i] (row i) transposed in place: x[j] lane i = old x[i] lane j
+inline void transpose16(__m512 (&x)[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit lane L: rows 2i, 2i + 1 at columns 4L, 4L + 1 (lo), 4L + 2, 4L + 3
+        t[2 * i] = _mm512_unpacklo_ps(x[2 * i], x[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(x[2 * i], x[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // x[4 i + c], lane L: column 4 L + c of rows 4 i .. 4 i + 3
+        x[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        x[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        x[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        x[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int c = 0; c < 4; ++c) {  // column 4 L + c: 128-bit lane L of x[c], x[4 + c], x[8 + c], x[12 + c]
+        const __m512 ab02 = _mm512_shuffle_f32x4(x[c], x[4 + c], 0x88), ab13 = _mm512_shuffle_f32x4(x[c], x[4 + c], 0xDD);
+        const __m512 cd02 = _mm512_shuffle_f32x4(x[8 + c], x[12 + c], 0x88);
+        const __m512 cd13 = _mm512_shuffle_f32x4(x[8 + c], x[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_f32x4(ab02, cd02, 0x88), t[8 + c] = _mm512_shuffle_f32x4(ab02, cd02, 0xDD);
+        t[4 + c] = _mm512_shuffle_f32x4(ab13, cd13, 0x88), t[12 + c] = _mm512_shuffle_f32x4(ab13, cd13, 0xDD);
+    }
+    for (int i = 0; i < 16; ++i) x[i] = t[i];
+}
+
+// bf16 words (32) to the fp32 values of the low 16 (HALF 0) or the high 16 (HALF 1)
+template <int HALF>
+inline __m512 bf16_half(__m512i w) {
+    const __m256i h = HALF == 0 ? _mm512_castsi512_si256(w) : _mm512_extracti64x4_epi64(w, 1);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// q's B tiles of one call: [B * Hkv][rows / 16][D / 32][16][32] words, lane (32-bit) r of row k2 holding channels
+// 2 k2, 2 k2 + 1 of query row r (rows past R zero); q's rows (fp32 holding bf16 numbers, unscaled) at q, row r of
+// (b, h) at b * qs[0] + h * qs[1] + r * qs[2]
+inline std::vector<uint16_t> q_tile_words(const float* q, const int64_t (&qs)[3], int64_t B, int64_t H, int64_t R,
+                                          int64_t D) {
+    const int64_t groups = (R + TILE_ROWS - 1) / TILE_ROWS, chunks = D / 32;
+    std::vector<uint16_t> out(B * H * groups * chunks * 512, 0);
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(16));
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t h = 0; h < H; ++h)
+            for (int64_t r = 0; r < R; ++r) {
+                const float* row = q + b * qs[0] + h * qs[1] + r * qs[2];
+                uint16_t* tiles = &out[((b * H + h) * groups + r / TILE_ROWS) * chunks * 512];
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 32 * c + 16), _mm512_loadu_ps(row + 32 * c));
+                    _mm512_i32scatter_epi32(tiles + c * 512 + 2 * (r % TILE_ROWS), lanes, (__m512i)w, 4);
+                }
+            }
+    return out;
+}
+#endif
+
 // Where channel d of q (and of the output) sits for BF16_PAIRS: within each 2 * W, the even ones first (vload_pair).
 // With W = 8: channels 0 1 2 3 .. 15 sit at 0 8 1 9 .. 15.
 constexpr int64_t PAIR = 2 * W_;
@@ -616,6 +692,17 @@ inline bool q_row_bits(const float* src, uint16_t* out, int64_t D, bool words) {
             std::memcpy(&bits, &src[(d & ~int64_t(63)) | f8_word_channel(d & 63)], 4);
             out[d] = (uint16_t)(bits >> 16);
         }
+    return low == 0;
+}
+
+// whether every one of the n values at x is a bf16 number (its low 16 bits zero)
+inline bool bf16_row(const float* x, int64_t n) {
+    uint32_t low = 0;
+    for (int64_t d = 0; d < n; ++d) {
+        uint32_t bits;
+        std::memcpy(&bits, &x[d], 4);
+        low |= bits & 0xFFFFu;
+    }
     return low == 0;
 }
 
@@ -737,6 +824,9 @@ struct Operands {
     const int64_t* lengths;         // keys per sequence, or null: S each
     bool shared;                    // V is a prefix of K's rows (same rows, Dv <= D: a latent cache): V's rows are
                                     // K's, already asked for, so only K's are requested
+    const uint16_t* q_tiles;        // bf16 K/V on AMX tiles (DN_AMX_BF16): q's B tiles (q_tile_words), or null
+    float tile_unit;                // what the tiles' sums are multiplied by (the softmax scale)
+    int64_t p_pieces;               // bf16 pieces of each weight on the tiles (P_PIECES, or 2 for a bf16 output)
 };
 
 #if DN_AMX
@@ -837,6 +927,19 @@ struct Item {
                 if (scratch.size() < bytes) scratch.resize(bytes);
                 k_rows = aligned64(scratch.data()), v_tiles = k_rows + 64 * o.D, p_digits = v_tiles + 64 * o.Dv;
                 sums = (int32_t(*)[16 * 16])(p_digits + 16 * 64);
+            }
+        }
+#endif
+#if DN_AMX_BF16
+        if constexpr (KIND == BF16 && SIMD) {
+            bf16_tiles = o.q_tiles != nullptr;
+            if (bf16_tiles) {  // (this thread's, as int8's; each item uses it within one block)
+                static thread_local std::vector<uint16_t> tile_scratch;
+                const int64_t groups = (o.R + TILE_ROWS - 1) / TILE_ROWS;
+                const size_t words = 2048 + 64 * SLICE + 512 * 2 * o.p_pieces * groups + BLOCK * o.D + 32;
+                if (tile_scratch.size() < words) tile_scratch.resize(words);
+                c_out = (float*)aligned64(tile_scratch.data()), v_words = (uint16_t*)(c_out + 1024);
+                p_words = v_words + 64 * SLICE, k_copy = p_words + 512 * 2 * o.p_pieces * groups;
             }
         }
 #endif
@@ -1752,6 +1855,180 @@ struct Item {
     }
 #endif
 
+#if DN_AMX_BF16
+    // bf16 K/V on AMX tiles (the section "bf16 on AMX tiles, many rows" above), decided once a call (q_tiles)
+    bool bf16_tiles = false;
+    float* c_out = nullptr;         // [4][16][16]: sums tiles, stored
+    uint16_t* v_words = nullptr;    // [SLICE / 16][2][16][32]: a slice of the block's V rows as B tiles (half h:
+                                    // keys 32 h ..)
+    uint16_t* p_words = nullptr;    // [rows / 16][2][p_pieces][16][32]: the weights as A tiles (group, half, piece)
+    uint16_t* k_copy = nullptr;     // [BLOCK][D]: key rows not a stride apart, copied
+
+    // s[r][jj] = q[r] . k[jj] * tile_unit for the block's keys: 16 keys x 32 channels x 16 rows a TDPBF16PS, the
+    // block's four groups of keys each in its own sums tile (their products overlap: tiles are not renamed)
+    __attribute__((noinline)) void tile_scores(int n) {
+        const int64_t D = o.D, chunks = D / 32, groups = (o.R + TILE_ROWS - 1) / TILE_ROWS;
+        const int kgroups = (n + 15) / 16;
+        const char* base[4] = {};
+        int64_t stride[4] = {};
+        for (int g = 0; g < kgroups; ++g) {
+            const int jj = 16 * g, m = std::min(16, n - jj);
+            base[g] = krows[jj];
+            stride[g] = m > 1 ? krows[jj + 1] - base[g] : 0;
+            bool even = m == 16 && stride[g] > 0;
+            for (int i = 2; even && i < 16; ++i) even = krows[jj + i] == base[g] + i * stride[g];
+            if (!even) {  // copied into 16 rows a stride apart (rows past n zero)
+                uint16_t* rows = k_copy + jj * D;
+                for (int i = 0; i < 16; ++i) {
+                    if (i < m) std::memcpy(rows + i * D, krows[jj + i], 2 * D);
+                    else std::memset(rows + i * D, 0, 2 * D);
+                }
+                base[g] = (const char*)rows, stride[g] = 2 * D;
+            }
+        }
+        const uint16_t* qt = o.q_tiles + part.bh * groups * chunks * 512;
+        const __m512 unit = _mm512_set1_ps(o.tile_unit);
+        for (int64_t g = 0; g < groups; ++g) {
+            _tile_zero(0);
+            if (kgroups > 1) _tile_zero(1);
+            if (kgroups > 2) _tile_zero(2);
+            if (kgroups > 3) _tile_zero(3);
+            for (int64_t c = 0; c < chunks; ++c) {
+                _tile_loadd(4, qt + (g * chunks + c) * 512, 64);
+                _tile_loadd(5, base[0] + 64 * c, stride[0]);
+                _tile_dpbf16ps(0, 5, 4);
+                if (kgroups > 1) {
+                    _tile_loadd(6, base[1] + 64 * c, stride[1]);
+                    _tile_dpbf16ps(1, 6, 4);
+                }
+                if (kgroups > 2) {
+                    _tile_loadd(7, base[2] + 64 * c, stride[2]);
+                    _tile_dpbf16ps(2, 7, 4);
+                }
+                if (kgroups > 3) {
+                    _tile_loadd(5, base[3] + 64 * c, stride[3]);
+                    _tile_dpbf16ps(3, 5, 4);
+                }
+            }
+            _tile_stored(0, c_out, 64);
+            if (kgroups > 1) _tile_stored(1, c_out + 256, 64);
+            if (kgroups > 2) _tile_stored(2, c_out + 512, 64);
+            if (kgroups > 3) _tile_stored(3, c_out + 768, 64);
+            const int64_t rows = std::min<int64_t>(TILE_ROWS, o.R - TILE_ROWS * g);
+            for (int kg = 0; kg < kgroups; ++kg) {  // [key][row] to s[row][key]
+                __m512 x[16];
+                for (int i = 0; i < 16; ++i) x[i] = _mm512_load_ps(c_out + 256 * kg + 16 * i);
+                transpose16(x);
+                for (int64_t r = 0; r < rows; ++r)
+                    _mm512_storeu_ps(&s[(TILE_ROWS * g + r) * BLOCK + 16 * kg], _mm512_mul_ps(x[r], unit));
+            }
+            if (pass_asks) ask_next();
+        }
+    }
+
+    // acc[r] = acc[r] * kept[r] + p[r] . V of the block: each row group's weights in bf16 pieces (p_words), then V a
+    // slice of SLICE channels at a time, its rows two keys to a 32-bit lane (v_words: 16 KiB, in L1 while every row
+    // group reads it), 16 rows x 16 channels x 32 keys a TDPBF16PS, four channel tiles at a time
+    static constexpr int64_t SLICE = 128;
+    __attribute__((noinline)) void tile_values(int n) {
+        const int64_t R = o.R, Dv = o.Dv, groups = (R + TILE_ROWS - 1) / TILE_ROWS, P = o.p_pieces;
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t rows = std::min<int64_t>(TILE_ROWS, R - TILE_ROWS * g);
+            for (int64_t r = 0; r < TILE_ROWS; ++r)  // the weights' pieces: p rounded, then what is left, rounded
+                for (int h = 0; h < 2; ++h) {
+                    __m512 x0 = _mm512_setzero_ps(), x1 = _mm512_setzero_ps();
+                    if (r < rows) {  // (keys past n weigh 0)
+                        const int k0 = 32 * h, k1 = k0 + 16;
+                        const float* row = &s[(TILE_ROWS * g + r) * BLOCK];
+                        x0 = _mm512_maskz_loadu_ps(n >= k1 ? 0xFFFF : n <= k0 ? 0 : (1u << (n - k0)) - 1, row + k0);
+                        x1 = _mm512_maskz_loadu_ps(n >= k1 + 16 ? 0xFFFF : n <= k1 ? 0 : (1u << (n - k1)) - 1, row + k1);
+                    }
+                    for (int64_t p = 0; p < P; ++p) {
+                        const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+                        _mm512_store_si512(p_words + (((g * 2 + h) * P + p) * 16 + r) * 32, w);
+                        x0 = _mm512_sub_ps(x0, bf16_half<0>(w)), x1 = _mm512_sub_ps(x1, bf16_half<1>(w));
+                    }
+                }
+        }
+        // word 2 i + a of a B tile row: channel i of key a (the pair's first or second) of 16 channels
+        const __m512i lo = _mm512_setr_epi32(0x00200000, 0x00210001, 0x00220002, 0x00230003, 0x00240004, 0x00250005,
+                                             0x00260006, 0x00270007, 0x00280008, 0x00290009, 0x002A000A, 0x002B000B,
+                                             0x002C000C, 0x002D000D, 0x002E000E, 0x002F000F);
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        for (int64_t c0 = 0; c0 < Dv; c0 += SLICE) {
+            const int64_t width = std::min<int64_t>(SLICE, Dv - c0), ctiles = width / 16;
+            for (int h = 0; h < 2; ++h)
+                for (int k2 = 0; k2 < 16; ++k2) {
+                    const int a = 32 * h + 2 * k2;
+                    const char* v0 = a < n ? vrows[a] + 2 * c0 : nullptr;
+                    const char* v1 = a + 1 < n ? vrows[a + 1] + 2 * c0 : nullptr;
+                    for (int64_t m = 0; m < width / 32; ++m) {
+                        const __m512i x0 = v0 ? _mm512_loadu_si512(v0 + 64 * m) : _mm512_setzero_si512();
+                        const __m512i x1 = v1 ? _mm512_loadu_si512(v1 + 64 * m) : _mm512_setzero_si512();
+                        _mm512_store_si512(v_words + ((4 * m + h) * 16 + k2) * 32, _mm512_permutex2var_epi16(x0, lo, x1));
+                        _mm512_store_si512(v_words + ((4 * m + 2 + h) * 16 + k2) * 32,
+                                           _mm512_permutex2var_epi16(x0, hi, x1));
+                    }
+                }
+            if (pass_asks) ask_next();
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t rows = std::min<int64_t>(TILE_ROWS, R - TILE_ROWS * g);
+                for (int64_t t0 = 0; t0 < ctiles; t0 += 4) {
+                    const int64_t nt = std::min<int64_t>(4, ctiles - t0);
+                    _tile_zero(0);
+                    if (nt > 1) _tile_zero(1);
+                    if (nt > 2) _tile_zero(2);
+                    if (nt > 3) _tile_zero(3);
+                    for (int h = 0; h < 2; ++h)
+                        for (int64_t p = 0; p < P; ++p) {
+                            _tile_loadd(4, p_words + ((g * 2 + h) * P + p) * 512, 64);
+                            _tile_loadd(5, v_words + (t0 * 2 + h) * 512, 64);
+                            _tile_dpbf16ps(0, 4, 5);
+                            if (nt > 1) {
+                                _tile_loadd(6, v_words + ((t0 + 1) * 2 + h) * 512, 64);
+                                _tile_dpbf16ps(1, 4, 6);
+                            }
+                            if (nt > 2) {
+                                _tile_loadd(7, v_words + ((t0 + 2) * 2 + h) * 512, 64);
+                                _tile_dpbf16ps(2, 4, 7);
+                            }
+                            if (nt > 3) {
+                                _tile_loadd(5, v_words + ((t0 + 3) * 2 + h) * 512, 64);
+                                _tile_dpbf16ps(3, 4, 5);
+                            }
+                        }
+                    _tile_stored(0, c_out, 64);
+                    if (nt > 1) _tile_stored(1, c_out + 256, 64);
+                    if (nt > 2) _tile_stored(2, c_out + 512, 64);
+                    if (nt > 3) _tile_stored(3, c_out + 768, 64);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const int64_t row = TILE_ROWS * g + r;
+                        const __m512 k = _mm512_set1_ps(kept[row]);
+                        float* acc = &part.acc[row * Dv + c0 + 16 * t0];
+                        for (int64_t i = 0; i < nt; ++i)
+                            _mm512_storeu_ps(acc + 16 * i, _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16 * i), k,
+                                                                           _mm512_load_ps(c_out + 256 * i + 16 * r)));
+                    }
+                    if (pass_asks) ask_next();
+                }
+            }
+        }
+    }
+
+    void tile_step(int64_t j0, int n) {
+        ask_step = 0;
+        const int64_t groups = (o.R + TILE_ROWS - 1) / TILE_ROWS;
+        const int64_t slices = (o.Dv + SLICE - 1) / SLICE;  // (tile_scores' and tile_values' asks)
+        const int64_t steps = groups + slices + groups * ((o.Dv / 16 + 3) / 4) + 1;
+        ask_rate = ((int64_t)ahead_rows << 16) / steps;
+        pass_asks = true;
+        tile_scores(n);
+        softmax_step(j0, n, false);
+        tile_values(n);
+        ask_upto(ahead_rows);
+    }
+#endif
+
     // the block of keys j0 .. j0 + BLOCK - 1 (clamped to end)
     void step(int64_t j0) {
         const int n = (int)std::min<int64_t>(BLOCK, end - j0);
@@ -1763,6 +2040,13 @@ struct Item {
         if constexpr (KIND == I8 && SIMD)  // (the tile passes built for int8 alone)
             if (amx) {
                 amx_step(j0, n, masked);
+                return;
+            }
+#endif
+#if DN_AMX_BF16
+        if constexpr (KIND == BF16 && SIMD)  // (a masked block: the vector path below)
+            if (bf16_tiles && !masked) {
+                tile_step(j0, n);
                 return;
             }
 #endif
@@ -1920,6 +2204,27 @@ int decode_native_amx() {
 #endif
 }
 
+// 1 when bf16 K/V with at least TILE_ROWS query rows a KV head (and a q of bf16 numbers) run on AMX-BF16 tiles:
+// built for a CPU with AMX-BF16, granted the tiles, and not turned off (decode_native_use_bf16_tiles)
+int decode_native_bf16_tiles() {
+#if DN_AMX_BF16
+    return amx_granted() && bf16_tiles_mode.load(std::memory_order_relaxed) != 0 ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+// Turns the bf16 tiles off (0) or back on (1, -1) for this process's later calls (tests, A/B timings); returns
+// decode_native_bf16_tiles() after
+int decode_native_use_bf16_tiles(int mode) {
+#if DN_AMX_BF16
+    bf16_tiles_mode.store(mode == 0 ? 0 : -1, std::memory_order_relaxed);
+#else
+    (void)mode;
+#endif
+    return decode_native_bf16_tiles();
+}
+
 // 1 when bf16 K's scores run as AVX512-BF16 pair dot products against a q of bf16 numbers (DN_BF16_DOT): where
 // vdpbf16ps costs at most DOT_FMA_RATIO FMAs (bf16_dot_rates, timed at the first ask), or as forced
 int decode_native_bf16_dot() {
@@ -2002,7 +2307,17 @@ int decode_native(const DecodeCall* call) {
 #else
     const bool simd = false;
 #endif
-    const bool pairs = simd && kind == BF16 && D % PAIR == 0 && Dv % PAIR == 0;  // read as BF16_PAIRS
+#if DN_AMX_BF16
+    // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below)
+    bool bf16_tiles = simd && kind == BF16 && R >= TILE_ROWS && D % 32 == 0 && Dv % 32 == 0 &&
+                      decode_native_bf16_tiles();
+    for (int64_t b = 0; b < B && bf16_tiles; ++b)
+        for (int64_t h = 0; h < H && bf16_tiles; ++h)
+            for (int64_t r = 0; r < R && bf16_tiles; ++r) bf16_tiles = bf16_row(q_in + b * qs[0] + h * qs[1] + r * qs[2], D);
+#else
+    const bool bf16_tiles = false;
+#endif
+    const bool pairs = simd && kind == BF16 && D % PAIR == 0 && Dv % PAIR == 0 && !bf16_tiles;  // read as BF16_PAIRS
 #if DN_F8_WORDS
     const bool words = simd && kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0;  // read as F8_WORDS
 #else
@@ -2056,6 +2371,10 @@ int decode_native(const DecodeCall* call) {
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
+#if DN_AMX_BF16
+    const std::vector<uint16_t> q_tiles = bf16_tiles ? q_tile_words(q_in, qs, B, H, R, D) : std::vector<uint16_t>();
+    if (bf16_tiles) o.q_tiles = q_tiles.data(), o.tile_unit = scale, o.p_pieces = io_bf16 ? 2 : P_PIECES;
+#endif
 
     // Work items: each (b, kv_head)'s keys cut at multiples of SPLIT positions (from key_offset), in order; a
     // sequence's keys past its length (paged) make none. The items go to the threads in runs of about equal keys,
@@ -2113,7 +2432,7 @@ int decode_native(const DecodeCall* call) {
             bool held;
             explicit Tiles(bool on) : held(on) { if (held) amx_configure(); }
             ~Tiles() { if (held) _tile_release(); }
-        } tiles(on_tiles);
+        } tiles(on_tiles || bf16_tiles);
 #endif
         Partial* run = items.data() + first[t];
         const size_t n = first[t + 1] - first[t];

@@ -34,6 +34,7 @@ from engine.kernels.decode.native_build import (
     bf16_dot_scores,
     load_native,
     native_amx,
+    native_bf16_tiles,
     native_unavailable,
     vector_path,
 )
@@ -74,11 +75,10 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
 
 def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place; int8 K/V on
-    AMX tiles (decode_native.cpp, "int8 on AMX tiles", its ``amx_usable``): a CPU whose tiles the library uses
-    (``native_amx``), an int8 cache, at most 4 query rows per KV head (G * T), D 64 or 128 and Dv a multiple of 64,
-    K and V not one tensor; else its vector path (``vector_path``), and the scores by vdpbf16ps (DN_BF16_DOT,
-    ``bf16_dot_scores``) for 4k rows per KV head, D 32k, a bf16 q (the kernel checks q's values), K bf16 (Dv 32k),
-    fp8 or int8 (not where int8 takes the tiles)."""
+    AMX tiles ("int8 on AMX tiles", ``amx_usable``: ``native_amx``, at most 4 rows a KV head, D 64 / 128, Dv 64k, K
+    and V apart); else its vector path (``vector_path``), with bf16 K/V of 16+ rows a KV head (D, Dv 32k) on AMX-BF16
+    tiles (``native_bf16_tiles``), else scores by vdpbf16ps (``bf16_dot_scores``) for a bf16 q of 4k rows a KV head,
+    D 32k, K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
     if listed_fits(inputs) is None:
         return ["key_indices: read in place, only each query's listed keys (native_listed)"]
     k, v, q = inputs.k, inputs.v, inputs.q
@@ -91,6 +91,8 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     fits = v.shape[3] % 16 == 0 and not (keys == torch.int8 and native_amx()) if isinstance(k, QuantizedKV) else \
         v.shape[3] % 32 == 0
     path = [vector_path(q.shape[3], v.shape[3])]
+    if keys == torch.bfloat16 and rows >= 16 and q.shape[3] % 32 == 0 == v.shape[3] % 32 and native_bf16_tiles():
+        return path + [f"bf16 K/V, {rows} rows a KV head: blocks every row sees on AMX-BF16 tiles (fp32 sums)"]
     if bf16_dot_built() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and fits:
         return path + [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores {bf16_dot_scores()}"]
     return path
@@ -129,8 +131,7 @@ def _runner(inputs: AttentionInputs):
     library = load_native()
     if isinstance(library, str):
         raise DoesNotFit(library)
-    batch, q_heads, t, d = inputs.q.shape
-    kv_heads, dv = inputs.k.shape[1], inputs.v.shape[3]
+    (batch, q_heads, t, d), kv_heads, dv = inputs.q.shape, inputs.k.shape[1], inputs.v.shape[3]
     resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles NaN in q
     listed = listed_runner(library, inputs, resume, paged_template, paged_run)
     if listed is not None:  # top-k keys: only those read, any T
@@ -218,8 +219,7 @@ def _set_visible(call: DecodeCall, visible: torch.Tensor | None) -> None:
 
 def _decode(library, call: DecodeCall) -> int:
     """Run one filled ``DecodeCall``; its status (OK, or NON_FINITE_Q: nothing written)."""
-    status = library.decode(ctypes.byref(call))
-    if status not in (OK, NON_FINITE_Q):
+    if (status := library.decode(ctypes.byref(call))) not in (OK, NON_FINITE_Q):
         raise DoesNotFit(f"the native kernel refused the call (status {status})")
     return status
 

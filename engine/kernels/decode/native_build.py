@@ -92,6 +92,16 @@ def native_amx() -> bool:
     return syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
 
 
+def native_bf16_tiles() -> bool:
+    """Whether the library computes bf16 K/V of 16 or more query rows a KV head on AMX-BF16 tiles here (builds
+    nothing): the loaded library's ``bf16_tiles``, else whether the CPU has AMX-BF16 and AVX512-BF16 beside
+    ``native_amx``'s AMX-INT8 and grant (what the ``-march=native`` build needs for that path)."""
+    library = loaded_native()
+    if library is not None:
+        return library.bf16_tiles
+    return native_amx() and {"amx_bf16", "avx512_bf16"} <= set(cpu_key().split())
+
+
 def native_bf16_dot() -> bool | None:
     """Whether the library computes bf16 K's scores as AVX512-BF16 pair dot products (decode_native.cpp,
     DN_BF16_DOT; builds and loads nothing): False without AVX-512 and AVX512-BF16 (the ``-march=native`` build has no

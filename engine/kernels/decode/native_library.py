@@ -37,12 +37,13 @@ OK, UNKNOWN_KIND, NON_FINITE_Q = 0, 1, 2
 class NativeLibrary:
     """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``listed_tables`` builds a list of keys' page
     table, ``lanes`` is its vector width (1: the portable C++), ``openmp`` whether its runs go to OpenMP's workers,
-    ``amx`` whether it computes int8 K/V on AMX tiles (a CPU with AMX-INT8, granted by Linux), ``bf16_dot`` whether
-    bf16 K's scores are AVX512-BF16 dot products where q's values are bf16 numbers (where ``dot_rates``, ns per
-    vdpbf16ps and per FMA timed once as the library loads, show one costing at most ``dot_rates[2]`` FMAs;
-    ``use_bf16_dot`` forces it, ``dot_mode`` says how it is set: None by the rates, else forced, at load by
-    ``ATTENTION_ENGINE_BF16_DOT``), ``build_s`` the seconds the build took in this process (0 when the cache had
-    it)."""
+    ``amx`` whether it computes int8 K/V on AMX tiles (a CPU with AMX-INT8, granted by Linux), ``bf16_tiles``
+    whether bf16 K/V of 16 or more query rows a KV head run on AMX-BF16 tiles (``use_bf16_tiles`` turns them off),
+    ``bf16_dot`` whether bf16 K's scores are AVX512-BF16 dot products where q's values are bf16 numbers (where
+    ``dot_rates``, ns per vdpbf16ps and per FMA timed once as the library loads, show one costing at most
+    ``dot_rates[2]`` FMAs; ``use_bf16_dot`` forces it, ``dot_mode`` says how it is set: None by the rates, else
+    forced, at load by ``ATTENTION_ENGINE_BF16_DOT``), ``build_s`` the seconds the build took in this process (0 when
+    the cache had it)."""
 
     def __init__(self, path: Path, build_s: float) -> None:
         self.path, self.build_s = path, build_s
@@ -64,6 +65,9 @@ class NativeLibrary:
         self.openmp = not hasattr(self.lib, "decode_native_openmp") or bool(self.lib.decode_native_openmp())
         self.lib.decode_native_amx.restype = ctypes.c_int
         self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (amx_usable)
+        # bf16 K/V of many rows a KV head on AMX-BF16 tiles (a library built from an older source has no such path)
+        tiles = getattr(self.lib, "decode_native_bf16_tiles", None)
+        self.bf16_tiles = bool(tiles()) if tiles is not None else False
         self.lib.decode_native_bf16_dot.restype = ctypes.c_int
         self.bf16_dot = bool(self.lib.decode_native_bf16_dot())  # bf16 K against bf16 numbers in q: vdpbf16ps
         # (a library built from an older source, which run.py bench builds may time, has neither of the two below)
@@ -80,6 +84,13 @@ class NativeLibrary:
         self.listed_tables.restype = ctypes.c_int
         self.listed_tables.argtypes = [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, ctypes.c_int, _PTR, _I64,
                                        _PTR, _I64, _I64, _I64]
+
+    def use_bf16_tiles(self, on: bool) -> bool:
+        """Turn this process's later calls' bf16 AMX tiles off (False) or back on (True, where the build has them);
+        for tests and A/B timings. Returns ``bf16_tiles`` after."""
+        if hasattr(self.lib, "decode_native_use_bf16_tiles"):
+            self.bf16_tiles = bool(self.lib.decode_native_use_bf16_tiles(int(on)))
+        return self.bf16_tiles
 
     def use_bf16_dot(self, mode: bool | None) -> bool:
         """Force this process's later calls onto vdpbf16ps scores (True, where the build has them) or the FMAs

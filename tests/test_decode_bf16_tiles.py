@@ -1,0 +1,152 @@
+"""bf16 K/V of many query rows a KV head on AMX-BF16 tiles (decode_native.cpp, "bf16 on AMX tiles, many rows"),
+against the float64 oracle: where the CPU has AMX-BF16 and Linux grants the tiles, a call with at least 16 query rows
+per KV head (a latent's heads, a tree's nodes x G, a top-k prefill's group) whose q values are all bf16 numbers runs
+its unmasked blocks' scores and weighted values as tile products. These tests check that path where it runs (the
+library says so: ``bf16_tiles``), its edges (rows past a multiple of 16, partial blocks and key groups, masked blocks
+beside unmasked ones, key rows copied because pages do not keep them a stride apart, non-finite keys and values),
+that it agrees with the same library's vector path, and that explain() names it. Elsewhere they skip; the vector path
+is checked by tests/test_decode_native.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine
+from engine import causal_attention, paged_attention
+from engine.kernels.decode.decode_native import _call
+from engine.kernels.decode.native_build import load_native
+from tests.test_decode_native import oracle
+
+LIBRARY = load_native()
+TILES = not isinstance(LIBRARY, str) and LIBRARY.bf16_tiles
+pytestmark = pytest.mark.skipif(not TILES, reason="no AMX-BF16 tiles here (a CPU without AMX-BF16, or not granted)")
+
+
+@pytest.fixture
+def vector_path():
+    """Runs the test's calls with the tiles turned off, and turns them back on after (even if the test fails)."""
+    LIBRARY.use_bf16_tiles(False)
+    yield
+    LIBRARY.use_bf16_tiles(True)
+
+
+def call(q_rows, k, v, visible, scale):
+    """The kernel on q rows ``[B, Hkv, R, D]`` (fp32 holding bf16 numbers: an fp32 output, the weights in three
+    pieces) and bf16 K / V: (out, lse), checked to return OK."""
+    b, hkv, rows, _ = q_rows.shape
+    out, lse = torch.zeros(b, hkv, rows, v.shape[-1]), torch.zeros(b, hkv, rows)
+    assert _call(LIBRARY, q_rows, scale, (k, None), (v, None), visible, out, lse) == 0
+    return out, lse
+
+
+def bf16_numbers(*shape, generator, scale=1.0):
+    return (torch.randn(*shape, generator=generator) * scale).bfloat16().float()
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(16, 40), s=st.integers(1, 300), d=st.sampled_from([32, 64, 96, 128]),
+       dv=st.sampled_from([32, 64, 160]), masked=st.sampled_from(["none", "some", "blocks"]),
+       seed=st.integers(0, 2**16))
+def test_bf16_on_tiles_matches_the_float64_oracle(rows, s, d, dv, masked, seed):
+    # rows past a multiple of 16 (a partial row group), S from one key past several blocks (partial key groups),
+    # Dv past a slice of 128 channels; blocks masked (the vector path) beside unmasked ones (the tiles)
+    g = torch.Generator().manual_seed(seed)
+    q_rows = bf16_numbers(2, 2, rows, d, generator=g)
+    k, v = bf16_numbers(2, 2, s, d, generator=g).bfloat16(), bf16_numbers(2, 2, s, dv, generator=g).bfloat16()
+    visible = torch.ones(2, 1, rows, s, dtype=torch.bool)
+    if masked == "some":
+        visible = torch.rand(2, 1, rows, s, generator=g) > 0.3
+    elif masked == "blocks":  # every other block of 64 keys hidden from the odd rows
+        visible[:, :, 1::2] = (torch.arange(s) // 64 % 2 == 0)
+    out, lse = call(q_rows, k, v, visible, d ** -0.5)
+    want, want_lse = oracle(q_rows, k, v, visible, d ** -0.5)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_output_is_within_its_rounding_and_agrees_with_the_vector_path(vector_path):
+    # a bf16 q (a bf16 model's): the output is bf16, the weights in two pieces (2^-17 of each), so the tiles' output
+    # is the oracle's rounded to bf16 give or take one rounding, as the vector path's
+    g = torch.Generator().manual_seed(4)
+    q = bf16_numbers(1, 32, 4, 128, generator=g).bfloat16()  # Hq 32 / Hkv 2, T 4: 64 rows a KV head
+    k, v = (bf16_numbers(1, 2, 700, 128, generator=g).bfloat16() for _ in "kv")
+    vector = causal_attention(q, k, v)
+    LIBRARY.use_bf16_tiles(True)
+    tiles = causal_attention(q, k, v)
+    visible = torch.arange(700) <= torch.arange(696, 700)[:, None]
+    want, _ = oracle(q, k, v, visible[None, None], 128 ** -0.5)
+    for out in (tiles, vector):
+        torch.testing.assert_close(out.double(), want, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(tiles.float(), vector.float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads", [16, 20, 128])
+def test_a_latent_step_reads_shared_rows_on_the_tiles(heads):
+    # absorbed MLA: every head on one latent row of 576, V its first 512 (each row read once)
+    g = torch.Generator().manual_seed(heads)
+    q = bf16_numbers(1, heads, 1, 576, generator=g, scale=0.2)
+    rows = bf16_numbers(1, 1, 333, 576, generator=g)
+    out, lse = call(q.view(1, 1, heads, 576), rows.bfloat16(), rows.bfloat16()[..., :512],
+                    torch.ones(1, 1, heads, 333, dtype=torch.bool), 0.05)
+    want, want_lse = oracle(q, rows, rows[..., :512], torch.ones(1, 1, 1, 333, dtype=torch.bool), 0.05)
+    torch.testing.assert_close(out.view(1, heads, 1, 512).double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.view(1, heads, 1).double(), want_lse, rtol=1e-5, atol=1e-5)
+    assert "AMX-BF16 tiles" in str(engine.explain(q.bfloat16(), rows.bfloat16(), rows.bfloat16()[..., :512]))
+
+
+def test_non_finite_keys_and_values_poison_only_the_rows_that_see_them():
+    # a NaN key makes the rows that see it NaN (lse -inf), an inf value the channel of the rows that see it; rows that
+    # do not see them (their blocks masked: the vector path) are untouched, and an unmasked block's inf value reaches
+    # every row (on the tiles)
+    g = torch.Generator().manual_seed(3)
+    q_rows = bf16_numbers(1, 1, 16, 64, generator=g)
+    k, v = bf16_numbers(1, 1, 200, 64, generator=g), bf16_numbers(1, 1, 200, 64, generator=g)
+    k[0, 0, 10, 5] = float("nan")
+    v[0, 0, 100, 7] = float("inf")
+    v[0, 0, 150, 9] = float("inf")  # block 2: seen whole by every row
+    visible = torch.ones(1, 1, 16, 200, dtype=torch.bool)
+    visible[0, 0, 0:2, 10] = False   # rows 0, 1 do not see the NaN key
+    visible[0, 0, 0, 100] = False    # row 0 does not see the first inf value
+    out, lse = call(q_rows, k.bfloat16(), v.bfloat16(), visible, 0.125)
+    assert bool(out[0, 0, 2:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 2:]).all())
+    assert bool(out[0, 0, 1, 7].isnan()) and not bool(out[0, 0, 0, 7].isnan())
+    assert bool(out[0, 0, :2, 9].isnan().all())
+    clean = [c for c in range(64) if c not in (7, 9)]
+    want, want_lse = oracle(q_rows, k.nan_to_num(0.0), v.nan_to_num(0.0, 0.0, 0.0), visible, 0.125)
+    torch.testing.assert_close(out[0, 0, :2, clean].double(), want[0, 0, :2, clean], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[0, 0, :2].double(), want_lse[0, 0, :2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [16, 24, 5])
+def test_pages_of_any_size_match_the_oracle(page_size):
+    # pages of 16 keep each group of 16 keys a stride apart (read in place by the tile loads); pages of 24 or 5 give
+    # groups spanning pages, copied into rows a stride apart first
+    g = torch.Generator().manual_seed(page_size)
+    lengths = [300, 77]
+    pages_per = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per) + 3
+    k_pool, v_pool = (bf16_numbers(num_pages, page_size, 2, 64, generator=g).bfloat16() for _ in "kv")
+    order = torch.randperm(num_pages, generator=g)
+    table = torch.zeros(2, max(pages_per), dtype=torch.int64)
+    table[0, :pages_per[0]], table[1, :pages_per[1]] = order[:pages_per[0]], order[pages_per[0]:sum(pages_per)]
+    kv_lens, indptr = torch.tensor(lengths), torch.tensor([0, 1, 2])
+    q = bf16_numbers(2, 32, 64, generator=g).bfloat16()  # one query per sequence, G 16: 16 rows per KV head
+    out = paged_attention(q, k_pool, v_pool, table, kv_lens, indptr)
+    for b, n in enumerate(lengths):
+        pages = table[b, torch.arange(n) // page_size]
+        k_seq = k_pool[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]  # [1, Hkv, n, D]
+        v_seq = v_pool[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]
+        want, _ = oracle(q[b][None, :, None], k_seq, v_seq, torch.ones(1, 1, 1, n, dtype=torch.bool), 64 ** -0.5)
+        torch.testing.assert_close(out[b].double(), want[0, :, 0], rtol=2**-8, atol=1e-6)
+
+
+def test_explain_names_the_tiles_where_they_run(vector_path):
+    q, k = torch.randn(1, 32, 1, 128).bfloat16(), torch.randn(1, 2, 300, 128).bfloat16()
+    LIBRARY.use_bf16_tiles(True)
+    assert "AMX-BF16 tiles" in str(engine.explain(q, k, k))  # G 16: 16 rows a KV head
+    assert "AMX-BF16 tiles" not in str(engine.explain(q[:, :16], k, k))  # G 8: the vector path
+    assert "AMX-BF16 tiles" not in str(engine.explain(q.float(), k.float(), k.float()))  # fp32 K
+    assert "AMX-BF16 tiles" not in str(engine.explain(q[..., :72], k[..., :72], k[..., :72]))  # D 72

@@ -6,6 +6,8 @@ One decode step (B = 1, one new query per head) of a DeepSeek V2 / V3 attention 
 - ``latent, shared rows``: ``engine.plan(q' [1, H, 1, 576], rows [1, 1, S, 576], rows[..., :512])`` (the absorbed
   form's attention: each row read once for every head);
 - ``latent, rows apart``: the same with V a copy of the rows' first 512 columns (each key's bytes read twice);
+- ``latent, shared rows, vector path`` (bf16, where the library runs bf16 K/V of many rows on AMX-BF16 tiles): the
+  shared-rows call with the tiles turned off, in the same run;
 - ``expanded cache``: the non-absorbed form's attention, per-head keys ``[1, H, S, 192]`` and values ``[1, H, S,
   128]`` (what a non-absorbed cache holds: H (192 + 128) numbers per token; skipped past ``--max-gib``);
 - ``contiguous decode``: the project's usual decode shape, Hq 32 / Hkv 8 / D 128 over S keys (the target's yardstick:
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 import engine
+from engine.kernels.decode.native_build import load_native
 from lab import plots
 from lab.measure import format_table, machine_info, median_ms, progress, save_results
 from lab.options import add_common, apply_threads, positive_float
@@ -35,6 +38,7 @@ from lab.options import add_common, apply_threads, positive_float
 LATENT, ROPE, NOPE, V = 512, 64, 128, 128  # DeepSeek V2 / V3: kv_lora_rank, rope, nope and v head dims
 ROW = LATENT + ROPE
 SCALE = (NOPE + ROPE) ** -0.5
+VECTOR = "latent, shared rows, vector path"  # (bf16 where the library has AMX-BF16 tiles: the same call without them)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,10 +66,19 @@ def case_rows(heads: int, s: int, dtype: torch.dtype, args, g) -> list[dict[str,
                                    heads * (NOPE + ROPE + V))
     calls["contiguous decode"] = (_randn((1, 32, 1, 128), dtype, g), _randn((1, 8, s, 128), dtype, g),
                                   _randn((1, 8, s, 128), dtype, g), 2 * 8 * 128)
+    library = load_native()
+    if dtype == torch.bfloat16 and not isinstance(library, str) and library.bf16_tiles:  # the tiles' yardstick
+        calls[VECTOR] = calls["latent, shared rows"]
     out, results = [], {}
     for name, (qq, k, v, numbers) in calls.items():
         step = engine.plan(qq, k, v, scale=SCALE if name != "contiguous decode" else None)
-        ms = median_ms(lambda step=step, qq=qq, k=k, v=v: step.run(qq, k, v), repeats=repeats)
+        if name == VECTOR:
+            library.use_bf16_tiles(False)
+        try:
+            ms = median_ms(lambda step=step, qq=qq, k=k, v=v: step.run(qq, k, v), repeats=repeats)
+        finally:
+            if name == VECTOR:
+                library.use_bf16_tiles(True)
         results[name] = step.run(qq, k, v)
         out.append({"case": f"H {heads} S {s} {str(dtype).removeprefix('torch.')}", "impl": name,
                     "kernel": step.kernel, "ms": ms, "GB/s": numbers * s * size / ms / 1e6,
@@ -82,7 +95,7 @@ def case_rows(heads: int, s: int, dtype: torch.dtype, args, g) -> list[dict[str,
         row["vs contiguous GB/s"] = row["GB/s"] / contiguous
         latent = row["impl"].startswith("latent")
         row["ms / expanded"] = row["ms"] / expanded if latent and expanded else None
-        row["equal to rows apart"] = same if latent else None
+        row["equal to rows apart"] = same if latent and row["impl"] != VECTOR else None
         row["target"] = ">= 1.0x contiguous" if row["impl"] == "latent, shared rows" else None
         row["met"] = ("yes" if shared >= contiguous else "no") if row["target"] else None
     return out

@@ -18,7 +18,11 @@ import engine
 from engine import causal_attention, paged_attention
 from engine.kernels.decode.decode_native import _call
 from engine.kernels.decode.native_build import load_native
+from engine.quantized import QuantizedKV, quantize
 from tests.test_decode_native import oracle
+from tests.test_paged_quantized import dequantized_pool, quantized_pool
+
+KINDS = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 LIBRARY = load_native()
 TILES = not isinstance(LIBRARY, str) and LIBRARY.bf16_tiles
@@ -35,34 +39,45 @@ def vector_path():
 
 def call(q_rows, k, v, visible, scale):
     """The kernel on q rows ``[B, Hkv, R, D]`` (fp32 holding bf16 numbers: an fp32 output, the weights in three
-    pieces) and bf16 K / V: (out, lse), checked to return OK."""
+    pieces) and bf16 or QuantizedKV K / V: (out, lse), checked to return OK."""
     b, hkv, rows, _ = q_rows.shape
     out, lse = torch.zeros(b, hkv, rows, v.shape[-1]), torch.zeros(b, hkv, rows)
-    assert _call(LIBRARY, q_rows, scale, (k, None), (v, None), visible, out, lse) == 0
+    keys, values = ((x.data, x.scale) if isinstance(x, QuantizedKV) else (x, None) for x in (k, v))
+    assert _call(LIBRARY, q_rows, scale, keys, values, visible, out, lse) == 0
     return out, lse
+
+
+def cache(x: torch.Tensor, kind: str):
+    """x as the kind's K or V: bf16, or int8 / fp8 e4m3 with per-key scales (QuantizedKV)."""
+    return x.bfloat16() if kind == "bf16" else quantize(x, KINDS[kind])
+
+
+def exact(x) -> torch.Tensor:
+    return x.dequantize(torch.float64) if isinstance(x, QuantizedKV) else x.double()
 
 
 def bf16_numbers(*shape, generator, scale=1.0):
     return (torch.randn(*shape, generator=generator) * scale).bfloat16().float()
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(rows=st.integers(16, 40), s=st.integers(1, 300), d=st.sampled_from([32, 64, 96, 128]),
        dv=st.sampled_from([32, 64, 160]), masked=st.sampled_from(["none", "some", "blocks"]),
-       seed=st.integers(0, 2**16))
-def test_bf16_on_tiles_matches_the_float64_oracle(rows, s, d, dv, masked, seed):
+       kind=st.sampled_from(["bf16", "int8", "fp8"]), seed=st.integers(0, 2**16))
+def test_the_tiles_match_the_float64_oracle(rows, s, d, dv, masked, kind, seed):
     # rows past a multiple of 16 (a partial row group), S from one key past several blocks (partial key groups),
-    # Dv past a slice of 128 channels; blocks masked (the vector path) beside unmasked ones (the tiles)
+    # Dv past a slice of 128 channels; blocks masked (the vector path) beside unmasked ones (the tiles); bf16, int8
+    # and fp8 caches (their scales applied to the scores and the weights)
     g = torch.Generator().manual_seed(seed)
     q_rows = bf16_numbers(2, 2, rows, d, generator=g)
-    k, v = bf16_numbers(2, 2, s, d, generator=g).bfloat16(), bf16_numbers(2, 2, s, dv, generator=g).bfloat16()
+    k, v = cache(torch.randn(2, 2, s, d, generator=g), kind), cache(torch.randn(2, 2, s, dv, generator=g), kind)
     visible = torch.ones(2, 1, rows, s, dtype=torch.bool)
     if masked == "some":
         visible = torch.rand(2, 1, rows, s, generator=g) > 0.3
     elif masked == "blocks":  # every other block of 64 keys hidden from the odd rows
         visible[:, :, 1::2] = (torch.arange(s) // 64 % 2 == 0)
     out, lse = call(q_rows, k, v, visible, d ** -0.5)
-    want, want_lse = oracle(q_rows, k, v, visible, d ** -0.5)
+    want, want_lse = oracle(q_rows, exact(k), exact(v), visible, d ** -0.5)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
 
@@ -121,24 +136,28 @@ def test_non_finite_keys_and_values_poison_only_the_rows_that_see_them():
 
 
 @pytest.mark.parametrize("page_size", [16, 24, 5])
-def test_pages_of_any_size_match_the_oracle(page_size):
-    # pages of 16 keep each group of 16 keys a stride apart (read in place by the tile loads); pages of 24 or 5 give
-    # groups spanning pages, copied into rows a stride apart first
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_pages_of_any_size_match_the_oracle(page_size, kind):
+    # pages of 16 keep each group of 16 bf16 keys a stride apart (read in place by the tile loads); pages of 24 or 5
+    # give groups spanning pages, copied into rows a stride apart first (int8 rows: widened into them)
     g = torch.Generator().manual_seed(page_size)
     lengths = [300, 77]
     pages_per = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per) + 3
     k_pool, v_pool = (bf16_numbers(num_pages, page_size, 2, 64, generator=g).bfloat16() for _ in "kv")
+    if kind == "int8":
+        k_pool, v_pool = (quantized_pool(x.float(), torch.int8) for x in (k_pool, v_pool))
     order = torch.randperm(num_pages, generator=g)
     table = torch.zeros(2, max(pages_per), dtype=torch.int64)
     table[0, :pages_per[0]], table[1, :pages_per[1]] = order[:pages_per[0]], order[pages_per[0]:sum(pages_per)]
     kv_lens, indptr = torch.tensor(lengths), torch.tensor([0, 1, 2])
     q = bf16_numbers(2, 32, 64, generator=g).bfloat16()  # one query per sequence, G 16: 16 rows per KV head
     out = paged_attention(q, k_pool, v_pool, table, kv_lens, indptr)
+    k64, v64 = (dequantized_pool(x) if kind == "int8" else x.double() for x in (k_pool, v_pool))
     for b, n in enumerate(lengths):
         pages = table[b, torch.arange(n) // page_size]
-        k_seq = k_pool[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]  # [1, Hkv, n, D]
-        v_seq = v_pool[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]
+        k_seq = k64[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]  # [1, Hkv, n, D]
+        v_seq = v64[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]
         want, _ = oracle(q[b][None, :, None], k_seq, v_seq, torch.ones(1, 1, 1, n, dtype=torch.bool), 64 ** -0.5)
         torch.testing.assert_close(out[b].double(), want[0, :, 0], rtol=2**-8, atol=1e-6)
 
@@ -150,3 +169,27 @@ def test_explain_names_the_tiles_where_they_run(vector_path):
     assert "AMX-BF16 tiles" not in str(engine.explain(q[:, :16], k, k))  # G 8: the vector path
     assert "AMX-BF16 tiles" not in str(engine.explain(q.float(), k.float(), k.float()))  # fp32 K
     assert "AMX-BF16 tiles" not in str(engine.explain(q[..., :72], k[..., :72], k[..., :72]))  # D 72
+    for kind, name in (("int8", "int8 K/V, 16 rows"), ("fp8", "fp8 e4m3 K/V, 16 rows")):
+        kq, vq = (cache(torch.randn(1, 2, 300, 128), kind) for _ in "kv")
+        assert name in str(engine.explain(q, kq, vq))
+        assert "AMX-BF16 tiles" not in str(engine.explain(q.float(), kq, vq))  # an fp32 q: the vector path
+    LIBRARY.use_bf16_tiles(False)
+    assert "AMX-BF16 tiles" not in str(engine.explain(q, k, k))  # turned off
+
+
+def test_fp8_nan_codes_poison_only_the_rows_that_see_them():
+    # e4m3's NaN codes (0x7F, 0xFF) widened to bf16 NaN on the tiles: a NaN key makes its rows NaN, a NaN value its
+    # channel; rows whose blocks hide them (the vector path) are untouched
+    g = torch.Generator().manual_seed(5)
+    q_rows = bf16_numbers(1, 1, 16, 64, generator=g)
+    k, v = (quantize(torch.randn(1, 1, 200, 64, generator=g), torch.float8_e4m3fn) for _ in "kv")
+    k.data.view(torch.uint8)[0, 0, 20, 3] = 0x7F
+    v.data.view(torch.uint8)[0, 0, 150, 9] = 0xFF
+    visible = torch.ones(1, 1, 16, 200, dtype=torch.bool)
+    visible[0, 0, 0, 20] = False  # row 0 does not see the NaN key
+    out, lse = call(q_rows, k, v, visible, 0.125)
+    assert bool(out[0, 0, 1:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 1:]).all())
+    assert bool(out[0, 0, 0, 9].isnan()) and not bool(out[0, 0, 0, :9].isnan().any())
+    want, want_lse = oracle(q_rows, exact(k).nan_to_num(0.0), exact(v).nan_to_num(0.0), visible, 0.125)
+    torch.testing.assert_close(out[0, 0, 0, :9].double(), want[0, 0, 0, :9], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[0, 0, 0].double(), want_lse[0, 0, 0], rtol=1e-5, atol=1e-5)

@@ -83,6 +83,7 @@ B, HQ, HKV, D = 8, 32, 8, 128
 TARGET = 1.1
 CASCADE_TARGET = 4.0
 TREE_TARGET = 1.5  # a 16-node tree's verify over a one-token decode step
+TREE_DTYPES = (torch.float32, torch.bfloat16)  # (bf16: where the CPU has AMX-BF16, a tree's rows run on its tiles)
 TREE_KEYS = {"quick": (4096,), "full": (4096, 32768)}  # S, the sequence's cached keys
 GROUPS = ("decode", "placement", "churn", "step", "mixed", "continuous", "invariant", "cascade", "tree", "memory")
 
@@ -218,20 +219,22 @@ def cascade_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def tree_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One sequence of S keys (page 16, fp32): a tree of 16 / 64 draft nodes verified in one planned paged call vs
-    a one-token decode step over the same S keys; each planned once, its run timed interleaved."""
+    """One sequence of S keys (page 16, fp32 and bf16): a tree of 16 / 64 draft nodes verified in one planned paged
+    call vs a one-token decode step over the same S keys; each planned once, its run timed interleaved."""
     rounds, calls = (3, 2) if args.quick else (7, 3)
     g = torch.Generator().manual_seed(args.seed)
     rows = []
-    for s in progress(TREE_KEYS["quick" if args.quick else "full"], "bench paged: tree", quiet=args.quiet):
-        rows += _tree_case(s, 16, g, rounds, calls)
+    cases = [(s, dtype) for s in TREE_KEYS["quick" if args.quick else "full"] for dtype in TREE_DTYPES]
+    for s, dtype in progress(cases, "bench paged: tree", quiet=args.quiet):
+        rows += _tree_case(s, 16, dtype, g, rounds, calls)
     return rows
 
 
-def _tree_case(s: int, page_size: int, g: torch.Generator, rounds: int, calls: int) -> list[dict[str, Any]]:
-    k, v = (torch.randn(1, HKV, s + 64, D, generator=g) for _ in "kv")  # [1, Hkv, S + 64, D]: room for 64 nodes
+def _tree_case(s: int, page_size: int, dtype: torch.dtype, g: torch.Generator, rounds: int,
+               calls: int) -> list[dict[str, Any]]:
+    k, v = (torch.randn(1, HKV, s + 64, D, generator=g).to(dtype) for _ in "kv")  # [1, Hkv, S + 64, D]: 64 nodes
     k_pages, v_pages, table = pools(k, v, page_size, g, True)
-    q = torch.randn(64, HQ, D, generator=g)  # [64, Hq, D]: the largest tree's queries
+    q = torch.randn(64, HQ, D, generator=g).to(dtype)  # [64, Hq, D]: the largest tree's queries
     plans = {1: plan_paged(q[:1], k_pages, v_pages, table, torch.tensor([s + 1]), torch.tensor([0, 1]))}
     diffs = {}
     for n in (16, 64):
@@ -248,11 +251,12 @@ def _tree_case(s: int, page_size: int, g: torch.Generator, rounds: int, calls: i
     rows = []
     for n, name in names.items():
         ratio = ms[name] / ms[names[1]]
-        rows.append({"group": "tree", "case": f"S={s} Hq {HQ}/Hkv {HKV}/D {D} fp32 page {page_size}", "impl": name,
+        case = f"S={s} Hq {HQ}/Hkv {HKV}/D {D} {str(dtype).removeprefix('torch.')} page {page_size}"
+        rows.append({"group": "tree", "case": case, "impl": name,
                      "nodes": n, "ms": ms[name], "time/decode": ratio, "per node": ms[name] / n,
                      "path": plans[n].path, "target": f"<= {TREE_TARGET}x" if n == 16 else None,
                      "met": ("yes" if ratio <= TREE_TARGET else "no") if n == 16 else None,
-                     "max |diff|": diffs.get(n), "S": s})
+                     "max |diff|": diffs.get(n), "S": s, "dtype": str(dtype).removeprefix("torch.")})
     return rows
 
 
@@ -271,12 +275,13 @@ def plot(rows: list[dict[str, Any]], path) -> None:
 
 def plot_tree(rows: list[dict[str, Any]], path) -> None:
     fig, (axes,) = plots.figure(width=6.0)
-    sizes = sorted({r["S"] for r in rows})
+    cases = list(dict.fromkeys((r["S"], r["dtype"]) for r in rows))
     for offset, name in enumerate(("tree 16", "tree 64")):
-        values = [next(r["time/decode"] for r in rows if r["S"] == s and r["impl"] == name) for s in sizes]
-        axes.bar([i + 0.4 * offset for i in range(len(sizes))], values, width=0.4, label=name)
+        values = [next(r["time/decode"] for r in rows if (r["S"], r["dtype"]) == c and r["impl"] == name)
+                  for c in cases]
+        axes.bar([i + 0.4 * offset for i in range(len(cases))], values, width=0.4, label=name)
     axes.axhline(TREE_TARGET, color="gray", linestyle="--", label=f"target {TREE_TARGET}x (16 nodes)")
-    axes.set_xticks([i + 0.2 for i in range(len(sizes))], [f"S = {s}" for s in sizes])
+    axes.set_xticks([i + 0.2 for i in range(len(cases))], [f"S = {s}, {dt}" for s, dt in cases])
     axes.set_ylabel("time / one-token decode step")
     axes.set_title("a draft tree verified in one paged call")
     axes.legend()

@@ -561,11 +561,13 @@ inline __m512 digit_sums(const int32_t* rows) {
 // key"). A bf16 q value times a bf16 key value is exact in fp32, and one TDPBF16PS takes 16 keys x 32 channels
 // against 16 query rows, summing in fp32: the scores' A tiles are the key rows as they lie (16 rows a stride apart),
 // the B tiles q's rows two channels to a 32-bit lane (built once a call: q_tiles), and the sums come out [key][row],
-// transposed into s. The weights p (fp32) go in as three bf16 pieces (p = hi + mid + lo, 24 bits: an fp32's
-// significand) against V's rows laid two keys to a 32-bit lane (v_words), three products summed in fp32 per 16
-// rows x 16 channels. Taken where q's values are all bf16 numbers (a bf16 model's: the scale applied to the sums)
+// transposed into s. The weights p (fp32) go in as bf16 pieces (p = hi + mid + lo, 24 bits: an fp32's significand;
+// hi + lo for a bf16 output) against V's rows laid two keys to a 32-bit lane (v_words), the pieces' products summed
+// in fp32 per 16 rows x 16 channels. Taken where q's values are all bf16 numbers (a bf16 model's: the scale applied to the sums)
 // and for blocks every row sees whole: a masked block runs the vector path, where a hidden key's value never meets a
-// row (not even times 0). The tiles flush subnormal inputs and products to zero (below 2^-126).
+// row (not even times 0). The tiles flush subnormal inputs and products to zero (below 2^-126). int8 and fp8 e4m3
+// K/V are widened to bf16 words first (exactly: 8 and 4 significant bits), their scales applied as on the vector
+// path.
 constexpr int TILE_ROWS = 16;  // query rows a tile; calls with at least this many rows a KV head take the tiles
 // bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
 // its own, 2^-8 of the output's rounding)
@@ -931,7 +933,7 @@ struct Item {
         }
 #endif
 #if DN_AMX_BF16
-        if constexpr (KIND == BF16 && SIMD) {
+        if constexpr (ON_TILES) {
             bf16_tiles = o.q_tiles != nullptr;
             if (bf16_tiles) {  // (this thread's, as int8's; each item uses it within one block)
                 static thread_local std::vector<uint16_t> tile_scratch;
@@ -1856,8 +1858,16 @@ struct Item {
 #endif
 
 #if DN_AMX_BF16
-    // bf16 K/V on AMX tiles (the section "bf16 on AMX tiles, many rows" above), decided once a call (q_tiles)
+    // bf16 K/V on AMX tiles (the section "bf16 on AMX tiles, many rows" above), decided once a call (q_tiles); int8
+    // and fp8 e4m3 K/V too, widened to bf16 exactly (int8's 8 bits, e4m3's 4), their scales applied as the vector
+    // path's are (the scores times kunit, the weights times vscale)
+    static constexpr bool ON_TILES = (KIND == BF16 || KIND == I8 || KIND == F8E4M3) && SIMD;
     bool bf16_tiles = false;
+    // channels d .. d + 31 of a row as bf16 words (NaN codes read as NaN)
+    static __m512i tile_words(const void* row, int64_t d) {
+        if constexpr (KIND == BF16) return _mm512_loadu_si512((const void*)((const uint16_t*)row + d));
+        else return (__m512i)_mm512_cvtne2ps_pbh(load(row, d + 16, true), load(row, d, true));
+    }
     float* c_out = nullptr;         // [4][16][16]: sums tiles, stored
     uint16_t* v_words = nullptr;    // [SLICE / 16][2][16][32]: a slice of the block's V rows as B tiles (half h:
                                     // keys 32 h ..)
@@ -1875,13 +1885,19 @@ struct Item {
             const int jj = 16 * g, m = std::min(16, n - jj);
             base[g] = krows[jj];
             stride[g] = m > 1 ? krows[jj + 1] - base[g] : 0;
-            bool even = m == 16 && stride[g] > 0;
+            bool even = KIND == BF16 && m == 16 && stride[g] > 0;
             for (int i = 2; even && i < 16; ++i) even = krows[jj + i] == base[g] + i * stride[g];
-            if (!even) {  // copied into 16 rows a stride apart (rows past n zero)
+            if (!even) {  // copied (int8 / fp8: widened) into 16 rows a stride apart (rows past n zero)
                 uint16_t* rows = k_copy + jj * D;
                 for (int i = 0; i < 16; ++i) {
-                    if (i < m) std::memcpy(rows + i * D, krows[jj + i], 2 * D);
-                    else std::memset(rows + i * D, 0, 2 * D);
+                    if (KIND == BF16 && i < m) {
+                        std::memcpy(rows + i * D, krows[jj + i], 2 * D);
+                    } else if (i < m) {
+                        for (int64_t d = 0; d < D; d += 32)
+                            _mm512_store_si512(rows + i * D + d, tile_words(krows[jj + i], d));
+                    } else {
+                        std::memset(rows + i * D, 0, 2 * D);
+                    }
                 }
                 base[g] = (const char*)rows, stride[g] = 2 * D;
             }
@@ -1919,8 +1935,9 @@ struct Item {
                 __m512 x[16];
                 for (int i = 0; i < 16; ++i) x[i] = _mm512_load_ps(c_out + 256 * kg + 16 * i);
                 transpose16(x);
+                const __m512 units = _mm512_mul_ps(unit, _mm512_loadu_ps(&kunit[16 * kg]));  // (keys' scales)
                 for (int64_t r = 0; r < rows; ++r)
-                    _mm512_storeu_ps(&s[(TILE_ROWS * g + r) * BLOCK + 16 * kg], _mm512_mul_ps(x[r], unit));
+                    _mm512_storeu_ps(&s[(TILE_ROWS * g + r) * BLOCK + 16 * kg], _mm512_mul_ps(x[r], units));
             }
             if (pass_asks) ask_next();
         }
@@ -1960,11 +1977,11 @@ struct Item {
             for (int h = 0; h < 2; ++h)
                 for (int k2 = 0; k2 < 16; ++k2) {
                     const int a = 32 * h + 2 * k2;
-                    const char* v0 = a < n ? vrows[a] + 2 * c0 : nullptr;
-                    const char* v1 = a + 1 < n ? vrows[a + 1] + 2 * c0 : nullptr;
+                    const char* v0 = a < n ? vrows[a] : nullptr;
+                    const char* v1 = a + 1 < n ? vrows[a + 1] : nullptr;
                     for (int64_t m = 0; m < width / 32; ++m) {
-                        const __m512i x0 = v0 ? _mm512_loadu_si512(v0 + 64 * m) : _mm512_setzero_si512();
-                        const __m512i x1 = v1 ? _mm512_loadu_si512(v1 + 64 * m) : _mm512_setzero_si512();
+                        const __m512i x0 = v0 ? tile_words(v0, c0 + 32 * m) : _mm512_setzero_si512();
+                        const __m512i x1 = v1 ? tile_words(v1, c0 + 32 * m) : _mm512_setzero_si512();
                         _mm512_store_si512(v_words + ((4 * m + h) * 16 + k2) * 32, _mm512_permutex2var_epi16(x0, lo, x1));
                         _mm512_store_si512(v_words + ((4 * m + 2 + h) * 16 + k2) * 32,
                                            _mm512_permutex2var_epi16(x0, hi, x1));
@@ -2024,6 +2041,7 @@ struct Item {
         pass_asks = true;
         tile_scores(n);
         softmax_step(j0, n, false);
+        read_next_scales();
         tile_values(n);
         ask_upto(ahead_rows);
     }
@@ -2044,7 +2062,7 @@ struct Item {
             }
 #endif
 #if DN_AMX_BF16
-        if constexpr (KIND == BF16 && SIMD)  // (a masked block: the vector path below)
+        if constexpr (ON_TILES)  // (a masked block: the vector path below)
             if (bf16_tiles && !masked) {
                 tile_step(j0, n);
                 return;
@@ -2309,8 +2327,8 @@ int decode_native(const DecodeCall* call) {
 #endif
 #if DN_AMX_BF16
     // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below)
-    bool bf16_tiles = simd && kind == BF16 && R >= TILE_ROWS && D % 32 == 0 && Dv % 32 == 0 &&
-                      decode_native_bf16_tiles();
+    bool bf16_tiles = simd && (kind == BF16 || kind == I8 || kind == F8E4M3) && R >= TILE_ROWS && D % 32 == 0 &&
+                      Dv % 32 == 0 && decode_native_bf16_tiles();
     for (int64_t b = 0; b < B && bf16_tiles; ++b)
         for (int64_t h = 0; h < H && bf16_tiles; ++h)
             for (int64_t r = 0; r < R && bf16_tiles; ++r) bf16_tiles = bf16_row(q_in + b * qs[0] + h * qs[1] + r * qs[2], D);
@@ -2319,7 +2337,7 @@ int decode_native(const DecodeCall* call) {
 #endif
     const bool pairs = simd && kind == BF16 && D % PAIR == 0 && Dv % PAIR == 0 && !bf16_tiles;  // read as BF16_PAIRS
 #if DN_F8_WORDS
-    const bool words = simd && kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0;  // read as F8_WORDS
+    const bool words = simd && kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0 && !bf16_tiles;  // read as F8_WORDS
 #else
     const bool words = false;
 #endif
@@ -2331,7 +2349,7 @@ int decode_native(const DecodeCall* call) {
 #if DN_BF16_DOT
     // every q value a bf16 number (its low 16 bits zero): its bits in q_bits, q left unscaled
     bool q_bf16 = decode_native_bf16_dot() && (pairs || kind == F8E4M3 || (kind == I8 && !decode_native_amx())) && simd && R % NR == 0 &&
-                  D % 32 == 0;
+                  D % 32 == 0 && !bf16_tiles;
     std::vector<uint16_t> q_bits(q_bf16 ? B * H * R * D : 0);
     for (int64_t b = 0; b < B && q_bf16; ++b)
         for (int64_t h = 0; h < H && q_bf16; ++h)

@@ -32,9 +32,9 @@ from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, n
 from engine.kernels.decode.native_build import (
     bf16_dot_built,
     bf16_dot_scores,
+    bf16_tiles_note,
     load_native,
     native_amx,
-    native_bf16_tiles,
     native_unavailable,
     vector_path,
 )
@@ -76,8 +76,8 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
 def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place; int8 K/V on
     AMX tiles ("int8 on AMX tiles", ``amx_usable``: ``native_amx``, at most 4 rows a KV head, D 64 / 128, Dv 64k, K
-    and V apart); else its vector path (``vector_path``), with bf16 K/V of 16+ rows a KV head (D, Dv 32k) on AMX-BF16
-    tiles (``native_bf16_tiles``), else scores by vdpbf16ps (``bf16_dot_scores``) for a bf16 q of 4k rows a KV head,
+    and V apart); else its vector path (``vector_path``), with a bf16 q of 16+ rows a KV head on AMX-BF16 tiles
+    (``bf16_tiles_note``), else scores by vdpbf16ps (``bf16_dot_scores``) for a bf16 q of 4k rows a KV head,
     D 32k, K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
     if listed_fits(inputs) is None:
         return ["key_indices: read in place, only each query's listed keys (native_listed)"]
@@ -91,8 +91,8 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     fits = v.shape[3] % 16 == 0 and not (keys == torch.int8 and native_amx()) if isinstance(k, QuantizedKV) else \
         v.shape[3] % 32 == 0
     path = [vector_path(q.shape[3], v.shape[3])]
-    if keys == torch.bfloat16 and rows >= 16 and q.shape[3] % 32 == 0 == v.shape[3] % 32 and native_bf16_tiles():
-        return path + [f"bf16 K/V, {rows} rows a KV head: blocks every row sees on AMX-BF16 tiles (fp32 sums)"]
+    if q.dtype == torch.bfloat16 and (tiles := bf16_tiles_note(KINDS.get(keys), rows, q.shape[3], v.shape[3])):
+        return path + [tiles]
     if bf16_dot_built() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and fits:
         return path + [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores {bf16_dot_scores()}"]
     return path

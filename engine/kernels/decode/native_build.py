@@ -102,6 +102,16 @@ def native_bf16_tiles() -> bool:
     return native_amx() and {"amx_bf16", "avx512_bf16"} <= set(cpu_key().split())
 
 
+def bf16_tiles_note(kind: int | None, rows: int, d: int, dv: int) -> str | None:
+    """explain()'s words where a bf16 q's call runs on AMX-BF16 tiles (``native_bf16_tiles``): K/V of kind 1, 3 or 4
+    (decode_native.KINDS: bf16, int8, fp8 e4m3), 16 or more query rows a KV head, D and Dv multiples of 32; else
+    None. Builds nothing."""
+    name = {1: "bf16", 3: "int8", 4: "fp8 e4m3"}.get(kind)
+    if name is None or rows < 16 or d % 32 or dv % 32 or not native_bf16_tiles():
+        return None
+    return f"{name} K/V, {rows} rows a KV head: blocks every row sees on AMX-BF16 tiles (fp32 sums)"
+
+
 def native_bf16_dot() -> bool | None:
     """Whether the library computes bf16 K's scores as AVX512-BF16 pair dot products (decode_native.cpp,
     DN_BF16_DOT; builds and loads nothing): False without AVX-512 and AVX512-BF16 (the ``-march=native`` build has no

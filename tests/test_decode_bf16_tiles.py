@@ -19,6 +19,7 @@ from engine import causal_attention, paged_attention
 from engine.kernels.decode.decode_native import _call
 from engine.kernels.decode.native_build import load_native
 from engine.quantized import QuantizedKV, quantize
+from tests import test_batch_invariance as batch_invariance
 from tests.test_decode_native import oracle
 from tests.test_paged_quantized import dequantized_pool, quantized_pool
 
@@ -193,3 +194,38 @@ def test_fp8_nan_codes_poison_only_the_rows_that_see_them():
     want, want_lse = oracle(q_rows, exact(k).nan_to_num(0.0), exact(v).nan_to_num(0.0), visible, 0.125)
     torch.testing.assert_close(out[0, 0, 0, :9].double(), want[0, 0, 0, :9], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse[0, 0, 0].double(), want_lse[0, 0, 0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 1300], ids=["full", "window"])
+def test_a_request_on_the_tiles_is_bitwise_the_same_alone_in_any_batch_contiguous_or_paged(window, monkeypatch):
+    # 16 rows a KV head (Hq 32 / Hkv 2): a request's last block alone (partial, unmasked) and in a padded batch (the
+    # padding hidden from every row: still on the tiles, its rows never read) compute alike; so do pages of any size
+    monkeypatch.setattr(batch_invariance, "HQ", 32)
+    mine, *others = batch_invariance.requests([777, 3000, 40, 2100], torch.bfloat16, seed=2)  # (mine padded)
+    alone = batch_invariance.contiguous([mine], window)[0]
+    for n in (1, 2):
+        with batch_invariance.threads(n):
+            for batch in ([mine] + others, others + [mine]):
+                at = next(i for i, r in enumerate(batch) if r is mine)
+                assert torch.equal(batch_invariance.contiguous(batch, window)[at], alone), (n, window)
+                for page_size in (16, 256):
+                    assert torch.equal(batch_invariance.paged(batch, page_size, window=window)[at], alone)
+    mine_int8 = batch_invariance.paged([mine], 16, quantized=True)[0]
+    assert torch.equal(batch_invariance.paged(others + [mine], 24, quantized=True)[-1], mine_int8)
+
+
+def test_batch_invariant_mode_keeps_every_row_off_the_tiles():
+    # there a row's result must not depend on how many rows share its call (a prefill chunked or whole), and the
+    # tiles take a call's rows 16 at a time: the vector path runs, and explain() says so
+    q, k = torch.randn(1, 32, 1, 128).bfloat16(), torch.randn(1, 2, 300, 128).bfloat16()
+    previous = engine.set_batch_invariant(True)
+    try:
+        assert "AMX-BF16 tiles" not in str(engine.explain(q, k, k))
+        inside = causal_attention(q, k, k)
+    finally:
+        engine.set_batch_invariant(previous)
+    LIBRARY.use_bf16_tiles(False)
+    try:
+        assert torch.equal(inside, causal_attention(q, k, k))
+    finally:
+        LIBRARY.use_bf16_tiles(True)

@@ -801,6 +801,9 @@ struct DecodeCall {
     // q's and out's element kind: F32, or BF16 (a bf16 model's: q read and its output written in bf16, where the
     // caller's conversions to and from fp32 took 6 of a small step's 33 us)
     int64_t io_kind;
+    // 1: each row computed as alone, whatever other rows share the call (batch-invariant mode: a prefill's rows
+    // bitwise the same chunked or whole), so not on the AMX-BF16 tiles, which take a call's rows 16 at a time
+    int64_t rows_alone;
 };
 
 }  // extern "C"
@@ -1508,6 +1511,7 @@ struct Item {
     // every one (the block then runs unmasked, bitwise the same: a tree's cached keys, a mask of mostly ones), else
     // SOME. The ALL check reads a row's bytes in vectors before any per-key mask is built.
     enum Seen { NONE, SOME, ALL };
+    bool uniform = false;           // (block_visibility, SOME) every row sees the same keys of the block
     Seen block_visibility(int64_t j0, int n) {
         if (o.vis[3] == 1) {
             bool all = true;
@@ -1532,6 +1536,13 @@ struct Item {
                 any |= sees;
             }
         }
+#if DN_AMX_BF16
+        if constexpr (ON_TILES) {
+            uniform = bf16_tiles;
+            for (int64_t r = 0; r < o.R && uniform; ++r)
+                for (int jj = 0; jj < n && uniform; ++jj) uniform = _bits(keep[r * BLOCK + jj]) == (seen_key[jj] != 0);
+        }
+#endif
         return any ? SOME : NONE;
     }
 
@@ -1947,7 +1958,7 @@ struct Item {
     // slice of SLICE channels at a time, its rows two keys to a 32-bit lane (v_words: 16 KiB, in L1 while every row
     // group reads it), 16 rows x 16 channels x 32 keys a TDPBF16PS, four channel tiles at a time
     static constexpr int64_t SLICE = 128;
-    __attribute__((noinline)) void tile_values(int n) {
+    __attribute__((noinline)) void tile_values(int n, bool masked) {
         const int64_t R = o.R, Dv = o.Dv, groups = (R + TILE_ROWS - 1) / TILE_ROWS, P = o.p_pieces;
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t rows = std::min<int64_t>(TILE_ROWS, R - TILE_ROWS * g);
@@ -1977,8 +1988,8 @@ struct Item {
             for (int h = 0; h < 2; ++h)
                 for (int k2 = 0; k2 < 16; ++k2) {
                     const int a = 32 * h + 2 * k2;
-                    const char* v0 = a < n ? vrows[a] : nullptr;
-                    const char* v1 = a + 1 < n ? vrows[a + 1] : nullptr;
+                    const char* v0 = a < n && (!masked || seen_key[a]) ? vrows[a] : nullptr;  // (else 0)
+                    const char* v1 = a + 1 < n && (!masked || seen_key[a + 1]) ? vrows[a + 1] : nullptr;
                     for (int64_t m = 0; m < width / 32; ++m) {
                         const __m512i x0 = v0 ? tile_words(v0, c0 + 32 * m) : _mm512_setzero_si512();
                         const __m512i x1 = v1 ? tile_words(v1, c0 + 32 * m) : _mm512_setzero_si512();
@@ -2032,7 +2043,8 @@ struct Item {
         }
     }
 
-    void tile_step(int64_t j0, int n) {
+    // (masked: keys no row sees, whose rows are never read for the values: block_visibility's uniform)
+    void tile_step(int64_t j0, int n, bool masked) {
         ask_step = 0;
         const int64_t groups = (o.R + TILE_ROWS - 1) / TILE_ROWS;
         const int64_t slices = (o.Dv + SLICE - 1) / SLICE;  // (tile_scores' and tile_values' asks)
@@ -2040,9 +2052,9 @@ struct Item {
         ask_rate = ((int64_t)ahead_rows << 16) / steps;
         pass_asks = true;
         tile_scores(n);
-        softmax_step(j0, n, false);
+        softmax_step(j0, n, masked);
         read_next_scales();
-        tile_values(n);
+        tile_values(n, masked);
         ask_upto(ahead_rows);
     }
 #endif
@@ -2062,9 +2074,9 @@ struct Item {
             }
 #endif
 #if DN_AMX_BF16
-        if constexpr (ON_TILES)  // (a masked block: the vector path below)
-            if (bf16_tiles && !masked) {
-                tile_step(j0, n);
+        if constexpr (ON_TILES)  // (a block whose rows see different keys: the vector path below)
+            if (bf16_tiles && (!masked || uniform)) {
+                tile_step(j0, n, masked);
                 return;
             }
 #endif
@@ -2291,7 +2303,7 @@ int decode_native_layout(int64_t* offsets, int capacity) {
         (int64_t)offsetof(DecodeCall, out), (int64_t)offsetof(DecodeCall, lse), (int64_t)offsetof(DecodeCall, pages),
         (int64_t)offsetof(DecodeCall, pages_stride), (int64_t)offsetof(DecodeCall, page_size),
         (int64_t)offsetof(DecodeCall, lengths), (int64_t)offsetof(DecodeCall, key_offset),
-        (int64_t)offsetof(DecodeCall, io_kind), (int64_t)sizeof(DecodeCall)};
+        (int64_t)offsetof(DecodeCall, io_kind), (int64_t)offsetof(DecodeCall, rows_alone), (int64_t)sizeof(DecodeCall)};
     const int n = (int)(sizeof(all) / sizeof(all[0]));
     for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
     return n;
@@ -2328,7 +2340,7 @@ int decode_native(const DecodeCall* call) {
 #if DN_AMX_BF16
     // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below)
     bool bf16_tiles = simd && (kind == BF16 || kind == I8 || kind == F8E4M3) && R >= TILE_ROWS && D % 32 == 0 &&
-                      Dv % 32 == 0 && decode_native_bf16_tiles();
+                      Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
     for (int64_t b = 0; b < B && bf16_tiles; ++b)
         for (int64_t h = 0; h < H && bf16_tiles; ++h)
             for (int64_t r = 0; r < R && bf16_tiles; ++r) bf16_tiles = bf16_row(q_in + b * qs[0] + h * qs[1] + r * qs[2], D);

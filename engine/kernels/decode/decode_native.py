@@ -204,7 +204,8 @@ def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0) 
         raise DoesNotFit(f"K/V dtypes {k_data.dtype}, {v_data.dtype}: not read by the native kernel")
     batch, kv_heads, rows, d = q_rows.shape
     call = DecodeCall(kind=KINDS[k_data.dtype], B=batch, H=kv_heads, R=rows, S=k_data.shape[2], D=d,
-                      Dv=v_data.shape[3], scale=scale, key_offset=key_offset, io_kind=IO_KINDS[q_rows.dtype])
+                      Dv=v_data.shape[3], scale=scale, key_offset=key_offset, io_kind=IO_KINDS[q_rows.dtype],
+                      rows_alone=is_batch_invariant())
     strides = _fill_strides(call, q_rows, keys, values)
     _set_visible(call, visible)  # (the visibility tensor is the plan's: it outlives every run)
     return call, strides
@@ -270,11 +271,10 @@ def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pag
     DoesNotFit for a dtype the kernel does not read."""
     if kind not in KINDS:
         raise DoesNotFit(f"page dtype {kind}: not read in place by the native kernel")
-    batch, kv_heads, rows, d = q_shape
-    longest = int(lengths.max()) if lengths.numel() else 0
+    (batch, kv_heads, rows, d), longest = q_shape, (int(lengths.max()) if lengths.numel() else 0)
     call = DecodeCall(kind=KINDS[kind], B=batch, H=kv_heads, R=rows, S=longest, D=d, Dv=dv, scale=scale,
                       pages=pages.data_ptr(), pages_stride=pages.stride(0), page_size=page_size,
-                      lengths=lengths.data_ptr())
+                      lengths=lengths.data_ptr(), rows_alone=is_batch_invariant())
     _set_visible(call, visible)
     return call
 

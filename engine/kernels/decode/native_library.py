@@ -27,6 +27,7 @@ class DecodeCall(ctypes.Structure):
         ("out", _PTR), ("lse", _PTR),
         ("pages", _PTR), ("pages_stride", _I64), ("page_size", _I64), ("lengths", _PTR), ("key_offset", _I64),
         ("io_kind", _I64),  # q's and out's: 0 fp32, 1 bf16 (decode_native.IO_KINDS)
+        ("rows_alone", _I64),  # 1: each row as alone (batch-invariant mode): no AMX-BF16 tiles
     ]
 
 

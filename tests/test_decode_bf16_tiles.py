@@ -174,6 +174,9 @@ def test_explain_names_the_tiles_where_they_run(vector_path):
         kq, vq = (cache(torch.randn(1, 2, 300, 128), kind) for _ in "kv")
         assert name in str(engine.explain(q, kq, vq))
         assert "AMX-BF16 tiles" not in str(engine.explain(q.float(), kq, vq))  # an fp32 q: the vector path
+    qt, listed = torch.randn(1, 32, 40, 128).bfloat16(), torch.randint(0, 300, (1, 1, 40, 64))
+    text = str(engine.explain(qt, k, k, torch.arange(260, 300), torch.arange(300), key_indices=listed))
+    assert "listed keys" in text and "16 rows a KV head" in text  # each query its own list: G rows
     LIBRARY.use_bf16_tiles(False)
     assert "AMX-BF16 tiles" not in str(engine.explain(q, k, k))  # turned off
 

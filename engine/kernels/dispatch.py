@@ -57,11 +57,11 @@ from engine.kernels.decode.decode import decode_attention, decode_fits, decode_p
 from engine.kernels.decode.decode_native import (
     native_decode_attention,
     native_decode_fits,
-    native_decode_notes,
     native_decode_pays_off,
     native_decode_runner,
 )
 from engine.kernels.decode.dequantized import dequantized_attention, dequantized_fits
+from engine.kernels.decode.native_notes import native_decode_notes
 from engine.kernels.flex.flex import flex_attention, flex_fits, flex_pays_off
 from engine.kernels.paged_rows import FLEX_PAGED, NATIVE_PAGED, PagedRow
 from engine.kernels.reference import reference_attention

@@ -29,15 +29,7 @@ import torch
 from engine.inputs import AttentionInputs
 from engine.invariance import is_batch_invariant
 from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, needs_grad, unfold_groups
-from engine.kernels.decode.native_build import (
-    bf16_dot_built,
-    bf16_dot_scores,
-    bf16_tiles_note,
-    load_native,
-    native_amx,
-    native_unavailable,
-    vector_path,
-)
+from engine.kernels.decode.native_build import load_native, native_unavailable
 from engine.kernels.decode.native_library import NON_FINITE_Q, OK, DecodeCall
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
 from engine.kernels.visibility import chunk_rows, decode_rows
@@ -71,31 +63,6 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
     if isinstance(k, QuantizedKV) != isinstance(inputs.v, QuantizedKV):
         return "k and v must both be QuantizedKV or both tensors"
     return None
-
-
-def native_decode_notes(inputs: AttentionInputs) -> list[str]:
-    """explain()'s lines on how the kernel reads inputs it runs (builds nothing): key_indices in place; int8 K/V on
-    AMX tiles ("int8 on AMX tiles", ``amx_usable``: ``native_amx``, at most 4 rows a KV head, D 64 / 128, Dv 64k, K
-    and V apart); else its vector path (``vector_path``), with a bf16 q of 16+ rows a KV head on AMX-BF16 tiles
-    (``bf16_tiles_note``), else scores by vdpbf16ps (``bf16_dot_scores``) for a bf16 q of 4k rows a KV head,
-    D 32k, K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
-    if listed_fits(inputs) is None:
-        return ["key_indices: read in place, only each query's listed keys (native_listed)"]
-    k, v, q = inputs.k, inputs.v, inputs.q
-    rows = q.shape[1] // k.shape[1] * q.shape[2]  # query rows per KV head (G * T)
-    if native_amx() and isinstance(k, QuantizedKV) and k.data.dtype == torch.int8 and k is not v:
-        if rows <= 4 and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
-            return ["int8 K/V on AMX tiles: scores and weighted values as integer dot products of fixed-point "
-                    "digits (26 bits of each q row's largest, 24 of each block's weights)"]
-    keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
-    fits = v.shape[3] % 16 == 0 and not (keys == torch.int8 and native_amx()) if isinstance(k, QuantizedKV) else \
-        v.shape[3] % 32 == 0
-    path = [vector_path(q.shape[3], v.shape[3])]
-    if q.dtype == torch.bfloat16 and (tiles := bf16_tiles_note(KINDS.get(keys), rows, q.shape[3], v.shape[3])):
-        return path + [tiles]
-    if bf16_dot_built() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and fits:
-        return path + [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores {bf16_dot_scores()}"]
-    return path
 
 
 def native_decode_pays_off(inputs: AttentionInputs) -> str | None:

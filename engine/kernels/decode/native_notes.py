@@ -1,0 +1,47 @@
+"""explain()'s lines on how ``decode_native`` reads the inputs it runs (builds nothing): which of the library's paths
+takes them, from the CPU's flags, the loaded library's own report and the inputs' shapes and dtypes (the kernel
+itself decides per call, by the same rules: engine/kernels/decode/decode_native.cpp)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.inputs import AttentionInputs
+from engine.kernels.decode.decode_native import KINDS
+from engine.kernels.decode.native_build import (
+    bf16_dot_built,
+    bf16_dot_scores,
+    bf16_tiles_note,
+    native_amx,
+    vector_path,
+)
+from engine.kernels.decode.native_listed import listed_fits
+from engine.quantized import QuantizedKV
+
+
+def native_decode_notes(inputs: AttentionInputs) -> list[str]:
+    """explain()'s lines: key_indices in place (each query its own list: G rows a KV head); int8 K/V on AMX tiles
+    ("int8 on AMX tiles", ``amx_usable``: ``native_amx``, at most 4 rows a KV head, D 64 / 128, Dv 64k, K and V
+    apart); else its vector path (``vector_path``), with a bf16 q of 16+ rows a KV head on AMX-BF16 tiles
+    (``bf16_tiles_note``), else scores by vdpbf16ps (``bf16_dot_scores``) for a bf16 q of 4k rows a KV head, D 32k,
+    K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
+    k, v, q = inputs.k, inputs.v, inputs.q
+    keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
+    listed = listed_fits(inputs) is None
+    rows = q.shape[1] // k.shape[1] * (1 if listed else q.shape[2])  # query rows per KV head (G, or G * T)
+    tiles = q.dtype == torch.bfloat16 and bf16_tiles_note(KINDS.get(keys), rows, q.shape[3], v.shape[3])
+    tiles = [tiles] if tiles else []
+    if listed:
+        return ["key_indices: read in place, only each query's listed keys (native_listed)", *tiles]
+    if native_amx() and isinstance(k, QuantizedKV) and keys == torch.int8 and k is not v:
+        if rows <= 4 and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
+            return ["int8 K/V on AMX tiles: scores and weighted values as integer dot products of fixed-point "
+                    "digits (26 bits of each q row's largest, 24 of each block's weights)"]
+    fits = v.shape[3] % 16 == 0 and not (keys == torch.int8 and native_amx()) if isinstance(k, QuantizedKV) else \
+        v.shape[3] % 32 == 0
+    path = [vector_path(q.shape[3], v.shape[3])]
+    if tiles:
+        return path + tiles
+    if bf16_dot_built() and q.dtype == torch.bfloat16 and rows % 4 == 0 and q.shape[3] % 32 == 0 < q.shape[3] and fits:
+        return path + [f"bf16 q, {str(keys).removeprefix('torch.')} K: scores {bf16_dot_scores()}"]
+    return path

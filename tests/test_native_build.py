@@ -4,6 +4,7 @@ words. The compiler here is a script standing in for one (no compile: it copies 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 
@@ -109,3 +110,16 @@ def test_explain_says_a_head_dim_no_vector_width_divides_takes_the_portable_path
     for d, portable in ((odd, True), (2 * wide, False)):
         told = str(engine.explain(torch.randn(1, 8, 1, d), torch.randn(1, 2, 300, d), torch.randn(1, 2, 300, d)))
         assert "decode_native" in told and ("portable C++ path" in told) == portable, told
+
+
+def test_a_library_from_an_older_source_fits_where_its_fields_are_the_first_of_ours():
+    from engine.kernels.decode.native_library import DecodeCall, layout_fits
+
+    ours = [getattr(DecodeCall, name).offset for name, _ in DecodeCall._fields_] + [ctypes.sizeof(DecodeCall)]
+    assert layout_fits(ours, ours)
+    older = ours[:-2] + [ours[-2]]  # without our last field (rows_alone): its size is where that field starts
+    assert layout_fits(older, ours)
+    assert not layout_fits(ours[:-2] + [ours[-2] + 8], ours)  # a size past our next field: not a prefix
+    assert not layout_fits(older[:3] + [older[3] + 8] + older[4:], ours)  # a field moved
+    assert not layout_fits(ours + [ours[-1] + 8], ours)  # a newer library's (more fields than ours)
+    assert not layout_fits([ours[-1]], ours)  # no fields at all

@@ -232,3 +232,37 @@ def test_batch_invariant_mode_keeps_every_row_off_the_tiles():
         assert torch.equal(inside, causal_attention(q, k, k))
     finally:
         LIBRARY.use_bf16_tiles(True)
+
+
+def test_a_key_hidden_from_every_row_keeps_its_nan_scales_out():
+    # padding every row hides (a block of uniform visibility: on the tiles) whose int8 scales are NaN: its weight is
+    # 0 and its value row never read, so nothing reaches the rows
+    g = torch.Generator().manual_seed(6)
+    q_rows = bf16_numbers(1, 1, 16, 64, generator=g)
+    k, v = (quantize(torch.randn(1, 1, 130, 64, generator=g), torch.int8) for _ in "kv")
+    k.scale[0, 0, 120:] = float("nan")
+    v.scale[0, 0, 120:] = float("nan")
+    visible = (torch.arange(130) < 120).expand(1, 1, 16, 130).contiguous()
+    out, lse = call(q_rows, k, v, visible, 0.125)
+    want, want_lse = oracle(q_rows, exact(k).nan_to_num(0.0), exact(v).nan_to_num(0.0), visible, 0.125)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_a_non_finite_key_every_row_sees_makes_those_rows_nan_on_the_tiles(kind):
+    # the block holding it is one every row sees (on the tiles): its KV head's rows are NaN with lse -inf; the other
+    # KV head's rows, and a later call without it, are untouched
+    g = torch.Generator().manual_seed(7)
+    q_rows = bf16_numbers(1, 2, 16, 64, generator=g)
+    k, v = cache(torch.randn(1, 2, 200, 64, generator=g), kind), cache(torch.randn(1, 2, 200, 64, generator=g), kind)
+    if kind == "bf16":
+        k[0, 0, 70, 5] = float("inf")
+    else:
+        k.data.view(torch.uint8)[0, 0, 70, 5] = 0x7F  # an e4m3 NaN code
+    visible = torch.ones(1, 1, 16, 200, dtype=torch.bool)
+    out, lse = call(q_rows, k, v, visible, 0.125)
+    assert bool(out[0, 0].isnan().all()) and bool(torch.isneginf(lse[0, 0]).all())
+    want, want_lse = oracle(q_rows[:, 1:], exact(k)[:, 1:], exact(v)[:, 1:], visible, 0.125)
+    torch.testing.assert_close(out[:, 1:].double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[:, 1:].double(), want_lse, rtol=1e-5, atol=1e-5)

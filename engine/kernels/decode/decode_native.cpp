@@ -1887,7 +1887,7 @@ struct Item {
 
     // s[r][jj] = q[r] . k[jj] * tile_unit for the block's keys: 16 keys x 32 channels x 16 rows a TDPBF16PS, the
     // block's four groups of keys each in its own sums tile (their products overlap: tiles are not renamed)
-    __attribute__((noinline)) void tile_scores(int n) {
+    __attribute__((noinline)) void tile_scores(int n, bool masked) {
         const int64_t D = o.D, chunks = D / 32, groups = (o.R + TILE_ROWS - 1) / TILE_ROWS;
         const int kgroups = (n + 15) / 16;
         const char* base[4] = {};
@@ -1914,7 +1914,6 @@ struct Item {
             }
         }
         const uint16_t* qt = o.q_tiles + part.bh * groups * chunks * 512;
-        const __m512 unit = _mm512_set1_ps(o.tile_unit);
         for (int64_t g = 0; g < groups; ++g) {
             _tile_zero(0);
             if (kgroups > 1) _tile_zero(1);
@@ -1941,16 +1940,67 @@ struct Item {
             if (kgroups > 1) _tile_stored(1, c_out + 256, 64);
             if (kgroups > 2) _tile_stored(2, c_out + 512, 64);
             if (kgroups > 3) _tile_stored(3, c_out + 768, 64);
-            const int64_t rows = std::min<int64_t>(TILE_ROWS, o.R - TILE_ROWS * g);
-            for (int kg = 0; kg < kgroups; ++kg) {  // [key][row] to s[row][key]
-                __m512 x[16];
-                for (int i = 0; i < 16; ++i) x[i] = _mm512_load_ps(c_out + 256 * kg + 16 * i);
-                transpose16(x);
-                const __m512 units = _mm512_mul_ps(unit, _mm512_loadu_ps(&kunit[16 * kg]));  // (keys' scales)
-                for (int64_t r = 0; r < rows; ++r)
-                    _mm512_storeu_ps(&s[(TILE_ROWS * g + r) * BLOCK + 16 * kg], _mm512_mul_ps(x[r], units));
-            }
+            tile_softmax(g, n, masked, kgroups);
             if (pass_asks) ask_next();
+        }
+    }
+
+    // softmax_step for row group g on the tiles' sums (c_out [key group][key][row]: each key's 16 rows a vector, so
+    // the rows' maxima, sums and rescales are lanes, not horizontal reductions), the weights transposed into s[row]
+    // for the values' pieces; the same rules as softmax_step's (keys past n or hidden from every row weigh 0, a
+    // visible non-finite key makes its row NaN, a row that has seen nothing keeps m -inf and gets 0 weights)
+    void tile_softmax(int64_t g, int n, bool masked, int kgroups) {
+        const int64_t r0 = TILE_ROWS * g, rows = std::min<int64_t>(TILE_ROWS, o.R - r0);
+        const __mmask16 live = rows == 16 ? 0xFFFF : (__mmask16)((1u << rows) - 1);
+        const __m512 neg_inf = _mm512_set1_ps(NEG_INF), unit = _mm512_set1_ps(o.tile_unit);
+        const int keys = 16 * kgroups;
+        __mmask16 bad = 0;
+        __m512 top = neg_inf;
+        for (int jj = 0; jj < keys; ++jj) {  // scaled, hidden keys -inf, non-finite ones noted and -inf, the max
+            __m512 x = _mm512_mul_ps(_mm512_load_ps(c_out + 16 * jj), _mm512_mul_ps(unit, _mm512_set1_ps(kunit[jj])));
+            if (jj >= n || (masked && !seen_key[jj])) {
+                x = neg_inf;
+            } else {
+                const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), _mm512_setzero_ps(), _CMP_EQ_OQ);
+                bad |= (__mmask16)~finite;
+                x = _mm512_mask_mov_ps(neg_inf, finite, x);
+            }
+            _mm512_store_ps(c_out + 16 * jj, x);
+            top = _mm512_max_ps(top, x);
+        }
+        bad &= live;
+        for (int64_t r = 0; r < rows; ++r)
+            if ((bad >> r) & 1) part.bad[r0 + r] = 1;
+        const __m512 m_old = _mm512_mask_loadu_ps(neg_inf, live, part.m + r0);
+        const __m512 m_new = _mm512_max_ps(m_old, top);
+        const __mmask16 seen = _mm512_cmp_ps_mask(m_new, neg_inf, _CMP_NEQ_OQ) & live;  // (else: nothing seen yet)
+        const __m512 alpha = _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), _mm512_cmp_ps_mask(m_new, m_old, _CMP_GT_OQ),
+                                                vexp(_mm512_sub_ps(m_old, m_new)));  // (0 where m_old = -inf)
+        __m512 sum = _mm512_setzero_ps();
+        for (int jj = 0; jj < keys; ++jj) {  // (in key order, keys past n adding 0: the same sums whatever follows)
+            const __m512 p = _mm512_maskz_mov_ps(seen, vexp(_mm512_sub_ps(_mm512_load_ps(c_out + 16 * jj), m_new)));
+            _mm512_store_ps(c_out + 16 * jj, p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        const __m512 l_old = _mm512_mul_ps(_mm512_mask_loadu_ps(_mm512_setzero_ps(), live, part.l + r0), alpha);
+        const __m512 l_new = _mm512_add_ps(l_old, sum);
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), l_new);
+        _mm512_mask_storeu_ps(part.l + r0, seen, l_new);
+        _mm512_mask_storeu_ps(part.m + r0, seen, m_new);
+        _mm512_mask_storeu_ps(kept + r0, live,
+                              _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, _mm512_div_ps(l_old, l_new)));
+        const bool scaled = vsc || o.v_unit != 1.0f;
+        for (int kg = 0; kg < kgroups; ++kg) {  // p / l_new (times the values' scales), [key][row] to s[row][key]
+            __m512 x[16];
+            for (int i = 0; i < 16; ++i) {  // (a hidden key's weight 0 whatever its scale: NaN stays out)
+                const int jj = 16 * kg + i;
+                const bool hidden = jj >= n || (masked && !seen_key[jj]);
+                x[i] = hidden ? _mm512_setzero_ps()
+                              : _mm512_mul_ps(_mm512_load_ps(c_out + 16 * jj),
+                                              scaled ? _mm512_mul_ps(inv, _mm512_set1_ps(vscale[jj])) : inv);
+            }
+            transpose16(x);
+            for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(&s[(r0 + r) * BLOCK + 16 * kg], x[r]);
         }
     }
 
@@ -2051,8 +2101,7 @@ struct Item {
         const int64_t steps = groups + slices + groups * ((o.Dv / 16 + 3) / 4) + 1;
         ask_rate = ((int64_t)ahead_rows << 16) / steps;
         pass_asks = true;
-        tile_scores(n);
-        softmax_step(j0, n, masked);
+        tile_scores(n, masked);  // (and the softmax: tile_softmax)
         read_next_scales();
         tile_values(n, masked);
         ask_upto(ahead_rows);

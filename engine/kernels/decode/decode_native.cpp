@@ -560,14 +560,15 @@ inline __m512 digit_sums(const int32_t* rows) {
 // gives many query rows per key, where the vector path is bound by its FMAs (docs/BENCHMARKS.md, "Many rows per
 // key"). A bf16 q value times a bf16 key value is exact in fp32, and one TDPBF16PS takes 16 keys x 32 channels
 // against 16 query rows, summing in fp32: the scores' A tiles are the key rows as they lie (16 rows a stride apart),
-// the B tiles q's rows two channels to a 32-bit lane (built once a call: q_tiles), and the sums come out [key][row],
-// transposed into s. The weights p (fp32) go in as bf16 pieces (p = hi + mid + lo, 24 bits: an fp32's significand;
-// hi + lo for a bf16 output) against V's rows laid two keys to a 32-bit lane (v_words), the pieces' products summed
-// in fp32 per 16 rows x 16 channels. Taken where q's values are all bf16 numbers (a bf16 model's: the scale applied to the sums)
-// and for blocks every row sees whole: a masked block runs the vector path, where a hidden key's value never meets a
-// row (not even times 0). The tiles flush subnormal inputs and products to zero (below 2^-126). int8 and fp8 e4m3
-// K/V are widened to bf16 words first (exactly: 8 and 4 significant bits), their scales applied as on the vector
-// path.
+// the B tiles q's rows two channels to a 32-bit lane (built once a call: q_tiles). The sums come out [key][row], so
+// the softmax runs with a row group's 16 rows in the lanes (tile_softmax) and the weights are transposed into s. The
+// weights p (fp32) go in as bf16 pieces (p = hi + mid + lo, 24 bits: an fp32's significand; hi + lo for a bf16
+// output) against V's rows laid two keys to a 32-bit lane (v_words), the pieces' products summed in fp32 per 16 rows
+// x 16 channels. Taken where q's values are all bf16 numbers (a bf16 model's: the scale applied to the sums), for
+// blocks whose rows all see the same keys (a hidden key's value row is never read, its weight 0); a block whose rows
+// see different keys runs the vector path, where a hidden key's value never meets a row (not even times 0). The
+// tiles flush subnormal inputs and products to zero (below 2^-126). int8 and fp8 e4m3 K/V are widened to bf16 words
+// first (exactly: 8 and 4 significant bits), their scales applied as on the vector path.
 constexpr int TILE_ROWS = 16;  // query rows a tile; calls with at least this many rows a KV head take the tiles
 // bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
 // its own, 2^-8 of the output's rounding)
@@ -588,7 +589,8 @@ inline void transpose16(__m512 (&x)[16]) {
         x[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
     }
     for (int c = 0; c < 4; ++c) {  // column 4 L + c: 128-bit lane L of x[c], x[4 + c], x[8 + c], x[12 + c]
-        const __m512 ab02 = _mm512_shuffle_f32x4(x[c], x[4 + c], 0x88), ab13 = _mm512_shuffle_f32x4(x[c], x[4 + c], 0xDD);
+        const __m512 ab02 = _mm512_shuffle_f32x4(x[c], x[4 + c], 0x88);
+        const __m512 ab13 = _mm512_shuffle_f32x4(x[c], x[4 + c], 0xDD);
         const __m512 cd02 = _mm512_shuffle_f32x4(x[8 + c], x[12 + c], 0x88);
         const __m512 cd13 = _mm512_shuffle_f32x4(x[8 + c], x[12 + c], 0xDD);
         t[c] = _mm512_shuffle_f32x4(ab02, cd02, 0x88), t[8 + c] = _mm512_shuffle_f32x4(ab02, cd02, 0xDD);
@@ -619,7 +621,8 @@ inline std::vector<uint16_t> q_tile_words(const float* q, const int64_t (&qs)[3]
                 const float* row = q + b * qs[0] + h * qs[1] + r * qs[2];
                 uint16_t* tiles = &out[((b * H + h) * groups + r / TILE_ROWS) * chunks * 512];
                 for (int64_t c = 0; c < chunks; ++c) {
-                    const __m512bh w = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 32 * c + 16), _mm512_loadu_ps(row + 32 * c));
+                    const __m512bh w =
+                        _mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + 32 * c + 16), _mm512_loadu_ps(row + 32 * c));
                     _mm512_i32scatter_epi32(tiles + c * 512 + 2 * (r % TILE_ROWS), lanes, (__m512i)w, 4);
                 }
             }
@@ -1885,8 +1888,9 @@ struct Item {
     uint16_t* p_words = nullptr;    // [rows / 16][2][p_pieces][16][32]: the weights as A tiles (group, half, piece)
     uint16_t* k_copy = nullptr;     // [BLOCK][D]: key rows not a stride apart, copied
 
-    // s[r][jj] = q[r] . k[jj] * tile_unit for the block's keys: 16 keys x 32 channels x 16 rows a TDPBF16PS, the
-    // block's four groups of keys each in its own sums tile (their products overlap: tiles are not renamed)
+    // the block's scores, q[r] . k[jj] * tile_unit * kunit[jj]: 16 keys x 32 channels x 16 rows a TDPBF16PS, the
+    // block's four groups of keys each in its own sums tile (their products overlap: tiles are not renamed); then
+    // each row group's softmax (tile_softmax), which leaves the weights in s[r][jj]
     __attribute__((noinline)) void tile_scores(int n, bool masked) {
         const int64_t D = o.D, chunks = D / 32, groups = (o.R + TILE_ROWS - 1) / TILE_ROWS;
         const int kgroups = (n + 15) / 16;
@@ -2018,8 +2022,9 @@ struct Item {
                     if (r < rows) {  // (keys past n weigh 0)
                         const int k0 = 32 * h, k1 = k0 + 16;
                         const float* row = &s[(TILE_ROWS * g + r) * BLOCK];
-                        x0 = _mm512_maskz_loadu_ps(n >= k1 ? 0xFFFF : n <= k0 ? 0 : (1u << (n - k0)) - 1, row + k0);
-                        x1 = _mm512_maskz_loadu_ps(n >= k1 + 16 ? 0xFFFF : n <= k1 ? 0 : (1u << (n - k1)) - 1, row + k1);
+                        const __mmask16 m0 = n >= k1 ? 0xFFFF : n <= k0 ? 0 : (1u << (n - k0)) - 1;
+                        const __mmask16 m1 = n >= k1 + 16 ? 0xFFFF : n <= k1 ? 0 : (1u << (n - k1)) - 1;
+                        x0 = _mm512_maskz_loadu_ps(m0, row + k0), x1 = _mm512_maskz_loadu_ps(m1, row + k1);
                     }
                     for (int64_t p = 0; p < P; ++p) {
                         const __m512i w = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
@@ -2043,7 +2048,8 @@ struct Item {
                     for (int64_t m = 0; m < width / 32; ++m) {
                         const __m512i x0 = v0 ? tile_words(v0, c0 + 32 * m) : _mm512_setzero_si512();
                         const __m512i x1 = v1 ? tile_words(v1, c0 + 32 * m) : _mm512_setzero_si512();
-                        _mm512_store_si512(v_words + ((4 * m + h) * 16 + k2) * 32, _mm512_permutex2var_epi16(x0, lo, x1));
+                        _mm512_store_si512(v_words + ((4 * m + h) * 16 + k2) * 32,
+                                           _mm512_permutex2var_epi16(x0, lo, x1));
                         _mm512_store_si512(v_words + ((4 * m + 2 + h) * 16 + k2) * 32,
                                            _mm512_permutex2var_epi16(x0, hi, x1));
                     }
@@ -2392,7 +2398,8 @@ int decode_native(const DecodeCall* call) {
                       Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
     for (int64_t b = 0; b < B && bf16_tiles; ++b)
         for (int64_t h = 0; h < H && bf16_tiles; ++h)
-            for (int64_t r = 0; r < R && bf16_tiles; ++r) bf16_tiles = bf16_row(q_in + b * qs[0] + h * qs[1] + r * qs[2], D);
+            for (int64_t r = 0; r < R && bf16_tiles; ++r)
+                bf16_tiles = bf16_row(q_in + b * qs[0] + h * qs[1] + r * qs[2], D);
 #else
     const bool bf16_tiles = false;
 #endif
@@ -2409,8 +2416,8 @@ int decode_native(const DecodeCall* call) {
     bool q_finite = true;
 #if DN_BF16_DOT
     // every q value a bf16 number (its low 16 bits zero): its bits in q_bits, q left unscaled
-    bool q_bf16 = decode_native_bf16_dot() && (pairs || kind == F8E4M3 || (kind == I8 && !decode_native_amx())) && simd && R % NR == 0 &&
-                  D % 32 == 0 && !bf16_tiles;
+    bool q_bf16 = decode_native_bf16_dot() && (pairs || kind == F8E4M3 || (kind == I8 && !decode_native_amx())) &&
+                  simd && R % NR == 0 && D % 32 == 0 && !bf16_tiles;
     std::vector<uint16_t> q_bits(q_bf16 ? B * H * R * D : 0);
     for (int64_t b = 0; b < B && q_bf16; ++b)
         for (int64_t h = 0; h < H && q_bf16; ++h)

@@ -2289,8 +2289,8 @@ int decode_native_amx() {
 #endif
 }
 
-// 1 when bf16 K/V with at least TILE_ROWS query rows a KV head (and a q of bf16 numbers) run on AMX-BF16 tiles:
-// built for a CPU with AMX-BF16, granted the tiles, and not turned off (decode_native_use_bf16_tiles)
+// 1 when bf16, int8 or fp8 K/V with at least TILE_ROWS query rows a KV head (and a q of bf16 numbers) run on
+// AMX-BF16 tiles: built for a CPU with AMX-BF16, granted the tiles, and not turned off (decode_native_use_bf16_tiles)
 int decode_native_bf16_tiles() {
 #if DN_AMX_BF16
     return amx_granted() && bf16_tiles_mode.load(std::memory_order_relaxed) != 0 ? 1 : 0;

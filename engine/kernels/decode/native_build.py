@@ -94,9 +94,9 @@ def native_amx() -> bool:
 
 
 def native_bf16_tiles() -> bool:
-    """Whether the library computes bf16 K/V of 16 or more query rows a KV head on AMX-BF16 tiles here (builds
-    nothing): the loaded library's ``bf16_tiles``, else whether the CPU has AMX-BF16 and AVX512-BF16 beside
-    ``native_amx``'s AMX-INT8 and grant (what the ``-march=native`` build needs for that path)."""
+    """Whether the library computes a bf16 q's calls of 16 or more rows a KV head (bf16, int8 or fp8 K/V) on
+    AMX-BF16 tiles here (builds nothing): the loaded library's ``bf16_tiles``, else whether the CPU has AMX-BF16 and
+    AVX512-BF16 beside ``native_amx``'s AMX-INT8 and grant (what the ``-march=native`` build needs for that path)."""
     library = loaded_native()
     if library is not None:
         return library.bf16_tiles
@@ -110,7 +110,7 @@ def bf16_tiles_note(kind: int | None, rows: int, d: int, dv: int) -> str | None:
     name = {1: "bf16", 3: "int8", 4: "fp8 e4m3"}.get(kind)
     if name is None or rows < 16 or d % 32 or dv % 32 or is_batch_invariant() or not native_bf16_tiles():
         return None
-    return f"{name} K/V, {rows} rows a KV head: blocks every row sees on AMX-BF16 tiles (fp32 sums)"
+    return f"{name} K/V, {rows} rows a KV head: blocks whose rows see the same keys on AMX-BF16 tiles (fp32 sums)"
 
 
 def native_bf16_dot() -> bool | None:

@@ -39,7 +39,7 @@ class NativeLibrary:
     """The loaded library: ``decode(call)`` runs one ``DecodeCall``, ``listed_tables`` builds a list of keys' page
     table, ``lanes`` is its vector width (1: the portable C++), ``openmp`` whether its runs go to OpenMP's workers,
     ``amx`` whether it computes int8 K/V on AMX tiles (a CPU with AMX-INT8, granted by Linux), ``bf16_tiles``
-    whether bf16 K/V of 16 or more query rows a KV head run on AMX-BF16 tiles (``use_bf16_tiles`` turns them off),
+    whether a bf16 q's calls of 16 or more rows a KV head run on AMX-BF16 tiles (``use_bf16_tiles`` turns them off),
     ``bf16_dot`` whether bf16 K's scores are AVX512-BF16 dot products where q's values are bf16 numbers (where
     ``dot_rates``, ns per vdpbf16ps and per FMA timed once as the library loads, show one costing at most
     ``dot_rates[2]`` FMAs; ``use_bf16_dot`` forces it, ``dot_mode`` says how it is set: None by the rates, else
@@ -66,7 +66,7 @@ class NativeLibrary:
         self.openmp = not hasattr(self.lib, "decode_native_openmp") or bool(self.lib.decode_native_openmp())
         self.lib.decode_native_amx.restype = ctypes.c_int
         self.amx = bool(self.lib.decode_native_amx())  # int8 K/V on AMX tiles where they fit (amx_usable)
-        # bf16 K/V of many rows a KV head on AMX-BF16 tiles (a library built from an older source has no such path)
+        # many rows a KV head on AMX-BF16 tiles (a library built from an older source has no such path)
         tiles = getattr(self.lib, "decode_native_bf16_tiles", None)
         self.bf16_tiles = bool(tiles()) if tiles is not None else False
         self.lib.decode_native_bf16_dot.restype = ctypes.c_int

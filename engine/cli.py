@@ -29,6 +29,7 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "builds"), "lab.bench.builds", "builds of the native decode kernel timed against each other"),
     (("bench", "sparse"), "lab.bench.sparse", "top-k sparse attention (key_indices) vs SDPA with the dense mask"),
     (("bench", "latent"), "lab.bench.latent", "absorbed-MLA decode over a latent cache vs rows apart, expanded"),
+    (("bench", "tiles"), "lab.bench.tiles", "calls of many rows a KV head with and without the AMX-BF16 tiles"),
     (("bench", "serving"), "lab.bench.serving", "concurrent requests: engine CB vs transformers' CB, static; "
      "--peer: run.py serve vs another server"),
     (("explain", "scaling"), "lab.figures.explain_scaling", "why scores are divided by sqrt(d_k)"),

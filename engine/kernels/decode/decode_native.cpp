@@ -573,7 +573,7 @@ constexpr int TILE_ROWS = 16;  // query rows a tile; calls with at least this ma
 // bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
 // its own, 2^-8 of the output's rounding)
 constexpr int P_PIECES = 3;
-std::atomic<int> bf16_tiles_mode{-1};  // -1: where AMX is granted; 0 / 1: forced (decode_native_use_bf16_tiles)
+std::atomic<int> bf16_tiles_mode{-1};  // -1: on where AMX is granted; 0: off (decode_native_use_bf16_tiles)
 
 // 16 vectors x[i] (row i) transposed in place: x[j] lane i = old x[i] lane j
 inline void transpose16(__m512 (&x)[16]) {
@@ -683,23 +683,6 @@ inline void round_bf16(const float* src, uint16_t* dst, int64_t n) {
 
 // q's row (D values at src) as bf16 bits into out, in the order the kind's scores read them (F8_WORDS': each 64 in
 // f8_word_channel's order); false when a value is not a bf16 number (its low 16 bits not zero)
-inline bool q_row_bits(const float* src, uint16_t* out, int64_t D, bool words) {
-    uint32_t low = 0;
-    for (int64_t d = 0; d < D; ++d) {
-        uint32_t bits;
-        std::memcpy(&bits, &src[d], 4);
-        low |= bits & 0xFFFFu;
-        if (!words) out[d] = (uint16_t)(bits >> 16);
-    }
-    if (words)
-        for (int64_t d = 0; d < D; ++d) {
-            uint32_t bits;
-            std::memcpy(&bits, &src[(d & ~int64_t(63)) | f8_word_channel(d & 63)], 4);
-            out[d] = (uint16_t)(bits >> 16);
-        }
-    return low == 0;
-}
-
 // whether every one of the n values at x is a bf16 number (its low 16 bits zero)
 inline bool bf16_row(const float* x, int64_t n) {
     uint32_t low = 0;
@@ -709,6 +692,15 @@ inline bool bf16_row(const float* x, int64_t n) {
         low |= bits & 0xFFFFu;
     }
     return low == 0;
+}
+
+inline bool q_row_bits(const float* src, uint16_t* out, int64_t D, bool words) {
+    for (int64_t d = 0; d < D; ++d) {
+        uint32_t bits;
+        std::memcpy(&bits, &src[words ? (d & ~int64_t(63)) | f8_word_channel(d & 63) : d], 4);
+        out[d] = (uint16_t)(bits >> 16);
+    }
+    return bf16_row(src, D);
 }
 
 #if DN_BF16_DOT

@@ -35,10 +35,11 @@ def call(q_rows, kq, vq, visible):
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, 4), s=st.integers(1, 300), d=st.sampled_from([64, 128]), dv=st.sampled_from([64, 128, 192]),
+@given(rows=st.integers(1, 16), s=st.integers(1, 300), d=st.sampled_from([64, 128]), dv=st.sampled_from([64, 128, 192]),
        masked=st.booleans(), seed=st.integers(0, 2**16))
 def test_int8_on_amx_tiles_matches_the_float64_oracle(rows, s, d, dv, masked, seed):
-    # every block shape: S from 1 (a group of one key) past several blocks, blocks masked or run unmasked
+    # every block shape: S from 1 (a group of one key) past several blocks, blocks masked or run unmasked; 1-4 rows a
+    # KV head in one group of tiles, up to 16 in four (a G 8 decode: two; an fp32 q here, so 16 rows too)
     g = torch.Generator().manual_seed(seed)
     q_rows = torch.randn(2, 2, rows, d, generator=g) * 0.3
     kq = quantize(torch.randn(2, 2, s, d, generator=g), torch.int8)
@@ -55,10 +56,11 @@ def test_q_rows_of_any_magnitude_match_the_oracle(magnitude):
     # q's fixed point is relative to each row's largest |q|: zero rows, rows too small for it (below 2^-100: the
     # vector path) and large ones (scores far past the max: one key takes all the weight)
     g = torch.Generator().manual_seed(1)
-    q_rows = torch.randn(1, 2, 4, 128, generator=g)
+    q_rows = torch.randn(1, 2, 8, 128, generator=g)
     q_rows[:, :, 1] *= magnitude
+    q_rows[:, :, 6] *= magnitude  # (a row of the second group of tiles)
     kq, vq = (quantize(torch.randn(1, 2, 200, 128, generator=g), torch.int8) for _ in range(2))
-    visible = torch.ones(1, 1, 4, 200, dtype=torch.bool)
+    visible = torch.ones(1, 1, 8, 200, dtype=torch.bool)
     out, lse = call(q_rows, kq, vq, visible)
     want, want_lse = oracle(q_rows.double(), kq.dequantize(torch.float64), vq.dequantize(torch.float64), visible, 1.0)
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
@@ -132,7 +134,12 @@ def test_explain_names_the_tiles_where_they_run():
     assert "AMX tiles" not in str(engine.explain(q, k, k))  # K and V one tensor (a latent's): the vector path
     v = quantize(torch.randn(1, 2, 300, 128), torch.int8)
     assert "AMX tiles" in str(engine.explain(q, k, v))
-    assert "AMX tiles" not in str(engine.explain(torch.randn(1, 16, 1, 128), k, v))  # G 8: 8 rows, the vector path
+    assert "int8 K/V on AMX tiles" in str(engine.explain(torch.randn(1, 16, 1, 128), k, v))  # G 8: two groups of 4
+    assert "int8 K/V on AMX tiles" in str(engine.explain(torch.randn(1, 32, 1, 128), k, v))  # G 16, an fp32 q
+    assert "AMX tiles" not in str(engine.explain(torch.randn(1, 48, 1, 128), k, v))  # G 24, an fp32 q: the vectors
+    if LIBRARY.bf16_tiles:  # G 16 of a bf16 q: the bf16 tiles
+        text = str(engine.explain(torch.randn(1, 32, 1, 128).bfloat16(), k, v))
+        assert "AMX-BF16 tiles" in text and "int8 K/V on AMX tiles" not in text, text
     k96, v96 = (quantize(torch.randn(1, 2, 300, 96), torch.int8) for _ in range(2))
     assert "AMX tiles" not in str(engine.explain(torch.randn(1, 8, 1, 96), k96, v96))  # D 96: not in 64-channel tiles
 
@@ -141,7 +148,7 @@ def test_a_rows_result_on_the_tiles_is_bitwise_the_same_with_masked_keys_after_i
     # batch invariance: a row's keys end a block alone, or sit before masked padding in a batch (the tiles then
     # read the padding's rows, weighted 0, and the block's largest weight is still the row's own)
     g = torch.Generator().manual_seed(9)
-    for rows in (4, 3):
+    for rows in (4, 3, 8, 14):  # (one group of rows; two or four)
         for n in (17, 18, 66, 131):
             q_rows = torch.randn(1, 2, rows, 64, generator=g)
             kq, vq = (quantize(torch.randn(1, 2, n + 21, 64, generator=g), torch.int8) for _ in range(2))

@@ -491,6 +491,10 @@ struct alignas(64) TileConfig {
     uint8_t rows[16] = {};
 };
 constexpr int AMX_MAX_D = 128;  // q's digits in tiles 2 and 3
+// query rows a KV head on the int8 tiles: groups of NR, each its own q digits' tiles and p digits' A tile, one after
+// the other over the same K rows and V tiles (a G 8 decode: Llama 3 70B's; G 12; G 16 where the bf16 tiles do not
+// take it: a q of values not all bf16 numbers, or batch-invariant mode)
+constexpr int AMX_ROWS = 4 * NR;
 
 // Linux hands a process the tiles' state only when asked (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA), once.
 inline bool amx_granted() {
@@ -830,10 +834,11 @@ struct Operands {
 };
 
 #if DN_AMX
-// int8 K/V on AMX tiles: q's rows in one tile's columns (R <= 4), D in 64-channel tiles (up to AMX_MAX_D), Dv in
-// 64-channel halves, K and V their own rows; and Linux granting the tiles
+// int8 K/V on AMX tiles: q's rows in the columns of one tile per group of NR rows (R <= AMX_ROWS), D in 64-channel
+// tiles (up to AMX_MAX_D), Dv in 64-channel halves, K and V their own rows, the call not on the bf16 tiles (16 rows
+// of a bf16 q: those and the int8 tiles' four groups took the same time, 1.00-1.04x); and Linux granting the tiles
 inline bool amx_usable(const Operands& o) {
-    return o.R >= 1 && o.R <= NR && o.D % 64 == 0 && o.D <= AMX_MAX_D && o.Dv % 64 == 0 && !o.shared &&
+    return o.R >= 1 && o.R <= AMX_ROWS && !o.q_tiles && o.D % 64 == 0 && o.D <= AMX_MAX_D && o.Dv % 64 == 0 && !o.shared &&
            amx_granted();
 }
 #endif
@@ -923,10 +928,12 @@ struct Item {
                 // tiles here too, not in each item: two heads in turn (pages of 16) then hold 10 KiB less in L1 a
                 // block, and took 0.92-0.93x the time in cache, 0.96x from DRAM; contiguous 0.98x from DRAM)
                 static thread_local std::vector<int8_t> scratch;
-                const size_t bytes = 64 * (o.D + o.Dv) + sizeof(int8_t[16 * 64]) + sizeof(int32_t[4][16 * 16]) + 64;
+                const size_t bytes = 64 * (o.D + o.Dv) + sizeof(int8_t[AMX_ROWS / NR][16 * 64]) +
+                                     sizeof(int32_t[4][16 * 16]) + 64;
                 if (scratch.size() < bytes) scratch.resize(bytes);
                 k_rows = aligned64(scratch.data()), v_tiles = k_rows + 64 * o.D, p_digits = v_tiles + 64 * o.Dv;
                 sums = (int32_t(*)[16 * 16])(p_digits + 16 * 64);
+                more_p_digits = (int8_t*)(sums + 4);  // (after the sums: a decode's 1-4 rows find them as before)
             }
         }
 #endif
@@ -1656,19 +1663,29 @@ struct Item {
 #if DN_AMX
     // int8 on AMX tiles (the section "int8 on AMX tiles" above): decided once per item, like the asks
     bool amx = false;
-    alignas(64) int8_t q_digits[16 * AMX_MAX_D];  // [D / 64][16][64]: q's digits as B tiles (row r's p: column 4 r + p)
-    float q_unit[NR] = {};          // 2^e of each row's fixed point
+    // [D / 64][16][64]: q's digits as B tiles, a group of NR rows each (row 4 g + r's p: column 4 r + p), the first
+    // group's here, the others' (R > NR) in more_digits: an item of 1-4 rows, as a decode's at G 4, stays as small
+    // as before them (with room for four groups here, int8 from DRAM took 1.01x the time)
+    alignas(64) int8_t q_digits[16 * AMX_MAX_D];
+    std::vector<int8_t> more_digits;
+    int8_t* digits_of(int64_t r0) { return r0 < NR ? q_digits : aligned64(more_digits.data()) + (r0 / NR - 1) * 16 * o.D; }
+    float q_unit[AMX_ROWS] = {};    // 2^e of each row's fixed point
     int8_t* k_rows = nullptr;       // [4][16][D]: a group of 16 keys whose rows are not evenly spaced, or the last
     int8_t* v_tiles = nullptr;      // [Dv / 16][16][64]: the block's V rows as B tiles (4 keys' bytes a lane)
     int8_t* p_digits = nullptr;     // [16][64]: p's digits as an A tile (row 3 r + p), this thread's (the constructor)
+    int8_t* more_p_digits = nullptr;  // [group - 1][16][64]: the next groups' (R > NR), this thread's too
+    int8_t* p_digits_of(int64_t r) { return r < NR ? p_digits : more_p_digits + (r / NR - 1) * 1024; }
     int32_t (*sums)[16 * 16] = nullptr;  // [4][16 * 16]: the sums tiles, stored (this thread's too)
 
     // false where a row's largest |q| is below 2^-100 (fixed_point_unit)
     bool amx_digits() {  // (in vectors: per work item, this took 2 ns per key and head as scalar code)
         const int64_t D = o.D;
-        std::memset(q_digits, 0, 16 * D);
+        if (o.R > NR) more_digits.resize((o.R - 1) / NR * 16 * D + 64);
+        for (int64_t r0 = 0; r0 < o.R; r0 += NR) std::memset(digits_of(r0), 0, 16 * D);
         for (int64_t r = 0; r < o.R; ++r) {
             const float* q = qb + r * D;
+            int8_t* tiles = digits_of(r);
+            const int64_t column = r % NR;
             __m512 top = _mm512_setzero_ps();
             for (int64_t d = 0; d < D; d += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(q + d)));
             const float t = _mm512_reduce_max_ps(top);
@@ -1680,7 +1697,7 @@ struct Item {
                 digits4(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv)), digit, 16);
                 for (int i = 0; i < 16; ++i)
                     for (int p = 0; p < 4; ++p)
-                        q_digits[((d + i) / 64) * 1024 + ((d + i) % 64) / 4 * 64 + (4 * r + p) * 4 + (d + i) % 4] =
+                        tiles[((d + i) / 64) * 1024 + ((d + i) % 64) / 4 * 64 + (4 * column + p) * 4 + (d + i) % 4] =
                             digit[16 * p + i];
             }
         }
@@ -1695,9 +1712,10 @@ struct Item {
     // round 17)
     __attribute__((noinline)) void amx_scores(int n) {
         const int64_t D = o.D;
-        _tile_loadd(2, q_digits, 64);
-        if (D > 64) _tile_loadd(3, q_digits + 1024, 64);
+        amx_q_tiles(0);
         const int groups = (n + 15) / 16;
+        const char* bases[4];
+        int64_t strides[4];
         for (int g = 0; g < groups; ++g) {
             const int jj = 16 * g, m = std::min(16, n - jj);
             const char* base = krows[jj];
@@ -1712,16 +1730,38 @@ struct Item {
                 }
                 base = (const char*)rows, stride = D;
             }
-            switch (g) {  // (tile numbers are constants: the intrinsics name the registers)
-                case 0: DN_AMX_DOT(0, base, stride, D); break;
-                case 1: DN_AMX_DOT(4, base, stride, D); break;
-                case 2: DN_AMX_DOT(5, base, stride, D); break;
-                default: DN_AMX_DOT(6, base, stride, D); break;
-            }
+            amx_dot(g, bases[g] = base, strides[g] = stride);
         }
-        const __m512 row_units = _mm512_setr_ps(q_unit[0], q_unit[0], q_unit[0], q_unit[0], q_unit[1], q_unit[1],
-                                                q_unit[1], q_unit[1], q_unit[2], q_unit[2], q_unit[2], q_unit[2],
-                                                q_unit[3], q_unit[3], q_unit[3], q_unit[3]);
+        amx_sums_to_scores(0, n);
+        for (int64_t r0 = NR; r0 < o.R; r0 += NR) {  // (the next groups of rows: the same K rows again, from cache)
+            amx_q_tiles(r0);
+            for (int g = 0; g < groups; ++g) amx_dot(g, bases[g], strides[g]);
+            amx_sums_to_scores(r0, n);
+        }
+    }
+    // q's digits of rows r0 .. r0 + NR - 1 into tiles 2 and 3
+    DN_INLINE void amx_q_tiles(int64_t r0) {
+        const int8_t* tiles = digits_of(r0);
+        _tile_loadd(2, tiles, 64);
+        if (o.D > 64) _tile_loadd(3, tiles + 1024, 64);
+    }
+    // key group g's sums tile: its 16 rows (base, stride apart) . q's digits
+    DN_INLINE void amx_dot(int g, const char* base, int64_t stride) {
+        const int64_t D = o.D;
+        switch (g) {  // (tile numbers are constants: the intrinsics name the registers)
+            case 0: DN_AMX_DOT(0, base, stride, D); break;
+            case 1: DN_AMX_DOT(4, base, stride, D); break;
+            case 2: DN_AMX_DOT(5, base, stride, D); break;
+            default: DN_AMX_DOT(6, base, stride, D); break;
+        }
+    }
+    // the sums tiles read back, weighted, scaled and stored: rows r0 .. r0 + NR - 1 (those below R) of s
+    DN_INLINE void amx_sums_to_scores(int64_t r0, int n) {
+        const int64_t rows = std::min<int64_t>(NR, o.R - r0);
+        const int groups = (n + 15) / 16;
+        const float* u = q_unit + r0;
+        const __m512 row_units = _mm512_setr_ps(u[0], u[0], u[0], u[0], u[1], u[1], u[1], u[1], u[2], u[2], u[2], u[2],
+                                                u[3], u[3], u[3], u[3]);
         for (int g = 0; g < groups; ++g) {
             switch (g) {
                 case 0: _tile_stored(0, sums[0], 64); break;
@@ -1733,13 +1773,13 @@ struct Item {
             for (int i = 0; i < m; i += 4) {  // lane 4 r + a: row r, key jj + i + a (keys past n: softmax_step's -inf)
                 const __m512 units = _mm512_broadcast_f32x4(_mm_loadu_ps(&kunit[jj + i]));
                 const __m512 scores = _mm512_mul_ps(_mm512_mul_ps(digit_sums(&sums[g][16 * i]), row_units), units);
-                float* row = &s[jj + i];
+                float* row = &s[r0 * BLOCK + jj + i];
                 _mm_storeu_ps(row, _mm512_castps512_ps128(scores));
-                if (o.R > 1) _mm_storeu_ps(row + BLOCK, _mm512_extractf32x4_ps(scores, 1));
-                if (o.R > 2) _mm_storeu_ps(row + 2 * BLOCK, _mm512_extractf32x4_ps(scores, 2));
-                if (o.R > 3) _mm_storeu_ps(row + 3 * BLOCK, _mm512_extractf32x4_ps(scores, 3));
+                if (rows > 1) _mm_storeu_ps(row + BLOCK, _mm512_extractf32x4_ps(scores, 1));
+                if (rows > 2) _mm_storeu_ps(row + 2 * BLOCK, _mm512_extractf32x4_ps(scores, 2));
+                if (rows > 3) _mm_storeu_ps(row + 3 * BLOCK, _mm512_extractf32x4_ps(scores, 3));
             }
-            if (pass_asks) ask_next();
+            if (pass_asks && r0 == 0) ask_next();  // (the asks' shares: amx_step)
         }
     }
     // acc[r] += p[r] . V of the block (p: softmax_step's weights times the value scales), one TDPBUSD per 16 channels;
@@ -1747,8 +1787,11 @@ struct Item {
     // row's are all below 2^-100: the vector pass then adds them, NaN and all
     __attribute__((noinline)) bool amx_values(int n, bool masked) {
         const int64_t R = o.R, Dv = o.Dv, halves = Dv / 64;
-        float p_unit[NR] = {};
-        std::memset(p_digits + 64 * 3 * R, 0, 64 * (16 - 3 * R));
+        float p_unit[AMX_ROWS] = {};
+        for (int64_t r0 = 0; r0 < R; r0 += NR) {  // (each group's tile: rows past its own 3 per row zero)
+            const int64_t rows = std::min<int64_t>(NR, R - r0);
+            std::memset(p_digits_of(r0) + 64 * 3 * rows, 0, 64 * (16 - 3 * rows));
+        }
         for (int64_t r = 0; r < R; ++r) {
             __m512 x[4], top = _mm512_setzero_ps();
             __mmask16 fits = 0xFFFF;  // finite and >= 0 (a negative value scale: the vector path)
@@ -1767,42 +1810,50 @@ struct Item {
             const __m512 inv = _mm512_set1_ps(1.0f / p_unit[r]);
             for (int v = 0; v < 4; ++v) {  // three unsigned base-256 digits, rows 3 r .. 3 r + 2
                 const __m512i x24 = _mm512_cvtps_epi32(_mm512_mul_ps(x[v], inv));
-                int8_t* out = &p_digits[3 * r * 64 + 16 * v];
+                int8_t* out = p_digits_of(r) + 3 * (r % NR) * 64 + 16 * v;
                 _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(_mm512_srli_epi32(x24, 16)));
                 _mm_storeu_si128((__m128i*)(out + 64), _mm512_cvtepi32_epi8(_mm512_srli_epi32(x24, 8)));
                 _mm_storeu_si128((__m128i*)(out + 128), _mm512_cvtepi32_epi8(x24));
             }
         }
         amx_v_tiles(n);
-        _tile_loadd(7, p_digits, 64);
-        for (int64_t h = 0; h < halves; ++h) {
-            amx_products(&v_tiles[4 * h * 1024]);
-            _tile_stored(0, sums[0], 64);
-            _tile_stored(4, sums[1], 64);
-            _tile_stored(5, sums[2], 64);
-            _tile_stored(6, sums[3], 64);
-            if (pass_asks) ask_next(), ask_next(), ask_next(), ask_next();
-            for (int64_t r = 0; r < R; ++r) {
-                __m512 y[4];  // tile q's channels of row r: digits weighted and summed
-                for (int q = 0; q < 4; ++q) {
-                    const int32_t* d = &sums[q][3 * r * 16];
-                    const __m512 low = _mm512_cvtepi32_ps(_mm512_loadu_si512(d + 32));
-                    const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d + 16)),
-                                                       _mm512_set1_ps(256.0f), low);
-                    y[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d)), _mm512_set1_ps(65536.0f), sum);
-                }
-                // 128-bit block L of tile q is channels 16 L + 4 q .. + 3: transposed, vector L is channels 16 L ..
-                const __m512 t01 = _mm512_shuffle_f32x4(y[0], y[1], 0x44), t23 = _mm512_shuffle_f32x4(y[2], y[3], 0x44);
-                const __m512 u01 = _mm512_shuffle_f32x4(y[0], y[1], 0xEE), u23 = _mm512_shuffle_f32x4(y[2], y[3], 0xEE);
-                const __m512 z[4] = {_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD),
-                                     _mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD)};
-                float* acc = &part.acc[r * Dv + 64 * h];
-                const __m512 unit = _mm512_set1_ps(p_unit[r]);
-                for (int c = 0; c < 4; ++c)
-                    _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(z[c], unit, _mm512_loadu_ps(acc + 16 * c)));
+        const bool one_group = R <= NR;  // (its digits loaded once; else each group's before its products)
+        if (one_group) _tile_loadd(7, p_digits, 64);
+        for (int64_t h = 0; h < halves; ++h)
+            for (int64_t r0 = 0; r0 < R; r0 += NR) {
+                if (!one_group) _tile_loadd(7, p_digits_of(r0), 64);
+                amx_products(&v_tiles[4 * h * 1024]);
+                _tile_stored(0, sums[0], 64);
+                _tile_stored(4, sums[1], 64);
+                _tile_stored(5, sums[2], 64);
+                _tile_stored(6, sums[3], 64);
+                if (pass_asks && r0 == 0) ask_next(), ask_next(), ask_next(), ask_next();
+                amx_add_rows(r0, h, p_unit);
             }
-        }
         return true;
+    }
+    // acc of rows r0 .. r0 + NR - 1 (those below R), channels 64 h .. 64 h + 63, plus the sums tiles' digits weighted
+    DN_INLINE void amx_add_rows(int64_t r0, int64_t h, const float* p_unit) {
+        const int64_t Dv = o.Dv, R = std::min<int64_t>(o.R, r0 + NR);
+        for (int64_t r = r0; r < R; ++r) {
+            __m512 y[4];  // tile q's channels of row r: digits weighted and summed
+            for (int q = 0; q < 4; ++q) {
+                const int32_t* d = &sums[q][3 * (r - r0) * 16];
+                const __m512 low = _mm512_cvtepi32_ps(_mm512_loadu_si512(d + 32));
+                const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d + 16)),
+                                                   _mm512_set1_ps(256.0f), low);
+                y[q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(d)), _mm512_set1_ps(65536.0f), sum);
+            }
+            // 128-bit block L of tile q is channels 16 L + 4 q .. + 3: transposed, vector L is channels 16 L ..
+            const __m512 t01 = _mm512_shuffle_f32x4(y[0], y[1], 0x44), t23 = _mm512_shuffle_f32x4(y[2], y[3], 0x44);
+            const __m512 u01 = _mm512_shuffle_f32x4(y[0], y[1], 0xEE), u23 = _mm512_shuffle_f32x4(y[2], y[3], 0xEE);
+            const __m512 z[4] = {_mm512_shuffle_f32x4(t01, t23, 0x88), _mm512_shuffle_f32x4(t01, t23, 0xDD),
+                                 _mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD)};
+            float* acc = &part.acc[r * Dv + 64 * h];
+            const __m512 unit = _mm512_set1_ps(p_unit[r]);
+            for (int c = 0; c < 4; ++c)
+                _mm512_storeu_ps(acc + 16 * c, _mm512_fmadd_ps(z[c], unit, _mm512_loadu_ps(acc + 16 * c)));
+        }
     }
 
     // the four products of p's digits (tile 7, unsigned) with one 64-channel half's V tiles, each in its own sums tile

@@ -21,10 +21,10 @@ from engine.quantized import QuantizedKV
 
 def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     """explain()'s lines: key_indices in place (each query its own list: G rows a KV head); int8 K/V on AMX tiles
-    ("int8 on AMX tiles", ``amx_usable``: ``native_amx``, at most 4 rows a KV head, D 64 / 128, Dv 64k, K and V
-    apart); else its vector path (``vector_path``), with a bf16 q of 16+ rows a KV head on AMX-BF16 tiles
-    (``bf16_tiles_note``), else scores by vdpbf16ps (``bf16_dot_scores``) for a bf16 q of 4k rows a KV head, D 32k,
-    K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
+    ("int8 on AMX tiles", ``amx_usable``: ``native_amx``, at most 16 rows a KV head where the bf16 tiles do not take
+    them, D 64 / 128, Dv 64k, K and V apart); else its vector path (``vector_path``), with a bf16 q of 16+ rows a KV
+    head on AMX-BF16 tiles (``bf16_tiles_note``), else scores by vdpbf16ps (``bf16_dot_scores``) for a bf16 q of 4k
+    rows a KV head, D 32k, K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
     k, v, q = inputs.k, inputs.v, inputs.q
     keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
     listed = listed_fits(inputs) is None
@@ -34,7 +34,7 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     if listed:
         return ["key_indices: read in place, only each query's listed keys (native_listed)", *tiles]
     if native_amx() and isinstance(k, QuantizedKV) and keys == torch.int8 and k is not v:
-        if rows <= 4 and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
+        if rows <= 16 and not tiles and q.shape[3] in (64, 128) and v.shape[3] % 64 == 0:
             return ["int8 K/V on AMX tiles: scores and weighted values as integer dot products of fixed-point "
                     "digits (26 bits of each q row's largest, 24 of each block's weights)"]
     fits = v.shape[3] % 16 == 0 and not (keys == torch.int8 and native_amx()) if isinstance(k, QuantizedKV) else \

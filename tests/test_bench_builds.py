@@ -122,3 +122,18 @@ def test_a_vector_path_is_the_sources_build_with_its_flags_and_one_this_cpu_lack
         builds.builds_from(parser.parse_args(["--path", "avx512", "--path", "plain"]), tmp_path)
     with pytest.raises(SystemExit):
         parser.parse_args(["--path", "neon"])
+
+
+@needs_native
+def test_group_sets_the_query_rows_a_kv_head(tmp_path, monkeypatch):
+    # --group G: Hq = 8 G over Hkv 8, the same K/V bytes whatever G; each case's plan sees G rows a KV head
+    shapes = []
+    real = builds._contiguous
+    monkeypatch.setattr(builds, "_contiguous", lambda q, k, v: shapes.append((q.shape[1], k.shape[1])) or real(q, k, v))
+    for group in (4, 8):
+        args = arguments(tmp_path, "--kinds", "int8", "--group", str(group), "--keys", "2k")
+        args.pages = []
+        (name, make, kv_bytes), = builds.cases(args)
+        make()
+        assert kv_bytes == 2 * 2 * builds.HKV * 2048 * (builds.D + 4)  # (int8 rows and their fp32 scales)
+    assert shapes == [(32, 8), (64, 8)]

@@ -16,6 +16,7 @@ copy") and ``bitwise same`` (its output against the first build's); then the cop
 
     python run.py bench builds --against HEAD                    # the working tree's source vs HEAD's: 1 min + builds
     python run.py bench builds --source a.cpp --source b.cpp --pages 16 --batch 8 --keys 8k
+    python run.py bench builds --against HEAD --group 8         # Hq 64 / Hkv 8: 8 query rows a KV head
     python run.py bench builds --library x.so --library y.so --quick
     python run.py bench builds --path native --path avx2 --path plain  # this source on each vector path this CPU runs
 """
@@ -74,6 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "without the wider ones builds it; one this CPU lacks is refused")
     parser.add_argument("--kinds", default="bf16,int8,fp8", help=f"K/V kinds, comma-separated: {', '.join(KINDS)}")
     parser.add_argument("--batch", type=positive_int, default=1, help="sequences (default 1)")
+    parser.add_argument("--group", type=positive_int, default=HQ // HKV, help=f"query heads per KV head (default "
+                        f"{HQ // HKV}: Hq {HQ} / Hkv {HKV}; 8 is Llama 3 70B's 64 / 8); Hkv stays {HKV}")
     parser.add_argument("--keys", type=parse_count, default=32768, help="keys per sequence (default 32k; 2k with "
                         "--quick)")
     parser.add_argument("--pages", type=parse_counts, default=[], help="page sizes to time paged too, e.g. 16,256 "
@@ -174,7 +177,7 @@ def cases(args: argparse.Namespace) -> list[tuple[str, Callable[[], Callable[[],
     """``(name, make, kv_bytes)`` per case: ``make()`` plans the call (under a build) and returns its run; the K/V
     bytes a call reads (a quantized cache's scales included)."""
     keys, generator = args.keys, torch.Generator().manual_seed(args.seed)
-    q = torch.randn(args.batch, HQ, 1, D, generator=generator)  # [B, Hq, 1, D]
+    q = torch.randn(args.batch, HKV * args.group, 1, D, generator=generator)  # [B, Hq, 1, D]
     k, v = (torch.randn(args.batch, HKV, keys, D, generator=generator) for _ in range(2))  # [B, Hkv, S, D]
     out = []
     for name in [n.strip() for n in args.kinds.split(",") if n.strip()]:
@@ -276,7 +279,7 @@ def main(args: argparse.Namespace) -> int:
                 rows += case_rows(name, make, kv_bytes, builds, args)
     print(format_table(rows, ["case", "build", "ms", "vs first", "of copy", "bitwise same"]))
     meta = {**machine_info(), "command": "bench builds", "args": vars(args), "cold": not args.warm,
-            "B": args.batch, "S": args.keys, "Hq": HQ, "Hkv": HKV, "D": D}
+            "B": args.batch, "S": args.keys, "Hq": HKV * args.group, "Hkv": HKV, "D": D}
     paths = save_results(args.out, "builds", rows, meta)
     plot(rows, f"{args.out}/builds.png")
     print("\nwrote " + ", ".join(str(p) for p in paths) + f", {args.out}/builds.png")

@@ -484,7 +484,8 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
 // The only rounding before fp32's is q's to 2^-26 and p's to 2^-24 of their row's largest: the error is at or below
 // fp32's own in a dot product of D terms.
 // Tiles: 0, 4, 5, 6 sums; 1 and 7 key rows; 2 and 3 q's digits (64 channels each); then 1, 2, 3 V and 7 p's digits
-// (rows 3 r + p, p = 0 .. 2).
+// (rows 3 r + p, p = 0 .. 2). More than four rows a KV head (AMX_ROWS) go four at a time: each group's q digits,
+// scores, p digits and products after the last group's, over the block's same K rows and V tiles.
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};

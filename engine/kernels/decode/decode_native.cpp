@@ -574,7 +574,12 @@ inline __m512 digit_sums(const int32_t* rows) {
 // see different keys runs the vector path, where a hidden key's value never meets a row (not even times 0). The
 // tiles flush subnormal inputs and products to zero (below 2^-126). int8 and fp8 e4m3 K/V are widened to bf16 words
 // first (exactly: 8 and 4 significant bits), their scales applied as on the vector path.
+// bf16 K/V of 8-15 rows a KV head (a G 8 decode: Llama 3 70B's) take the tiles for their scores alone (scores_only:
+// the sums transposed into s, then the vector path's softmax and values, so any block, masked or not): the vector
+// path's 128 FMAs a key and KV head at 8 rows leave it bound by them (G 8 read at 0.65x G 4's rate). One thread,
+// from DRAM, B 1 S 32k: G 8 0.86x the time, G 12 0.77x; at G 4 1.12-1.17x and G 6 1.04x (so not below 8 rows).
 constexpr int TILE_ROWS = 16;  // query rows a tile; calls with at least this many rows a KV head take the tiles
+constexpr int SCORE_TILE_ROWS = 8;  // bf16 K/V of this many rows up to TILE_ROWS: the scores alone on the tiles
 // bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
 // its own, 2^-8 of the output's rounding)
 constexpr int P_PIECES = 3;
@@ -941,6 +946,8 @@ struct Item {
 #if DN_AMX_BF16
         if constexpr (ON_TILES) {
             bf16_tiles = o.q_tiles != nullptr;
+            scores_only = bf16_tiles && o.R < TILE_ROWS;
+            if (scores_only) values_ask = true;  // (the asks spread over the value passes too: score_tiles_step)
             if (bf16_tiles) {  // (this thread's, as int8's; each item uses it within one block)
                 static thread_local std::vector<uint16_t> tile_scratch;
                 const int64_t groups = (o.R + TILE_ROWS - 1) / TILE_ROWS;
@@ -1919,11 +1926,13 @@ struct Item {
     // bf16 K/V on AMX tiles (the section "bf16 on AMX tiles, many rows" above), decided once a call (q_tiles); int8
     // and fp8 e4m3 K/V too, widened to bf16 exactly (int8's 8 bits, e4m3's 4), their scales applied as the vector
     // path's are (the scores times kunit, the weights times vscale)
-    static constexpr bool ON_TILES = (KIND == BF16 || KIND == I8 || KIND == F8E4M3) && SIMD;
+    static constexpr bool ON_TILES = (KIND == BF16 || KIND == BF16_PAIRS || KIND == I8 || KIND == F8E4M3) && SIMD;
+    static constexpr bool BF16_ROWS = KIND == BF16 || KIND == BF16_PAIRS;  // (rows the tiles read as they lie)
     bool bf16_tiles = false;
+    bool scores_only = false;  // (fewer than TILE_ROWS rows: the scores on the tiles, the rest as the vector path's)
     // channels d .. d + 31 of a row as bf16 words (NaN codes read as NaN)
     static __m512i tile_words(const void* row, int64_t d) {
-        if constexpr (KIND == BF16) return _mm512_loadu_si512((const void*)((const uint16_t*)row + d));
+        if constexpr (BF16_ROWS) return _mm512_loadu_si512((const void*)((const uint16_t*)row + d));
         else return (__m512i)_mm512_cvtne2ps_pbh(load(row, d + 16, true), load(row, d, true));
     }
     float* c_out = nullptr;         // [4][16][16]: sums tiles, stored
@@ -1944,12 +1953,12 @@ struct Item {
             const int jj = 16 * g, m = std::min(16, n - jj);
             base[g] = krows[jj];
             stride[g] = m > 1 ? krows[jj + 1] - base[g] : 0;
-            bool even = KIND == BF16 && m == 16 && stride[g] > 0;
+            bool even = BF16_ROWS && m == 16 && stride[g] > 0;
             for (int i = 2; even && i < 16; ++i) even = krows[jj + i] == base[g] + i * stride[g];
             if (!even) {  // copied (int8 / fp8: widened) into 16 rows a stride apart (rows past n zero)
                 uint16_t* rows = k_copy + jj * D;
                 for (int i = 0; i < 16; ++i) {
-                    if (KIND == BF16 && i < m) {
+                    if (BF16_ROWS && i < m) {
                         std::memcpy(rows + i * D, krows[jj + i], 2 * D);
                     } else if (i < m) {
                         for (int64_t d = 0; d < D; d += 32)
@@ -1988,7 +1997,24 @@ struct Item {
             if (kgroups > 1) _tile_stored(1, c_out + 256, 64);
             if (kgroups > 2) _tile_stored(2, c_out + 512, 64);
             if (kgroups > 3) _tile_stored(3, c_out + 768, 64);
+            if (scores_only) {
+                tile_sums_to_s(n, kgroups);
+                continue;
+            }
             tile_softmax(g, n, masked, kgroups);
+            if (pass_asks) ask_next();
+        }
+    }
+
+    // the sums tiles' [key][row] (R < 16 rows) scaled into s[row][key], as the vector path's scores leave them
+    void tile_sums_to_s(int n, int kgroups) {
+        const __m512 unit = _mm512_set1_ps(o.tile_unit);
+        for (int kg = 0; kg < kgroups; ++kg) {
+            __m512 x[16];
+            for (int i = 0; i < 16; ++i) x[i] = _mm512_load_ps(c_out + 256 * kg + 16 * i);
+            transpose16(x);
+            const __m512 units = _mm512_mul_ps(unit, _mm512_loadu_ps(&kunit[16 * kg]));
+            for (int64_t r = 0; r < o.R; ++r) _mm512_storeu_ps(&s[r * BLOCK + 16 * kg], _mm512_mul_ps(x[r], units));
             if (pass_asks) ask_next();
         }
     }
@@ -2143,6 +2169,19 @@ struct Item {
         }
     }
 
+    // the scores on the tiles, the softmax and values as the vector path's (fewer than TILE_ROWS rows)
+    void score_tiles_step(int64_t j0, int n, bool masked) {
+        ask_step = 0;
+        const int64_t values_steps = (o.R + NR - 1) / NR * (n / (ask_mask + 1)) * (o.Dv / W_ / TILE);
+        ask_rate = ((int64_t)ahead_rows << 16) / ((n + 15) / 16 + values_steps + 1);
+        pass_asks = true;
+        tile_scores(n, masked);
+        softmax_step(j0, n, masked);
+        read_next_scales();
+        for_row_groups(j0, n, masked, false);
+        ask_upto(ahead_rows);
+    }
+
     // (masked: keys no row sees, whose rows are never read for the values: block_visibility's uniform)
     void tile_step(int64_t j0, int n, bool masked) {
         ask_step = 0;
@@ -2173,11 +2212,16 @@ struct Item {
             }
 #endif
 #if DN_AMX_BF16
-        if constexpr (ON_TILES)  // (a block whose rows see different keys: the vector path below)
+        if constexpr (ON_TILES) {  // (a block whose rows see different keys: the vector path below)
+            if (scores_only) {
+                score_tiles_step(j0, n, masked);
+                return;
+            }
             if (bf16_tiles && (!masked || uniform)) {
                 tile_step(j0, n, masked);
                 return;
             }
+        }
 #endif
 #if DN_AVX512 || DN_AVX2
         if constexpr (KIND == F8E4M3 && SIMD)
@@ -2440,12 +2484,17 @@ int decode_native(const DecodeCall* call) {
     // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below)
     bool bf16_tiles = simd && (kind == BF16 || kind == I8 || kind == F8E4M3) && R >= TILE_ROWS && D % 32 == 0 &&
                       Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
-    for (int64_t b = 0; b < B && bf16_tiles; ++b)
-        for (int64_t h = 0; h < H && bf16_tiles; ++h)
-            for (int64_t r = 0; r < R && bf16_tiles; ++r)
-                bf16_tiles = bf16_row(q_in + b * qs[0] + h * qs[1] + r * qs[2], D);
+    // bf16 K/V of SCORE_TILE_ROWS .. TILE_ROWS - 1 rows: the scores alone on the tiles, the values on the vectors
+    const bool score_tiles = simd && kind == BF16 && R >= SCORE_TILE_ROWS && R < TILE_ROWS && D % 32 == 0 &&
+                             Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
+    bool q_tiled = bf16_tiles || score_tiles;
+    for (int64_t b = 0; b < B && q_tiled; ++b)
+        for (int64_t h = 0; h < H && q_tiled; ++h)
+            for (int64_t r = 0; r < R && q_tiled; ++r)
+                q_tiled = bf16_row(q_in + b * qs[0] + h * qs[1] + r * qs[2], D);
+    bf16_tiles = bf16_tiles && q_tiled;
 #else
-    const bool bf16_tiles = false;
+    const bool bf16_tiles = false, q_tiled = false;
 #endif
     const bool pairs = simd && kind == BF16 && D % PAIR == 0 && Dv % PAIR == 0 && !bf16_tiles;  // read as BF16_PAIRS
 #if DN_F8_WORDS
@@ -2502,8 +2551,8 @@ int decode_native(const DecodeCall* call) {
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AMX_BF16
-    const std::vector<uint16_t> q_tiles = bf16_tiles ? q_tile_words(q_in, qs, B, H, R, D) : std::vector<uint16_t>();
-    if (bf16_tiles) o.q_tiles = q_tiles.data(), o.tile_unit = scale, o.p_pieces = io_bf16 ? 2 : P_PIECES;
+    const std::vector<uint16_t> q_tiles = q_tiled ? q_tile_words(q_in, qs, B, H, R, D) : std::vector<uint16_t>();
+    if (q_tiled) o.q_tiles = q_tiles.data(), o.tile_unit = scale, o.p_pieces = io_bf16 ? 2 : P_PIECES;
 #endif
 
     // Work items: each (b, kv_head)'s keys cut at multiples of SPLIT positions (from key_offset), in order; a
@@ -2562,7 +2611,7 @@ int decode_native(const DecodeCall* call) {
             bool held;
             explicit Tiles(bool on) : held(on) { if (held) amx_configure(); }
             ~Tiles() { if (held) _tile_release(); }
-        } tiles(on_tiles || bf16_tiles);
+        } tiles(on_tiles || q_tiled);
 #endif
         Partial* run = items.data() + first[t];
         const size_t n = first[t + 1] - first[t];

@@ -43,7 +43,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.invariance import is_batch_invariant
 from engine.kernels.decode.native_library import BF16_DOT_ENV, NativeLibrary, dot_mode_asked
 
 SOURCE = Path(__file__).with_name("decode_native.cpp")
@@ -101,16 +100,6 @@ def native_bf16_tiles() -> bool:
     if library is not None:
         return library.bf16_tiles
     return native_amx() and {"amx_bf16", "avx512_bf16"} <= set(cpu_key().split())
-
-
-def bf16_tiles_note(kind: int | None, rows: int, d: int, dv: int) -> str | None:
-    """explain()'s words where a bf16 q's call runs on AMX-BF16 tiles (``native_bf16_tiles``): K/V of kind 1, 3 or 4
-    (decode_native.KINDS: bf16, int8, fp8 e4m3), 16 or more query rows a KV head, D and Dv multiples of 32; else
-    None (and in batch-invariant mode: DecodeCall.rows_alone). Builds nothing."""
-    name = {1: "bf16", 3: "int8", 4: "fp8 e4m3"}.get(kind)
-    if name is None or rows < 16 or d % 32 or dv % 32 or is_batch_invariant() or not native_bf16_tiles():
-        return None
-    return f"{name} K/V, {rows} rows a KV head: blocks whose rows see the same keys on AMX-BF16 tiles (fp32 sums)"
 
 
 def native_bf16_dot() -> bool | None:

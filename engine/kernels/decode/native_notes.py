@@ -7,24 +7,39 @@ from __future__ import annotations
 import torch
 
 from engine.inputs import AttentionInputs
+from engine.invariance import is_batch_invariant
 from engine.kernels.decode.decode_native import KINDS
 from engine.kernels.decode.native_build import (
     bf16_dot_built,
     bf16_dot_scores,
-    bf16_tiles_note,
     native_amx,
+    native_bf16_tiles,
     vector_path,
 )
 from engine.kernels.decode.native_listed import listed_fits
 from engine.quantized import QuantizedKV
 
 
+def bf16_tiles_note(kind: int | None, rows: int, d: int, dv: int) -> str | None:
+    """explain()'s words where a bf16 q's call runs on AMX-BF16 tiles (``native_bf16_tiles``): K/V of kind 1, 3 or 4
+    (decode_native.KINDS: bf16, int8, fp8 e4m3), 16 or more query rows a KV head; bf16 K/V of 8-15 rows their scores
+    alone; D and Dv multiples of 32; else None (and in batch-invariant mode: DecodeCall.rows_alone). Builds nothing."""
+    name = {1: "bf16", 3: "int8", 4: "fp8 e4m3"}.get(kind)
+    if name is None or rows < 8 or (rows < 16 and kind != 1) or d % 32 or dv % 32 or is_batch_invariant() or \
+            not native_bf16_tiles():
+        return None
+    if rows < 16:
+        return f"{name} K/V, {rows} rows a KV head: scores on AMX-BF16 tiles (fp32 sums), softmax and values on vectors"
+    return f"{name} K/V, {rows} rows a KV head: blocks whose rows see the same keys on AMX-BF16 tiles (fp32 sums)"
+
+
 def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     """explain()'s lines: key_indices in place (each query its own list: G rows a KV head); int8 K/V on AMX tiles
     ("int8 on AMX tiles", ``amx_usable``: ``native_amx``, at most 16 rows a KV head where the bf16 tiles do not take
     them, D 64 / 128, Dv 64k, K and V apart); else its vector path (``vector_path``), with a bf16 q of 16+ rows a KV
-    head on AMX-BF16 tiles (``bf16_tiles_note``), else scores by vdpbf16ps (``bf16_dot_scores``) for a bf16 q of 4k
-    rows a KV head, D 32k, K bf16 (Dv 32k), fp8 or int8 (not where int8 takes the tiles)."""
+    head on AMX-BF16 tiles (8-15 rows of bf16 K/V: their scores; ``bf16_tiles_note``), else scores by vdpbf16ps
+    (``bf16_dot_scores``) for a bf16 q of 4k rows a KV head, D 32k, K bf16 (Dv 32k), fp8 or int8 (not where int8
+    takes the tiles)."""
     k, v, q = inputs.k, inputs.v, inputs.q
     keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
     listed = listed_fits(inputs) is None

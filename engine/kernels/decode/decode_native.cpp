@@ -2510,7 +2510,7 @@ int decode_native(const DecodeCall* call) {
 #if DN_BF16_DOT
     // every q value a bf16 number (its low 16 bits zero): its bits in q_bits, q left unscaled
     bool q_bf16 = decode_native_bf16_dot() && (pairs || kind == F8E4M3 || (kind == I8 && !decode_native_amx())) &&
-                  simd && R % NR == 0 && D % 32 == 0 && !bf16_tiles;
+                  simd && R % NR == 0 && D % 32 == 0 && !q_tiled;  // (the tiles' scores: q's scale on their sums)
     std::vector<uint16_t> q_bits(q_bf16 ? B * H * R * D : 0);
     for (int64_t b = 0; b < B && q_bf16; ++b)
         for (int64_t h = 0; h < H && q_bf16; ++h)

@@ -1,10 +1,11 @@
-"""bf16 K/V of 8-15 query rows a KV head (a G 8 decode) with their scores on AMX-BF16 tiles (decode_native.cpp,
-``scores_only``), against the float64 oracle: where the CPU has AMX-BF16 and Linux grants the tiles, and q's values
-are all bf16 numbers, the tiles compute the scores and the vector path the softmax and the weighted values, for every
-block, masked or not. These tests check that path where it runs, its edges (rows 8-15, partial blocks and key groups,
-masks, key rows copied because pages do not keep them a stride apart, non-finite keys and values hidden or seen),
-that a request's result does not depend on its batch, that batch-invariant mode and rows below 8 keep the vector
-path, and explain(). Elsewhere they skip; the vector path is checked by tests/test_decode_native.py."""
+"""bf16 K/V of 8-15 query rows a KV head (a G 8 decode), or 16 of Dv up to 128, with their scores on AMX-BF16 tiles
+(decode_native.cpp, ``scores_only``), against the float64 oracle: where the CPU has AMX-BF16 and Linux grants the
+tiles, and q's values are all bf16 numbers, the tiles compute the scores and the vector path the softmax and the
+weighted values, for every block, masked or not. These tests check that path where it runs, its edges (rows 8-16,
+partial blocks and key groups, masks, key rows copied because pages do not keep them a stride apart, non-finite keys
+and values hidden or seen), that a request's result does not depend on its batch, that batch-invariant mode and rows
+below 8 keep the vector path, and explain(). Elsewhere they skip; the vector path is checked by
+tests/test_decode_native.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(not TILES, reason="no AMX-BF16 tiles here (a CPU
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(8, 15), s=st.integers(1, 300), d=st.sampled_from([32, 64, 96, 128]),
+@given(rows=st.integers(8, 16), s=st.integers(1, 300), d=st.sampled_from([32, 64, 96, 128]),
        dv=st.sampled_from([32, 64, 160]), masked=st.sampled_from(["none", "some", "blocks"]),
        seed=st.integers(0, 2**16))
 def test_the_score_tiles_match_the_float64_oracle(rows, s, d, dv, masked, seed):
@@ -131,6 +132,10 @@ def test_batch_invariant_mode_and_fewer_rows_keep_the_vector_path():
     finally:
         LIBRARY.use_bf16_tiles(True)
     assert "scores on AMX-BF16 tiles" in str(engine.explain(q, k, k))  # G 8
+    q16 = torch.randn(1, 32, 1, 128).bfloat16()
+    assert "scores on AMX-BF16 tiles" in str(engine.explain(q16, k, k))  # G 16, Dv 128
+    v256 = torch.randn(1, 2, 300, 256).bfloat16()
+    assert "blocks whose rows see the same keys" in str(engine.explain(q16, k, v256))  # G 16, Dv 256: whole tiles
     assert "AMX-BF16" not in str(engine.explain(q[:, :14], k, k))  # G 7
     assert "AMX-BF16" not in str(engine.explain(q.float(), k.float(), k.float()))  # fp32 K
     # fp32 outputs: 7 rows give the vector path's bits with the tiles on or off, 8 rows other bits (the tiles ran)

@@ -580,6 +580,10 @@ inline __m512 digit_sums(const int32_t* rows) {
 // from DRAM, B 1 S 32k: G 8 0.86x the time, G 12 0.77x; at G 4 1.12-1.17x and G 6 1.04x (so not below 8 rows).
 constexpr int TILE_ROWS = 16;  // query rows a tile; calls with at least this many rows a KV head take the tiles
 constexpr int SCORE_TILE_ROWS = 8;  // bf16 K/V of this many rows up to TILE_ROWS: the scores alone on the tiles
+// and 16 rows of Dv up to this: a G 16 decode (Qwen3-235B's 64 / 4) took 0.88x the whole tiles' time, B 1 S 32k, one
+// thread (24 rows 0.96x, 32 rows 1.14x); a latent's 16 rows of Dv 512 keep the whole tiles, where the values
+// weigh most (16 x 512 channels a key)
+constexpr int64_t SCORE_TILE_DV = 128;
 // bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
 // its own, 2^-8 of the output's rounding)
 constexpr int P_PIECES = 3;
@@ -837,6 +841,7 @@ struct Operands {
     const uint16_t* q_tiles;        // bf16 K/V on AMX tiles (DN_AMX_BF16): q's B tiles (q_tile_words), or null
     float tile_unit;                // what the tiles' sums are multiplied by (the softmax scale)
     int64_t p_pieces;               // bf16 pieces of each weight on the tiles (P_PIECES, or 2 for a bf16 output)
+    bool scores_only;               // the tiles take the scores alone (score_tiles), the vectors the rest
 };
 
 #if DN_AMX
@@ -946,7 +951,7 @@ struct Item {
 #if DN_AMX_BF16
         if constexpr (ON_TILES) {
             bf16_tiles = o.q_tiles != nullptr;
-            scores_only = bf16_tiles && o.R < TILE_ROWS;
+            scores_only = bf16_tiles && o.scores_only;
             if (scores_only) values_ask = true;  // (the asks spread over the value passes too: score_tiles_step)
             if (bf16_tiles) {  // (this thread's, as int8's; each item uses it within one block)
                 static thread_local std::vector<uint16_t> tile_scratch;
@@ -2481,12 +2486,12 @@ int decode_native(const DecodeCall* call) {
     const bool simd = false;
 #endif
 #if DN_AMX_BF16
-    // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below)
-    bool bf16_tiles = simd && (kind == BF16 || kind == I8 || kind == F8E4M3) && R >= TILE_ROWS && D % 32 == 0 &&
-                      Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
-    // bf16 K/V of SCORE_TILE_ROWS .. TILE_ROWS - 1 rows: the scores alone on the tiles, the values on the vectors
-    const bool score_tiles = simd && kind == BF16 && R >= SCORE_TILE_ROWS && R < TILE_ROWS && D % 32 == 0 &&
-                             Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
+    // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below); of 8-15 rows (or 16
+    // of Dv up to SCORE_TILE_DV) the scores alone (score_tiles), the values on the vectors
+    const bool tiled = simd && D % 32 == 0 && Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
+    const bool score_tiles = tiled && kind == BF16 && R >= SCORE_TILE_ROWS &&
+                             (R < TILE_ROWS || (R == TILE_ROWS && Dv <= SCORE_TILE_DV));
+    bool bf16_tiles = tiled && (kind == BF16 || kind == I8 || kind == F8E4M3) && R >= TILE_ROWS && !score_tiles;
     bool q_tiled = bf16_tiles || score_tiles;
     for (int64_t b = 0; b < B && q_tiled; ++b)
         for (int64_t h = 0; h < H && q_tiled; ++h)
@@ -2553,6 +2558,7 @@ int decode_native(const DecodeCall* call) {
 #if DN_AMX_BF16
     const std::vector<uint16_t> q_tiles = q_tiled ? q_tile_words(q_in, qs, B, H, R, D) : std::vector<uint16_t>();
     if (q_tiled) o.q_tiles = q_tiles.data(), o.tile_unit = scale, o.p_pieces = io_bf16 ? 2 : P_PIECES;
+    o.scores_only = q_tiled && !bf16_tiles;
 #endif
 
     // Work items: each (b, kv_head)'s keys cut at multiples of SPLIT positions (from key_offset), in order; a

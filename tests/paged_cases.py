@@ -10,6 +10,8 @@ import math
 import torch
 from hypothesis import strategies as st
 
+from engine import paged_attention
+
 
 def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positions=None, window=None, softcap=None,
            scale=None, sinks=None, alibi=None, allowed=None, score_mod=None):
@@ -51,6 +53,28 @@ def oracle(q, k_pages, v_pages, page_table, kv_lens, query_indptr, query_positio
 
 
 LAYOUTS = ("NHD", "heads side by side", "heads outer")
+
+
+def shuffled_pages(lengths: list[int], page_size: int, generator: torch.Generator, spare: int = 3):
+    """``(num_pages, table)``: a pool of every sequence's pages and ``spare`` more, each sequence's pages drawn at
+    random from it (none shared); ``table [B, most pages]``, 0 past a sequence's pages."""
+    pages_per = [-(-n // page_size) for n in lengths]
+    num_pages = sum(pages_per) + spare
+    order = torch.randperm(num_pages, generator=generator)
+    table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int64)
+    for b, count in enumerate(pages_per):
+        start = sum(pages_per[:b])
+        table[b, :count] = order[start:start + count]
+    return num_pages, table
+
+
+def decode_pages_match(q, k_pool, v_pool, table, lengths: list[int], exact, **tolerance) -> None:
+    """One query a sequence (``q [B, Hq, D]``) over the pools through ``table`` equals the float64 oracle over
+    ``exact(pool)`` (the pools' values in float64) within ``tolerance`` (torch.testing.assert_close's)."""
+    kv_lens, indptr = torch.tensor(lengths), torch.arange(len(lengths) + 1)
+    out = paged_attention(q, k_pool, v_pool, table, kv_lens, indptr)
+    want, _ = oracle(q.double(), exact(k_pool), exact(v_pool), table, kv_lens, indptr)
+    torch.testing.assert_close(out.double(), want, **tolerance)
 
 
 def stored(pool: torch.Tensor, layout: str) -> torch.Tensor:

@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine import causal_attention, paged_attention
+from engine import causal_attention
 from engine.kernels.decode.decode_native import _call
 from engine.kernels.decode.native_build import load_native
 from engine.quantized import QuantizedKV, quantize
+from tests.paged_cases import decode_pages_match, shuffled_pages
 from tests.test_batch_invariance import paged, requests
 from tests.test_decode_native import oracle
 from tests.test_paged_quantized import dequantized_pool, quantized_pool
@@ -109,24 +110,13 @@ def test_pages_of_any_size_match_the_oracle(page_size):
     # or 5 give groups spanning pages, copied into 16 evenly spaced rows first
     g = torch.Generator().manual_seed(page_size)
     lengths = [300, 77]
-    pages_per = [-(-n // page_size) for n in lengths]
-    num_pages = sum(pages_per) + 3
+    num_pages, table = shuffled_pages(lengths, page_size, g)
     kq, vq = (quantized_pool(torch.randn(num_pages, page_size, 2, 128, generator=g), torch.int8) for _ in range(2))
-    order = torch.randperm(num_pages, generator=g)
-    table = torch.zeros(2, max(pages_per), dtype=torch.int64)
-    table[0, :pages_per[0]], table[1, :pages_per[1]] = order[:pages_per[0]], order[pages_per[0]:sum(pages_per)]
     kv_lens, indptr = torch.tensor(lengths), torch.tensor([0, 1, 2])
     q = torch.randn(2, 8, 128, generator=g)  # one query per sequence, G 4: four rows per KV head
     text = engine.explain_paged(q, kq, vq, table, kv_lens, indptr)
     assert "decode_native reads K/V in place" in text, text
-    out = paged_attention(q, kq, vq, table, kv_lens, indptr)
-    k64, v64 = dequantized_pool(kq), dequantized_pool(vq)  # [num_pages, page_size, Hkv, D]
-    for b, n in enumerate(lengths):
-        pages = table[b, torch.arange(n) // page_size]
-        k_seq = k64[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]  # [1, Hkv, n, D]
-        v_seq = v64[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]
-        want, _ = oracle(q[b][None, :, None], k_seq, v_seq, torch.ones(1, 1, 1, n, dtype=torch.bool), 128 ** -0.5)
-        torch.testing.assert_close(out[b].double(), want[0, :, 0], rtol=1e-5, atol=1e-5)
+    decode_pages_match(q, kq, vq, table, lengths, dequantized_pool, rtol=1e-5, atol=1e-5)
 
 
 def test_explain_names_the_tiles_where_they_run():

@@ -15,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine import causal_attention, paged_attention
+from engine import causal_attention
 from engine.kernels.decode.decode_native import _call
 from engine.kernels.decode.native_build import load_native
 from engine.quantized import QuantizedKV, quantize
 from tests import test_batch_invariance as batch_invariance
+from tests.paged_cases import decode_pages_match, shuffled_pages
 from tests.test_decode_native import oracle
 from tests.test_paged_quantized import dequantized_pool, quantized_pool
 
@@ -72,10 +73,18 @@ def test_the_tiles_match_the_float64_oracle(rows, s, d, dv, masked, kind, seed):
     g = torch.Generator().manual_seed(seed)
     q_rows = bf16_numbers(2, 2, rows, d, generator=g)
     k, v = cache(torch.randn(2, 2, s, d, generator=g), kind), cache(torch.randn(2, 2, s, dv, generator=g), kind)
+    matches_the_oracle(q_rows, k, v, masked, g)
+
+
+def matches_the_oracle(q_rows, k, v, masked: str, generator) -> None:
+    """The kernel on ``q_rows [2, 2, R, D]`` and K / V (bf16 or QuantizedKV) equals the float64 oracle within 1e-5,
+    every key visible (``masked`` "none"), each hidden at random ("some"), or every other block of 64 keys hidden from
+    the odd rows ("blocks")."""
+    rows, d, s = q_rows.shape[2], q_rows.shape[3], k.shape[2]
     visible = torch.ones(2, 1, rows, s, dtype=torch.bool)
     if masked == "some":
-        visible = torch.rand(2, 1, rows, s, generator=g) > 0.3
-    elif masked == "blocks":  # every other block of 64 keys hidden from the odd rows
+        visible = torch.rand(2, 1, rows, s, generator=generator) > 0.3
+    elif masked == "blocks":
         visible[:, :, 1::2] = (torch.arange(s) // 64 % 2 == 0)
     out, lse = call(q_rows, k, v, visible, d ** -0.5)
     want, want_lse = oracle(q_rows, exact(k), exact(v), visible, d ** -0.5)
@@ -113,24 +122,25 @@ def test_a_latent_step_reads_shared_rows_on_the_tiles(heads):
     assert "AMX-BF16 tiles" in str(engine.explain(q.bfloat16(), rows.bfloat16(), rows.bfloat16()[..., :512]))
 
 
-def test_non_finite_keys_and_values_poison_only_the_rows_that_see_them():
+@pytest.mark.parametrize(("rows", "dv"), [(16, 160), (8, 64)], ids=["16 rows, whole tiles", "8 rows, score tiles"])
+def test_non_finite_keys_and_values_poison_only_the_rows_that_see_them(rows, dv):
     # a NaN key makes the rows that see it NaN (lse -inf), an inf value the channel of the rows that see it; rows that
-    # do not see them (their blocks masked: the vector path) are untouched, and an unmasked block's inf value reaches
-    # every row (on the tiles)
+    # do not see them (their blocks masked: the vector path; the score tiles' values: any block) are untouched, and an
+    # unmasked block's inf value reaches every row (on the tiles)
     g = torch.Generator().manual_seed(3)
-    q_rows = bf16_numbers(1, 1, 16, 64, generator=g)
-    k, v = bf16_numbers(1, 1, 200, 64, generator=g), bf16_numbers(1, 1, 200, 64, generator=g)
+    q_rows = bf16_numbers(1, 1, rows, 64, generator=g)
+    k, v = bf16_numbers(1, 1, 200, 64, generator=g), bf16_numbers(1, 1, 200, dv, generator=g)
     k[0, 0, 10, 5] = float("nan")
     v[0, 0, 100, 7] = float("inf")
     v[0, 0, 150, 9] = float("inf")  # block 2: seen whole by every row
-    visible = torch.ones(1, 1, 16, 200, dtype=torch.bool)
+    visible = torch.ones(1, 1, rows, 200, dtype=torch.bool)
     visible[0, 0, 0:2, 10] = False   # rows 0, 1 do not see the NaN key
     visible[0, 0, 0, 100] = False    # row 0 does not see the first inf value
     out, lse = call(q_rows, k.bfloat16(), v.bfloat16(), visible, 0.125)
     assert bool(out[0, 0, 2:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 2:]).all())
     assert bool(out[0, 0, 1, 7].isnan()) and not bool(out[0, 0, 0, 7].isnan())
     assert bool(out[0, 0, :2, 9].isnan().all())
-    clean = [c for c in range(64) if c not in (7, 9)]
+    clean = [c for c in range(dv) if c not in (7, 9)]
     want, want_lse = oracle(q_rows, k.nan_to_num(0.0), v.nan_to_num(0.0, 0.0, 0.0), visible, 0.125)
     torch.testing.assert_close(out[0, 0, :2, clean].double(), want[0, 0, :2, clean], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse[0, 0, :2].double(), want_lse[0, 0, :2], rtol=1e-5, atol=1e-5)
@@ -140,27 +150,17 @@ def test_non_finite_keys_and_values_poison_only_the_rows_that_see_them():
 @pytest.mark.parametrize("kind", ["bf16", "int8"])
 def test_pages_of_any_size_match_the_oracle(page_size, kind):
     # pages of 16 keep each group of 16 bf16 keys a stride apart (read in place by the tile loads); pages of 24 or 5
-    # give groups spanning pages, copied into rows a stride apart first (int8 rows: widened into them)
+    # give groups spanning pages, copied into rows a stride apart first (int8 rows: widened into them); D 160: the
+    # whole tiles (16 rows of Dv up to 128 take the score tiles: tests/test_decode_score_tiles.py)
     g = torch.Generator().manual_seed(page_size)
     lengths = [300, 77]
-    pages_per = [-(-n // page_size) for n in lengths]
-    num_pages = sum(pages_per) + 3
-    k_pool, v_pool = (bf16_numbers(num_pages, page_size, 2, 64, generator=g).bfloat16() for _ in "kv")
+    num_pages, table = shuffled_pages(lengths, page_size, g)
+    k_pool, v_pool = (bf16_numbers(num_pages, page_size, 2, 160, generator=g).bfloat16() for _ in "kv")
     if kind == "int8":
         k_pool, v_pool = (quantized_pool(x.float(), torch.int8) for x in (k_pool, v_pool))
-    order = torch.randperm(num_pages, generator=g)
-    table = torch.zeros(2, max(pages_per), dtype=torch.int64)
-    table[0, :pages_per[0]], table[1, :pages_per[1]] = order[:pages_per[0]], order[pages_per[0]:sum(pages_per)]
-    kv_lens, indptr = torch.tensor(lengths), torch.tensor([0, 1, 2])
-    q = bf16_numbers(2, 32, 64, generator=g).bfloat16()  # one query per sequence, G 16: 16 rows per KV head
-    out = paged_attention(q, k_pool, v_pool, table, kv_lens, indptr)
-    k64, v64 = (dequantized_pool(x) if kind == "int8" else x.double() for x in (k_pool, v_pool))
-    for b, n in enumerate(lengths):
-        pages = table[b, torch.arange(n) // page_size]
-        k_seq = k64[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]  # [1, Hkv, n, D]
-        v_seq = v64[pages, torch.arange(n) % page_size].permute(1, 0, 2)[None]
-        want, _ = oracle(q[b][None, :, None], k_seq, v_seq, torch.ones(1, 1, 1, n, dtype=torch.bool), 64 ** -0.5)
-        torch.testing.assert_close(out[b].double(), want[0, :, 0], rtol=2**-8, atol=1e-6)
+    q = bf16_numbers(2, 32, 160, generator=g).bfloat16()  # one query per sequence, G 16: 16 rows per KV head
+    exact = dequantized_pool if kind == "int8" else torch.Tensor.double
+    decode_pages_match(q, k_pool, v_pool, table, lengths, exact, rtol=2**-8, atol=1e-6)
 
 
 def test_explain_names_the_tiles_where_they_run(vector_path):
@@ -200,27 +200,31 @@ def test_fp8_nan_codes_poison_only_the_rows_that_see_them():
 
 
 @pytest.mark.parametrize("window", [None, 1300], ids=["full", "window"])
-def test_a_request_on_the_tiles_is_bitwise_the_same_alone_in_any_batch_contiguous_or_paged(window, monkeypatch):
-    # 16 rows a KV head (Hq 32 / Hkv 2): a request's last block alone (partial, unmasked) and in a padded batch (the
-    # padding hidden from every row: still on the tiles, its rows never read) compute alike; so do pages of any size
-    monkeypatch.setattr(batch_invariance, "HQ", 32)
-    mine, *others = batch_invariance.requests([777, 3000, 40, 2100], torch.bfloat16, seed=2)  # (mine padded)
+@pytest.mark.parametrize(("hq", "d"), [(32, 160), (16, 32)], ids=["16 rows, whole tiles", "8 rows, score tiles"])
+def test_a_request_on_the_tiles_is_bitwise_the_same_alone_in_any_batch_contiguous_or_paged(window, hq, d, monkeypatch):
+    # 16 rows a KV head (Hq 32 / Hkv 2) of Dv 160: a request's last block alone (partial, unmasked) and in a padded
+    # batch (the padding hidden from every row: still on the tiles, its rows never read) compute alike; so do pages of
+    # any size. 8 rows (Hq 16): the scores alone on the tiles (tests/test_decode_score_tiles.py), any block
+    monkeypatch.setattr(batch_invariance, "HQ", hq)
+    mine, *others = batch_invariance.requests([777, 3000, 40, 2100], torch.bfloat16, seed=2, d=d)  # (mine padded)
     alone = batch_invariance.contiguous([mine], window)[0]
     for n in (1, 2):
         with batch_invariance.threads(n):
             for batch in ([mine] + others, others + [mine]):
                 at = next(i for i, r in enumerate(batch) if r is mine)
                 assert torch.equal(batch_invariance.contiguous(batch, window)[at], alone), (n, window)
-                for page_size in (16, 256):
+                for page_size in (16, 24, 256):
                     assert torch.equal(batch_invariance.paged(batch, page_size, window=window)[at], alone)
     mine_int8 = batch_invariance.paged([mine], 16, quantized=True)[0]
     assert torch.equal(batch_invariance.paged(others + [mine], 24, quantized=True)[-1], mine_int8)
 
 
-def test_batch_invariant_mode_keeps_every_row_off_the_tiles():
+@pytest.mark.parametrize(("hq", "d"), [(32, 160), (16, 128)], ids=["16 rows, whole tiles", "8 rows, score tiles"])
+def test_batch_invariant_mode_keeps_every_row_off_the_tiles(hq, d):
     # there a row's result must not depend on how many rows share its call (a prefill chunked or whole), and the
     # tiles take a call's rows 16 at a time: the vector path runs, and explain() says so
-    q, k = torch.randn(1, 32, 1, 128).bfloat16(), torch.randn(1, 2, 300, 128).bfloat16()
+    q, k = torch.randn(1, hq, 1, d).bfloat16(), torch.randn(1, 2, 300, d).bfloat16()
+    assert "AMX-BF16 tiles" in str(engine.explain(q, k, k))
     previous = engine.set_batch_invariant(True)
     try:
         assert "AMX-BF16 tiles" not in str(engine.explain(q, k, k))

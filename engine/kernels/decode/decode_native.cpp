@@ -849,8 +849,8 @@ struct Operands {
 // tiles (up to AMX_MAX_D), Dv in 64-channel halves, K and V their own rows, the call not on the bf16 tiles (16 rows
 // of a bf16 q: those and the int8 tiles' four groups took the same time, 1.00-1.04x); and Linux granting the tiles
 inline bool amx_usable(const Operands& o) {
-    return o.R >= 1 && o.R <= AMX_ROWS && !o.q_tiles && o.D % 64 == 0 && o.D <= AMX_MAX_D && o.Dv % 64 == 0 && !o.shared &&
-           amx_granted();
+    return o.R >= 1 && o.R <= AMX_ROWS && !o.q_tiles && o.D % 64 == 0 && o.D <= AMX_MAX_D && o.Dv % 64 == 0 &&
+           !o.shared && amx_granted();
 }
 #endif
 
@@ -1553,7 +1553,7 @@ struct Item {
         }
 #if DN_AMX_BF16
         if constexpr (ON_TILES) {
-            uniform = bf16_tiles;
+            uniform = bf16_tiles && !scores_only;  // (the score tiles take any block)
             for (int64_t r = 0; r < o.R && uniform; ++r)
                 for (int jj = 0; jj < n && uniform; ++jj) uniform = _bits(keep[r * BLOCK + jj]) == (seen_key[jj] != 0);
         }
@@ -1681,7 +1681,9 @@ struct Item {
     // as before them (with room for four groups here, int8 from DRAM took 1.01x the time)
     alignas(64) int8_t q_digits[16 * AMX_MAX_D];
     std::vector<int8_t> more_digits;
-    int8_t* digits_of(int64_t r0) { return r0 < NR ? q_digits : aligned64(more_digits.data()) + (r0 / NR - 1) * 16 * o.D; }
+    int8_t* digits_of(int64_t r) {  // (row r's group's)
+        return r < NR ? q_digits : aligned64(more_digits.data()) + (r / NR - 1) * 16 * o.D;
+    }
     float q_unit[AMX_ROWS] = {};    // 2^e of each row's fixed point
     int8_t* k_rows = nullptr;       // [4][16][D]: a group of 16 keys whose rows are not evenly spaced, or the last
     int8_t* v_tiles = nullptr;      // [Dv / 16][16][64]: the block's V rows as B tiles (4 keys' bytes a lane)
@@ -1934,7 +1936,7 @@ struct Item {
     static constexpr bool ON_TILES = (KIND == BF16 || KIND == BF16_PAIRS || KIND == I8 || KIND == F8E4M3) && SIMD;
     static constexpr bool BF16_ROWS = KIND == BF16 || KIND == BF16_PAIRS;  // (rows the tiles read as they lie)
     bool bf16_tiles = false;
-    bool scores_only = false;  // (fewer than TILE_ROWS rows: the scores on the tiles, the rest as the vector path's)
+    bool scores_only = false;  // (Operands::scores_only: the scores on the tiles, the rest as the vector path's)
     // channels d .. d + 31 of a row as bf16 words (NaN codes read as NaN)
     static __m512i tile_words(const void* row, int64_t d) {
         if constexpr (BF16_ROWS) return _mm512_loadu_si512((const void*)((const uint16_t*)row + d));
@@ -2011,7 +2013,7 @@ struct Item {
         }
     }
 
-    // the sums tiles' [key][row] (R < 16 rows) scaled into s[row][key], as the vector path's scores leave them
+    // the sums tiles' [key][row] (R <= 16 rows) scaled into s[row][key], as the vector path's scores leave them
     void tile_sums_to_s(int n, int kgroups) {
         const __m512 unit = _mm512_set1_ps(o.tile_unit);
         for (int kg = 0; kg < kgroups; ++kg) {
@@ -2174,7 +2176,7 @@ struct Item {
         }
     }
 
-    // the scores on the tiles, the softmax and values as the vector path's (fewer than TILE_ROWS rows)
+    // the scores on the tiles, the softmax and values as the vector path's (scores_only)
     void score_tiles_step(int64_t j0, int n, bool masked) {
         ask_step = 0;
         const int64_t values_steps = (o.R + NR - 1) / NR * (n / (ask_mask + 1)) * (o.Dv / W_ / TILE);

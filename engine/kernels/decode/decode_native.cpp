@@ -695,8 +695,6 @@ inline void round_bf16(const float* src, uint16_t* dst, int64_t n) {
     }
 }
 
-// q's row (D values at src) as bf16 bits into out, in the order the kind's scores read them (F8_WORDS': each 64 in
-// f8_word_channel's order); false when a value is not a bf16 number (its low 16 bits not zero)
 // whether every one of the n values at x is a bf16 number (its low 16 bits zero)
 inline bool bf16_row(const float* x, int64_t n) {
     uint32_t low = 0;
@@ -708,6 +706,8 @@ inline bool bf16_row(const float* x, int64_t n) {
     return low == 0;
 }
 
+// q's row (D values at src) as bf16 bits into out, in the order the kind's scores read them (F8_WORDS': each 64 in
+// f8_word_channel's order); false when a value is not a bf16 number (its low 16 bits not zero)
 inline bool q_row_bits(const float* src, uint16_t* out, int64_t D, bool words) {
     for (int64_t d = 0; d < D; ++d) {
         uint32_t bits;
@@ -2384,8 +2384,9 @@ int decode_native_amx() {
 #endif
 }
 
-// 1 when bf16, int8 or fp8 K/V with at least TILE_ROWS query rows a KV head (and a q of bf16 numbers) run on
-// AMX-BF16 tiles: built for a CPU with AMX-BF16, granted the tiles, and not turned off (decode_native_use_bf16_tiles)
+// 1 when bf16, int8 or fp8 K/V with at least TILE_ROWS query rows a KV head, and bf16 K/V's scores from
+// SCORE_TILE_ROWS (a q of bf16 numbers), run on AMX-BF16 tiles: built for a CPU with AMX-BF16, granted the tiles, and
+// not turned off (decode_native_use_bf16_tiles)
 int decode_native_bf16_tiles() {
 #if DN_AMX_BF16
     return amx_granted() && bf16_tiles_mode.load(std::memory_order_relaxed) != 0 ? 1 : 0;

@@ -93,9 +93,10 @@ def native_amx() -> bool:
 
 
 def native_bf16_tiles() -> bool:
-    """Whether the library computes a bf16 q's calls of 16 or more rows a KV head (bf16, int8 or fp8 K/V) on
-    AMX-BF16 tiles here (builds nothing): the loaded library's ``bf16_tiles``, else whether the CPU has AMX-BF16 and
-    AVX512-BF16 beside ``native_amx``'s AMX-INT8 and grant (what the ``-march=native`` build needs for that path)."""
+    """Whether the library computes a bf16 q's calls of 16 or more rows a KV head (bf16, int8 or fp8 K/V; bf16 K/V's
+    scores from 8 rows) on AMX-BF16 tiles here (builds nothing): the loaded library's ``bf16_tiles``, else whether the
+    CPU has AMX-BF16 and AVX512-BF16 beside ``native_amx``'s AMX-INT8 and grant (what the ``-march=native`` build
+    needs for that path)."""
     library = loaded_native()
     if library is not None:
         return library.bf16_tiles

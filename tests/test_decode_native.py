@@ -183,6 +183,20 @@ def test_rows_that_see_no_key_give_zero_and_lse_minus_inf():
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("s", [100, 3000], ids=["one work item", "two work items"])
+def test_rows_that_see_no_key_give_zero_after_rows_of_nan_in_the_same_call(dtype, s):
+    # the kernel finishes a call's rows one after another in buffers of its own: nothing of a NaN row may stay
+    # there for the next row, one that sees nothing
+    q, k, v = torch.randn(1, 4, 2, 64).to(dtype), torch.randn(1, 2, s, 64).to(dtype), torch.randn(1, 2, s, 64).to(dtype)
+    k[0, :, s // 2, 7] = float("nan")  # seen by every query 0
+    kpos = torch.arange(s)[None] + 10
+    out, lse = run_native(q, k, v, torch.tensor([[s + 9, 5]]), kpos)  # query 1 sees no key
+    assert bool(out[0, :, 0].isnan().all()) and bool((lse[0, :, 0] == float("-inf")).all())
+    assert torch.equal(out[0, :, 1], torch.zeros_like(out[0, :, 1])) and bool((lse[0, :, 1] == float("-inf")).all())
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_non_finite_keys_and_values_follow_the_reference(dtype):
     # masked NaN/inf never leak; a visible bad key makes its row NaN (lse -inf), a visible bad value its channel

@@ -35,6 +35,7 @@
 #include <cstddef>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -114,6 +115,23 @@ constexpr int64_t kind_bytes(int kind) {
 template <class T> inline T* aligned64(T* p) {
     return (T*)(((uintptr_t)p + 63) & ~(uintptr_t)63);
 }
+// One call's array of n Ts (q's rows, the items' states) in a buffer of this thread's, kept from call to call: a small
+// call then neither allocates nor zeroes its arrays, and finds them in cache. Not zeroed: each is written before it is
+// read. One over KEPT_BYTES is the call's own, freed after it.
+constexpr size_t KEPT_BYTES = size_t(4) << 20;
+template <class T>
+struct CallArray {
+    std::unique_ptr<T[]> own;
+    T* data;
+    CallArray(std::vector<T>& kept, size_t n) {
+        if (n * sizeof(T) > KEPT_BYTES) {
+            own.reset(new T[n]), data = own.get();
+        } else {
+            if (kept.size() < n) kept.resize(n);
+            data = kept.data();
+        }
+    }
+};
 inline uint32_t float_bits(float x) {
     uint32_t out;
     std::memcpy(&out, &x, 4);
@@ -706,15 +724,14 @@ inline bool bf16_row(const float* x, int64_t n) {
     return low == 0;
 }
 
-// q's row (D values at src) as bf16 bits into out, in the order the kind's scores read them (F8_WORDS': each 64 in
-// f8_word_channel's order); false when a value is not a bf16 number (its low 16 bits not zero)
-inline bool q_row_bits(const float* src, uint16_t* out, int64_t D, bool words) {
+// q's row (D values at src, each a bf16 number: bf16_row) as bf16 bits into out, in the order the kind's scores read
+// them (F8_WORDS': each 64 in f8_word_channel's order)
+inline void q_row_bits(const float* src, uint16_t* out, int64_t D, bool words) {
     for (int64_t d = 0; d < D; ++d) {
         uint32_t bits;
         std::memcpy(&bits, &src[words ? (d & ~int64_t(63)) | f8_word_channel(d & 63) : d], 4);
         out[d] = (uint16_t)(bits >> 16);
     }
-    return bf16_row(src, D);
 }
 
 #if DN_BF16_DOT
@@ -906,6 +923,10 @@ struct Item {
           keep(s + o_.R * BLOCK), vscale(keep + o_.R * BLOCK), kept(vscale + BLOCK),
           seen_key((uint8_t*)(kept + o_.R)) {
         std::fill(kept, kept + o.R, 1.0f);
+        std::fill(p_.m, p_.m + o.R, NEG_INF);  // (the state starts here, on the thread that runs the item)
+        std::fill(p_.l, p_.l + o.R, 0.0f);
+        std::fill(p_.acc, p_.acc + o.R * o.Dv, 0.0f);
+        std::fill(p_.bad, p_.bad + o.R, uint8_t(0));
         const int64_t b = p_.bh / o.H, h = p_.bh % o.H;
         kb = (const char*)o.k + elem_size() * (b * o.ks[0] + h * o.ks[1]);
         vb = (const char*)o.v + elem_size() * (b * o.vs[0] + h * o.vs[1]);
@@ -2467,39 +2488,34 @@ int decode_native(const DecodeCall* call) {
     const int kind = (int)c.kind;
     if (kind < F32 || kind > F8E4M3 || (c.io_kind != F32 && c.io_kind != BF16)) return 1;
     const int64_t B = c.B, H = c.H, R = c.R, S = c.S, D = c.D, Dv = c.Dv;
-    // A bf16 q is widened (exactly) into a contiguous fp32 copy, read below as any fp32 q; a bf16 output is computed
-    // in fp32 and rounded once at the end (round_bf16)
+    // q's rows are read one at a time (q_row): a bf16 q's widened (exactly) into row_wide, an fp32 q's where they lie;
+    // a bf16 output is computed in fp32 and rounded once at the end (round_bf16)
     const bool io_bf16 = c.io_kind == BF16;
-    std::vector<float> q_wide(io_bf16 ? B * H * R * D : 0), out_wide(io_bf16 ? B * H * R * Dv : 0);
-    const float* q_in = (const float*)c.q;
-    int64_t qs[3] = {c.q_strides[0], c.q_strides[1], c.q_strides[2]};
-    if (io_bf16) {
-        for (int64_t b = 0; b < B; ++b)
-            for (int64_t h = 0; h < H; ++h)
-                for (int64_t r = 0; r < R; ++r)
-                    widen_bf16_row((const uint16_t*)c.q + b * qs[0] + h * qs[1] + r * qs[2],
-                                   &q_wide[((b * H + h) * R + r) * D], D);
-        q_in = q_wide.data(), qs[0] = H * R * D, qs[1] = R * D, qs[2] = D;
-    }
-    float* out = io_bf16 ? out_wide.data() : (float*)c.out;
-    float* lse = c.lse;
+    const int64_t qs[3] = {c.q_strides[0], c.q_strides[1], c.q_strides[2]}, rows = B * H * R;
+    static thread_local std::vector<float> kept_row, kept_q, kept_states;
+    CallArray<float> row_wide(kept_row, io_bf16 ? D : 0);
+    auto q_row = [&](int64_t b, int64_t h, int64_t r) -> const float* {
+        const int64_t at = b * qs[0] + h * qs[1] + r * qs[2];
+        if (!io_bf16) return (const float*)c.q + at;
+        widen_bf16_row((const uint16_t*)c.q + at, row_wide.data, D);
+        return row_wide.data;
+    };
 #if DN_AVX512 || DN_AVX2
     const bool simd = D % W == 0 && Dv % W == 0;
 #else
     const bool simd = false;
 #endif
 #if DN_AMX_BF16
-    // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below); of 8-15 rows (or 16
-    // of Dv up to SCORE_TILE_DV) the scores alone (score_tiles), the values on the vectors
+    // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below; a bf16 q's are); of
+    // 8-15 rows (or 16 of Dv up to SCORE_TILE_DV) the scores alone (score_tiles), the values on the vectors
     const bool tiled = simd && D % 32 == 0 && Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
     const bool score_tiles = tiled && kind == BF16 && R >= SCORE_TILE_ROWS &&
                              (R < TILE_ROWS || (R == TILE_ROWS && Dv <= SCORE_TILE_DV));
     bool bf16_tiles = tiled && (kind == BF16 || kind == I8 || kind == F8E4M3) && R >= TILE_ROWS && !score_tiles;
     bool q_tiled = bf16_tiles || score_tiles;
-    for (int64_t b = 0; b < B && q_tiled; ++b)
+    for (int64_t b = 0; b < B && q_tiled && !io_bf16; ++b)
         for (int64_t h = 0; h < H && q_tiled; ++h)
-            for (int64_t r = 0; r < R && q_tiled; ++r)
-                q_tiled = bf16_row(q_in + b * qs[0] + h * qs[1] + r * qs[2], D);
+            for (int64_t r = 0; r < R && q_tiled; ++r) q_tiled = bf16_row(q_row(b, h, r), D);
     bf16_tiles = bf16_tiles && q_tiled;
 #else
     const bool bf16_tiles = false, q_tiled = false;
@@ -2510,30 +2526,34 @@ int decode_native(const DecodeCall* call) {
 #else
     const bool words = false;
 #endif
-    // q rows times the scale, contiguous [B, Hkv, R, D] (tiny: R rows per KV head), checked finite on the way, in
-    // the order the kind's kernel reads them (scale_q_row)
-    std::vector<float> q_scaled(B * H * R * D);
     const float scale = (float)c.scale;
-    bool q_finite = true;
 #if DN_BF16_DOT
-    // every q value a bf16 number (its low 16 bits zero): its bits in q_bits, q left unscaled
+    // every q value a bf16 number (its low 16 bits zero; a bf16 q's are): its bits in q_bits, q left unscaled
     bool q_bf16 = decode_native_bf16_dot() && (pairs || kind == F8E4M3 || (kind == I8 && !decode_native_amx())) &&
                   simd && R % NR == 0 && D % 32 == 0 && !q_tiled;  // (the tiles' scores: q's scale on their sums)
-    std::vector<uint16_t> q_bits(q_bf16 ? B * H * R * D : 0);
-    for (int64_t b = 0; b < B && q_bf16; ++b)
+    for (int64_t b = 0; b < B && q_bf16 && !io_bf16; ++b)
         for (int64_t h = 0; h < H && q_bf16; ++h)
-            for (int64_t r = 0; r < R && q_bf16; ++r)
-                q_bf16 = q_row_bits(q_in + b * qs[0] + h * qs[1] + r * qs[2],
-                                    &q_bits[((b * H + h) * R + r) * D], D, words);
+            for (int64_t r = 0; r < R && q_bf16; ++r) q_bf16 = bf16_row(q_row(b, h, r), D);
+    static thread_local std::vector<uint16_t> kept_bits;
+    CallArray<uint16_t> q_bits(kept_bits, q_bf16 ? rows * D : 0);
 #else
     const bool q_bf16 = false;
 #endif
+    // q rows times the scale, contiguous [B, Hkv, R, D] (tiny: R rows per KV head), checked finite on the way, in
+    // the order the kind's kernel reads them (scale_q_row)
     const float q_factor = q_bf16 ? 1.0f : scale;
+    CallArray<float> q_scaled(kept_q, rows * D);
+    bool q_finite = true;
     for (int64_t b = 0; b < B; ++b)
         for (int64_t h = 0; h < H; ++h)
-            for (int64_t r = 0; r < R; ++r)
-                q_finite &= scale_q_row(q_in + b * qs[0] + h * qs[1] + r * qs[2],
-                                        &q_scaled[((b * H + h) * R + r) * D], D, q_factor, pairs, words);
+            for (int64_t r = 0; r < R; ++r) {
+                const float* src = q_row(b, h, r);
+                const int64_t at = ((b * H + h) * R + r) * D;
+#if DN_BF16_DOT
+                if (q_bf16) q_row_bits(src, &q_bits.data[at], D, words);
+#endif
+                q_finite &= scale_q_row(src, &q_scaled.data[at], D, q_factor, pairs, words);
+            }
     if (!q_finite) return 2;
     int threads = (int)c.threads;
     Operands o{};
@@ -2547,19 +2567,26 @@ int decode_native(const DecodeCall* call) {
     }
     o.k_scale = c.k_scale;
     o.v_scale = c.v_scale;
-    o.q = q_scaled.data();
+    o.q = q_scaled.data;
     o.visible = c.visible;
     for (int i = 0; i < 4; ++i) o.vis[i] = c.visible ? c.visible_strides[i] : 0;
     o.B = B, o.H = H, o.R = R, o.S = S, o.D = D, o.Dv = Dv;
     o.k_unit = o.v_unit = kind == F8E4M3 && !words ? 256.0f : 1.0f;  // (e4m3_half_bits' 2^-8; F8_WORDS' are exact)
 #if DN_BF16_DOT
-    if (q_bf16) o.q_bf16 = q_bits.data(), o.k_unit *= scale;
+    if (q_bf16) o.q_bf16 = q_bits.data, o.k_unit *= scale;
 #endif
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AMX_BF16
-    const std::vector<uint16_t> q_tiles = q_tiled ? q_tile_words(q_in, qs, B, H, R, D) : std::vector<uint16_t>();
+    std::vector<uint16_t> q_tiles;
+    if (q_tiled) {  // (a bf16 q widened whole first)
+        std::vector<float> q_wide(io_bf16 ? rows * D : 0);
+        for (int64_t row = 0; row < rows && io_bf16; ++row)
+            std::memcpy(&q_wide[row * D], q_row(row / (H * R), row / R % H, row % R), D * sizeof(float));
+        const int64_t wide_s[3] = {H * R * D, R * D, D};
+        q_tiles = q_tile_words(io_bf16 ? q_wide.data() : (const float*)c.q, io_bf16 ? wide_s : qs, B, H, R, D);
+    }
     if (q_tiled) o.q_tiles = q_tiles.data(), o.tile_unit = scale, o.p_pieces = io_bf16 ? 2 : P_PIECES;
     o.scores_only = q_tiled && !bf16_tiles;
 #endif
@@ -2597,14 +2624,14 @@ int decode_native(const DecodeCall* call) {
                     total += chunks[i].second - chunks[i].first;
                 }
     }
-    // every item's state in two allocations (m -inf, l and acc 0, bad 0), not four each
+    // every item's state in two arrays, set (m -inf, l and acc 0, bad 0) by the Item that runs it
     const int64_t state = 2 * R + R * Dv;
-    std::vector<float> states(items.size() * state, 0.0f);
-    std::vector<uint8_t> bads(items.size() * R, 0);
+    static thread_local std::vector<uint8_t> kept_bad;
+    CallArray<float> states(kept_states, items.size() * state);
+    CallArray<uint8_t> bads(kept_bad, items.size() * R);
     for (size_t i = 0; i < items.size(); ++i) {
-        float* x = states.data() + i * state;
-        std::fill(x, x + R, NEG_INF);
-        items[i].m = x, items[i].l = x + R, items[i].acc = x + 2 * R, items[i].bad = bads.data() + i * R;
+        float* x = states.data + i * state;
+        items[i].m = x, items[i].l = x + R, items[i].acc = x + 2 * R, items[i].bad = bads.data + i * R;
     }
     threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, (int64_t)items.size(),
                                                             total / (4 * BLOCK)}));
@@ -2646,62 +2673,75 @@ int decode_native(const DecodeCall* call) {
 #endif
     }
 
-    // Merge the items of each (b, kv_head) by log-sum-exp: each item's output is normalised, and so is the
-    // merged one (shares of the items' sums that add up to 1), so no step leaves the values' range.
-    std::vector<float> m(B * H * R, NEG_INF), l(B * H * R, 0.0f);
-    std::vector<uint8_t> bad(B * H * R, 0);
-    std::fill(out, out + B * H * R * Dv, 0.0f);
+    // Each row's items merged by log-sum-exp: each item's output is normalised, and so is the merged one (shares of
+    // the items' sums that add up to 1), so no step leaves the values' range. Row by row: the items in the order
+    // they were made (a head's in key order: by_head) into a buffer of Dv (merged), then its channels put back in
+    // order (BF16_PAIRS', F8_WORDS'), NaN and 0 where the reference has them, and stored in the output's kind. A row
+    // that one item saw (S up to SPLIT keys) is that item's output as it is: the merge would give it times 1 plus 0.
+    std::vector<int64_t> first_of(B * H + 1, 0), by_head(items.size());  // head bh's: first_of[bh] .. first_of[bh + 1]
+    for (const Partial& p : items) ++first_of[p.bh + 1];
+    for (int64_t bh = 0; bh < B * H; ++bh) first_of[bh + 1] += first_of[bh];
     {
-        for (Partial& p : items) {
-            for (int64_t r = 0; r < R; ++r) {
-                const int64_t row = p.bh * R + r;
-                bad[row] |= p.bad[r];
+        std::vector<int64_t> at(first_of.begin(), first_of.end() - 1);
+        for (size_t i = 0; i < items.size(); ++i) by_head[at[items[i].bh]++] = (int64_t)i;
+    }
+    std::vector<float> merged(Dv), ordered(Dv);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int64_t row = 0; row < rows; ++row) {
+        const int64_t bh = row / R, r = row % R;
+        float m = NEG_INF, l = 0.0f;
+        bool bad = false;
+        int64_t seen_by = -1, seers = 0;  // (the item that saw the row, of how many)
+        for (int64_t i = first_of[bh]; i < first_of[bh + 1]; ++i) {
+            const Partial& p = items[by_head[i]];
+            bad |= p.bad[r] != 0;
+            if (p.m[r] != NEG_INF) seen_by = by_head[i], ++seers;
+        }
+        const float* x = merged.data();
+        const bool alone = seers == 1 && std::isfinite(items[seen_by].m[r]) && items[seen_by].l[r] > 0.0f &&
+                           std::isfinite(items[seen_by].l[r]);
+        if (alone) {
+            m = items[seen_by].m[r], l = items[seen_by].l[r], x = &items[seen_by].acc[r * Dv];
+        } else {
+            std::fill(merged.begin(), merged.end(), 0.0f);
+            for (int64_t i = first_of[bh]; i < first_of[bh + 1]; ++i) {
+                const Partial& p = items[by_head[i]];
                 if (p.m[r] == NEG_INF) continue;  // this item saw nothing for the row
-                const float m_new = std::max(m[row], p.m[r]);
-                const float l_old = l[row] * std::exp(m[row] - m_new), l_item = p.l[r] * std::exp(p.m[r] - m_new);
+                const float m_new = std::max(m, p.m[r]);
+                const float l_old = l * std::exp(m - m_new), l_item = p.l[r] * std::exp(p.m[r] - m_new);
                 const float l_new = l_old + l_item;
                 const float a_old = l_old / l_new, a_new = l_item / l_new;
-                float* dst = out + row * Dv;
                 const float* src = &p.acc[r * Dv];
-                for (int64_t d = 0; d < Dv; ++d) dst[d] = dst[d] * a_old + src[d] * a_new;
-                l[row] = l_new;
-                m[row] = m_new;
+                for (int64_t d = 0; d < Dv; ++d) merged[d] = merged[d] * a_old + src[d] * a_new;
+                l = l_new;
+                m = m_new;
             }
         }
-    }
-    if (pairs) {  // each PAIR channels back from paired_order (places i and W + i to channels 2 i and 2 i + 1)
-        float chunk[PAIR];
-        for (int64_t row = 0; row < B * H * R; ++row)
-            for (int64_t d0 = 0; d0 < Dv; d0 += PAIR) {
-                float* dst = out + row * Dv + d0;
-                for (int64_t i = 0; i < W_; ++i) chunk[2 * i] = dst[i], chunk[2 * i + 1] = dst[W_ + i];
-                std::memcpy(dst, chunk, sizeof(chunk));
-            }
-    }
-    if (words) {  // each 64 channels back from f8_lane_channel's order
-        float chunk[64];
-        for (int64_t row = 0; row < B * H * R; ++row)
-            for (int64_t d0 = 0; d0 < Dv; d0 += 64) {
-                float* dst = out + row * Dv + d0;
-                for (int d = 0; d < 64; ++d) chunk[f8_lane_channel(d)] = dst[d];
-                std::memcpy(dst, chunk, sizeof(chunk));
-            }
-    }
-    const float nan = std::numeric_limits<float>::quiet_NaN();
-    for (int64_t row = 0; row < B * H * R; ++row) {
-        float* dst = out + row * Dv;
+        if (pairs) {  // each PAIR channels back from paired_order (places i and W + i to channels 2 i and 2 i + 1)
+            for (int64_t d0 = 0; d0 < Dv; d0 += PAIR)
+                for (int64_t i = 0; i < W_; ++i)
+                    ordered[d0 + 2 * i] = x[d0 + i], ordered[d0 + 2 * i + 1] = x[d0 + W_ + i];
+            x = ordered.data();
+        } else if (words) {  // each 64 channels back from f8_lane_channel's order
+            for (int64_t d0 = 0; d0 < Dv; d0 += 64)
+                for (int d = 0; d < 64; ++d) ordered[d0 + f8_lane_channel(d)] = x[d0 + d];
+            x = ordered.data();
+        }
+        // the row's values into the output (fp32), or into a buffer that x is not (bf16, rounded into the output)
+        float* dst = io_bf16 ? (x == merged.data() ? ordered.data() : merged.data()) : (float*)c.out + row * Dv;
+        const float plus = alone ? 0.0f : -0.0f;  // (x + 0: the merge's 0 * 0 + x * 1, -0 to 0; x + -0: x as it is)
         float row_lse = NEG_INF;
-        if (bad[row]) {
+        if (bad) {
             for (int64_t d = 0; d < Dv; ++d) dst[d] = nan;
-        } else if (l[row] > 0.0f) {  // a non-finite channel met a visible NaN/inf value: NaN, as the reference
-            for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? dst[d] : nan;
-            row_lse = m[row] + std::log(l[row]);
+        } else if (l > 0.0f) {  // a non-finite channel met a visible NaN/inf value: NaN, as the reference
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(x[d]) ? x[d] + plus : nan;
+            row_lse = m + std::log(l);
         } else {
-            for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(dst[d]) ? 0.0f : nan;
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = std::isfinite(x[d]) ? 0.0f : nan;
         }
-        if (lse) lse[row] = row_lse;
+        if (io_bf16) round_bf16(dst, (uint16_t*)c.out + row * Dv, Dv);
+        if (c.lse) c.lse[row] = row_lse;
     }
-    if (io_bf16) round_bf16(out, (uint16_t*)c.out, B * H * R * Dv);
     return 0;
 }
 

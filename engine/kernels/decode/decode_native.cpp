@@ -554,11 +554,12 @@ inline void digits4(__m512i x, int8_t* out, int64_t stride) {
 
 // The power of two 2^e that puts max_abs (> 0, finite) in [2^(BITS - 1), 2^BITS) once divided by it (so every
 // |x| <= max_abs rounds to at most 2^BITS - 1): 2^(ilogb - BITS + 1); 0 where max_abs < 2^-100 (2^e would leave
-// fp32's normal range: such rows take the vector path)
+// fp32's normal range: such rows take the vector path). From the exponent's bits: ilogbf and ldexpf are library
+// calls, two a row a block in the int8 tiles' values.
 template <int BITS>
 inline float fixed_point_unit(float max_abs) {
-    const int e = std::ilogb(max_abs);
-    return e < -100 ? 0.0f : std::ldexp(1.0f, e - BITS + 1);
+    const int e = (int)(float_bits(max_abs) >> 23) - 127;  // (ilogb for a normal max_abs; a subnormal's is below -100)
+    return e < -100 ? 0.0f : bits_float((uint32_t)(e - BITS + 1 + 127) << 23);
 }
 
 // Four vectors of sums [16 x 16] int32 (rows i .. i + 3 of a stored sums tile, lanes 4 r + p) to one vector, lane

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from lab.bench import overhead
 
 IMPLS = {"engine causal_attention", "engine plan.run", "sdpa"}
@@ -28,16 +30,19 @@ def test_bench_overhead_calls_quick_times_three_implementations_per_shape(tmp_pa
     rows = saved["rows"]
     assert saved["meta"]["threads"] == 2  # the bench's default, not add_common's
     assert {r["case"] for r in rows} == {case for case, *_ in overhead.CALL_SHAPES}
-    for case, q_heads, kv_heads, keys, head_dim in overhead.CALL_SHAPES:
+    for case, batch, q_heads, kv_heads, keys, head_dim, dtype in overhead.CALL_SHAPES:
         mine = {r["impl"]: r for r in rows if r["case"] == case}
         assert set(mine) == IMPLS, case
         assert all(r["us/call"] > 0 and r["rounds"] == 3 for r in mine.values()), case
         assert mine["sdpa"]["time/sdpa"] == 1.0
-        assert mine["sdpa"]["shape"] == f"q [1, {q_heads}, 1, {head_dim}], k/v [1, {kv_heads}, {keys}, {head_dim}]"
+        assert mine["sdpa"]["shape"] == f"q [{batch}, {q_heads}, 1, {head_dim}], k/v [{batch}, {kv_heads}, {keys}, " \
+            f"{head_dim}]"
+        assert mine["sdpa"]["dtype"] == str(dtype).removeprefix("torch.")
         for name, threshold in overhead.CALL_TARGETS.items():
             assert mine[name]["target"] == f"<= {threshold}x"
             assert mine[name]["met"] == ("yes" if mine[name]["time/sdpa"] <= threshold else "no")
-            assert mine[name]["max |diff|"] < 1e-5  # fp32 outputs of the same attention
+            # the same attention: fp32 outputs, or bf16 ones rounded once (a step of bf16 near 1: 2^-7)
+            assert mine[name]["max |diff|"] < (1e-5 if dtype == torch.float32 else 2 ** -6)
     csv_header = (tmp_path / "overhead.csv").read_text().splitlines()[0]
     assert "us/call" in csv_header and "time/sdpa" in csv_header
     out = capsys.readouterr().out

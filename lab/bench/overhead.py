@@ -2,8 +2,9 @@
 
 Python overhead is paid in every layer of every token (STYLE.md, habit 15), so two groups measure it:
 
-- ``calls``: one decode call (T = 1, fp32, B = 1) at a 135M model's decode shape (q ``[1, 9, 1, 64]``, k/v
-  ``[1, 3, 128, 64]``) and at Hq 32 / Hkv 8 / D 128 with S = 512 and 1024. Rows: ``engine causal_attention``,
+- ``calls``: one decode call (T = 1) at a 135M model's decode shape (q ``[1, 9, 1, 64]``, k/v ``[1, 3, 128, 64]``)
+  in fp32 and bf16, at Hq 32 / Hkv 8 / D 128 with S = 512 and 1024 (fp32), and a batch's first steps (B = 8,
+  S = 16, fp32 and bf16), where a call's fixed cost is most of it. Rows: ``engine causal_attention``,
   ``engine plan.run`` (the plan made once) and ``sdpa`` (``enable_gqa=True``). The implementations alternate
   round by round (``--rounds`` rounds of ``--calls`` calls each; the order rotates every round), and the median
   of the per-round means is reported, so drift on a shared machine hits them alike.
@@ -37,9 +38,12 @@ from lab.measure import format_table, interleaved_us, machine_info, progress, sa
 from lab.options import add_common, apply_threads, positive_int
 
 GROUPS = ("calls", "generate")
-# (case, Hq, Hkv, S, D) of one decode call, B = 1, T = 1
-CALL_SHAPES = [("135M decode", 9, 3, 128, 64), ("Hq32 Hkv8 S=512", 32, 8, 512, 128),
-               ("Hq32 Hkv8 S=1024", 32, 8, 1024, 128)]
+# (case, B, Hq, Hkv, S, D, dtype) of one decode call, T = 1
+CALL_SHAPES = [("135M decode", 1, 9, 3, 128, 64, torch.float32), ("135M decode bf16", 1, 9, 3, 128, 64, torch.bfloat16),
+               ("Hq32 Hkv8 S=512", 1, 32, 8, 512, 128, torch.float32),
+               ("Hq32 Hkv8 S=1024", 1, 32, 8, 1024, 128, torch.float32),
+               ("B=8 Hq32 Hkv8 S=16", 8, 32, 8, 16, 128, torch.float32),
+               ("B=8 Hq32 Hkv8 S=16 bf16", 8, 32, 8, 16, 128, torch.bfloat16)]
 CALL_TARGETS = {"engine causal_attention": 1.5, "engine plan.run": 1.1}  # at most this x sdpa's time per call
 # (B, prompt tokens, new tokens, engine/sdpa tokens/s at least)
 GENERATE_CASES = [(1, 16, 48, 1.0), (4, 512, 48, 1.0), (1, 2048, 32, 1.2)]
@@ -63,21 +67,23 @@ def call_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     wanted = None if args.impl in ("all", "") else [w.strip() for w in args.impl.split(",") if w.strip()]
     generator = torch.Generator().manual_seed(args.seed)
     rows = []
-    for case, q_heads, kv_heads, keys, head_dim in progress(CALL_SHAPES, "bench overhead: calls", quiet=args.quiet):
-        q = torch.randn(1, q_heads, 1, head_dim, generator=generator)  # [B, Hq, T, D]
-        k = torch.randn(1, kv_heads, keys, head_dim, generator=generator)  # [B, Hkv, S, D]
-        v = torch.randn(1, kv_heads, keys, head_dim, generator=generator)  # [B, Hkv, S, D]
+    for case, batch, q_heads, kv_heads, keys, head_dim, dtype in progress(CALL_SHAPES, "bench overhead: calls",
+                                                                          quiet=args.quiet):
+        q = torch.randn(batch, q_heads, 1, head_dim, generator=generator).to(dtype)  # [B, Hq, T, D]
+        k = torch.randn(batch, kv_heads, keys, head_dim, generator=generator).to(dtype)  # [B, Hkv, S, D]
+        v = torch.randn(batch, kv_heads, keys, head_dim, generator=generator).to(dtype)  # [B, Hkv, S, D]
         step_plan = engine.plan(q, k, v)
         impls = {name: fn for name, fn in decode_calls(step_plan, q, k, v).items()
                  if name == "sdpa" or wanted is None or any(name.startswith(w) for w in wanted)}
         peer_out = impls["sdpa"]()  # [B, Hq, T, D]
-        diffs = {name: (fn() - peer_out).abs().max().item() for name, fn in impls.items()}
+        diffs = {name: (fn().float() - peer_out.float()).abs().max().item() for name, fn in impls.items()}
         us = interleaved_us(impls, args.rounds, args.calls)
         for name in impls:
             ratio = us[name] / us["sdpa"]
             threshold = CALL_TARGETS.get(name)
             rows.append({"group": "calls", "case": case, "impl": name,
-                         "shape": f"q [1, {q_heads}, 1, {head_dim}], k/v [1, {kv_heads}, {keys}, {head_dim}]",
+                         "shape": f"q [{batch}, {q_heads}, 1, {head_dim}], k/v [{batch}, {kv_heads}, {keys}, "
+                                  f"{head_dim}]", "dtype": str(dtype).removeprefix("torch."),
                          "kernel": step_plan.kernel if name.startswith("engine") else None, "us/call": us[name],
                          "time/sdpa": ratio, "target": f"<= {threshold}x" if threshold else None,
                          "met": _yes_no(ratio <= threshold) if threshold else None, "max |diff|": diffs[name],
@@ -185,7 +191,7 @@ def plot(rows: list[dict[str, Any]], path) -> None:
     """Engine over sdpa per case, with each case's target as a black tick: time per call (lower is better) on the
     left, tokens per second (higher is better) on the right."""
     panels = [(group, column, title, ylabel) for group, column, title, ylabel in (
-        ("calls", "time/sdpa", "one decode call, fp32, B=1", "time per call / sdpa's (lower is better)"),
+        ("calls", "time/sdpa", "one decode call", "time per call / sdpa's (lower is better)"),
         ("generate", "tok/s vs sdpa", "SmolLM2-135M generate, fp32", "tokens/s / sdpa's (higher is better)"))
         if any(r["group"] == group for r in rows)]
     fig, axes = plots.figure(ncols=max(1, len(panels)), width=6.4)
@@ -230,7 +236,8 @@ def main(args: argparse.Namespace) -> int:
     if "calls" in groups:
         rows += call_rows(args)
         print("\n" + format_table([r for r in rows if r["group"] == "calls"],
-                                  ["case", "impl", "kernel", "us/call", "time/sdpa", "target", "met", "max |diff|"]))
+                                  ["case", "impl", "dtype", "kernel", "us/call", "time/sdpa", "target", "met",
+                                   "max |diff|"]))
     if "generate" in groups:
         why_not = generate_unavailable()
         if why_not is None:

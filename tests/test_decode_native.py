@@ -183,6 +183,18 @@ def test_rows_that_see_no_key_give_zero_and_lse_minus_inf():
 
 
 @needs_native
+def test_calls_of_any_size_in_turn_each_match_the_oracle():
+    # a call's arrays live in the calling thread's buffers, kept from call to call up to 4 MiB; a larger one (q's
+    # rows here: 16 x 8 x 64 rows of 160 floats, 5 MiB) is the call's own: small, large and small again in turn
+    for shape in ((1, 4, 1, 2, 70, 32), (16, 32, 8, 16, 40, 160), (2, 4, 2, 3, 50, 64)):
+        q, k, v, qpos, kpos, _ = masked_case(shape, "none", torch.float32, seed=shape[0])
+        out, lse = run_native(q, k, v, qpos, kpos)
+        want, want_lse = oracle(q, k, v, visibility(qpos, kpos), shape[-1] ** -0.5)
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("s", [100, 3000], ids=["one work item", "two work items"])
 def test_rows_that_see_no_key_give_zero_after_rows_of_nan_in_the_same_call(dtype, s):

@@ -172,6 +172,23 @@ def test_a_strided_kv_cache_view_and_a_transposed_layout_give_the_contiguous_res
 
 
 @needs_native
+@pytest.mark.parametrize("t", [1, 3])
+def test_one_plan_runs_q_of_any_layout_in_turn(t):
+    # a plan reads a q laid out as its first run's through that run's folded strides (no view per run); a q of the
+    # same shape laid out otherwise ([B, T, Hq, D] memory, as a model's projection gives it) is folded anew
+    g = torch.Generator().manual_seed(t)
+    k, v = torch.randn(2, 2, 300, 64, generator=g), torch.randn(2, 2, 300, 64, generator=g)
+    qpos = torch.arange(300 - t, 300).expand(2, t)
+    contiguous = [torch.randn(2, 8, t, 64, generator=g) for _ in range(2)]
+    projected = [torch.randn(2, t, 8, 64, generator=g).transpose(1, 2) for _ in range(2)]
+    for first, then in ((contiguous, projected), (projected, contiguous)):  # (either layout first)
+        plan = engine.plan(first[0], k, v, qpos, kernel="decode_native")
+        for q in (first[0], then[0], first[1], then[1]):
+            want, _ = oracle(q, k, v, visibility(qpos, torch.arange(300).expand(2, 300)), 64 ** -0.5)
+            torch.testing.assert_close(plan.run(q, k, v).double(), want, rtol=1e-5, atol=1e-6)
+
+
+@needs_native
 def test_rows_that_see_no_key_give_zero_and_lse_minus_inf():
     q, k, v = torch.randn(2, 4, 2, 32), torch.randn(2, 2, 600, 32), torch.randn(2, 2, 600, 32)
     kpos = torch.arange(600).expand(2, 600) + 100  # keys at 100 .. 699

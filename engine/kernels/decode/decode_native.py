@@ -127,18 +127,29 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
     # the kernel writes out [B, Hkv, G*T, Dv] and lse [B, Hkv, G*T] contiguous: the bytes of unfold_groups' [B, Hq,
     # T, Dv] / [B, Hq, T] (a view of the same memory), so they are allocated in those shapes, no view per run
     unfolded = tuple(unfold_groups(torch.empty((*folded[:3], dv), device="meta"), q_shape[1]).shape)
-    planned = []  # the DecodeCall, made by the first run (from its strides)
+    planned = []  # the DecodeCall, made by the first run (from its strides), and that run's q layout: its strides
+    # unfolded and folded (a q laid out as it was is read through the folded strides, no view made: a view costs
+    # about 65 us of a call that finds the CPU's caches cold, as after a layer's weights went through them)
 
     def run(q, k, v, return_lse: bool):
         io = q.dtype if q.dtype in IO_KINDS else torch.float32
         out = torch.empty(*unfolded, dtype=io)  # written whole by the kernel
         lse = torch.empty(*unfolded[:3]) if return_lse else None  # (None: the kernel writes none)
         if j1 > j0:
-            q_rows = (q if q.dtype == io else q.float()).reshape(*folded)  # (scaled in C++)
+            q_in = q if q.dtype == io else q.float()  # (scaled in C++)
             keys, values = _keys(k, j0, j1), _keys(v, j0, j1)
             if not planned:
-                planned.append(_template(scale, q_rows, keys, values, visible, key_offset=j0))
-            if _run(library, planned[0], q_rows, keys, values, out, lse) == NON_FINITE_Q:
+                q_rows = _rows(q_in.reshape(*folded))
+                viewed = q_rows.data_ptr() == q_in.data_ptr()  # (else a copy: every run folds its q)
+                planned.extend((_template(scale, q_rows, keys, values, visible, key_offset=j0),
+                                q_in.stride() if viewed else None, q_rows.stride()))
+            q_strides = q_in.stride()
+            if q_strides == planned[1]:  # (the fold of this layout is a view with these strides)
+                q_ptr, q_strides = q_in.data_ptr(), planned[2]
+            else:
+                q_rows = _rows(q_in.reshape(*folded))
+                q_ptr, q_strides = q_rows.data_ptr(), q_rows.stride()
+            if _run_at(library, planned[0], q_ptr, q_strides, keys, values, out, lse) == NON_FINITE_Q:
                 raise DoesNotFit("NaN/inf in q: the torch kernels keep it to the rows it belongs to", resume=resume)
         else:  # no row sees any key
             out.zero_()
@@ -173,7 +184,7 @@ def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0) 
     call = DecodeCall(kind=KINDS[k_data.dtype], B=batch, H=kv_heads, R=rows, S=k_data.shape[2], D=d,
                       Dv=v_data.shape[3], scale=scale, key_offset=key_offset, io_kind=IO_KINDS[q_rows.dtype],
                       rows_alone=is_batch_invariant())
-    strides = _fill_strides(call, q_rows, keys, values)
+    strides = _fill_strides(call, q_rows.stride(), keys, values)
     _set_visible(call, visible)  # (the visibility tensor is the plan's: it outlives every run)
     return call, strides
 
@@ -192,33 +203,41 @@ def _decode(library, call: DecodeCall) -> int:
     return status
 
 
-def _fill_strides(call: DecodeCall, q_rows, keys, values) -> tuple:
+def _fill_strides(call: DecodeCall, q_strides: tuple, keys, values) -> tuple:
     (k_data, k_scale), (v_data, v_scale) = keys, values
-    call.k_strides[:], call.v_strides[:], call.q_strides[:] = k_data.stride()[:3], v_data.stride()[:3], \
-        q_rows.stride()[:3]
+    call.k_strides[:], call.v_strides[:], call.q_strides[:] = k_data.stride()[:3], v_data.stride()[:3], q_strides[:3]
     if k_scale is not None:
         call.k_scale_strides[:], call.v_scale_strides[:] = k_scale.stride(), v_scale.stride()
-    return _strides_of(q_rows, keys, values)
+    return _strides_of(q_strides, keys, values)
 
 
-def _strides_of(q_rows, keys, values) -> tuple:
-    return (q_rows.stride(), keys[0].stride(), values[0].stride(), None if keys[1] is None else keys[1].stride(),
+def _strides_of(q_strides: tuple, keys, values) -> tuple:
+    return (q_strides, keys[0].stride(), values[0].stride(), None if keys[1] is None else keys[1].stride(),
             None if values[1] is None else values[1].stride())
+
+
+def _rows(q_rows: torch.Tensor) -> torch.Tensor:
+    """q's rows ``[B, Hkv, R, D]`` with a unit stride on D (the one layout the kernel needs of q)."""
+    return q_rows.contiguous() if q_rows.stride(-1) != 1 and q_rows.shape[-1] > 1 else q_rows
 
 
 def _run(library, template, q_rows, keys, values, out, lse) -> int:
     """One kernel call, the plan's ``DecodeCall`` copied with this run's addresses (strides where they differ)."""
+    q_rows = _rows(q_rows)
+    return _run_at(library, template, q_rows.data_ptr(), q_rows.stride(), keys, values, out, lse)
+
+
+def _run_at(library, template, q_ptr: int, q_strides: tuple, keys, values, out, lse) -> int:
+    """``_run`` with q's rows given as their address and strides (``[B, Hkv, R, D]``, a unit stride on D)."""
     (k_data, k_scale), (v_data, v_scale) = keys, values
-    if q_rows.stride(-1) != 1 and q_rows.shape[-1] > 1:
-        q_rows = q_rows.contiguous()
     planned, strides = template
     call = DecodeCall.from_buffer_copy(planned)
-    if (q_rows.stride() != strides[0] or k_data.stride() != strides[1] or v_data.stride() != strides[2]
-            or (k_scale is not None and _strides_of(q_rows, keys, values) != strides)):
-        _fill_strides(call, q_rows, keys, values)
+    if (q_strides != strides[0] or k_data.stride() != strides[1] or v_data.stride() != strides[2]
+            or (k_scale is not None and _strides_of(q_strides, keys, values) != strides)):
+        _fill_strides(call, q_strides, keys, values)
     call.threads = torch.get_num_threads()
-    call.q, call.k, call.v, call.out, call.lse = (q_rows.data_ptr(), k_data.data_ptr(), v_data.data_ptr(),
-                                                  out.data_ptr(), None if lse is None else lse.data_ptr())
+    call.q, call.k, call.v, call.out, call.lse = (q_ptr, k_data.data_ptr(), v_data.data_ptr(), out.data_ptr(),
+                                                  None if lse is None else lse.data_ptr())
     if k_scale is not None:
         call.k_scale, call.v_scale = k_scale.data_ptr(), v_scale.data_ptr()
     return _decode(library, call)

@@ -1730,12 +1730,15 @@ struct Item {
             if (q_unit[r] == 0.0f) return false;
             const __m512 inv = _mm512_set1_ps(1.0f / q_unit[r]);
             for (int64_t d = 0; d < D; d += 16) {
-                int8_t digit[4 * 16];
+                alignas(16) int8_t digit[4 * 16];
                 digits4(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + d), inv)), digit, 16);
-                for (int i = 0; i < 16; ++i)
-                    for (int p = 0; p < 4; ++p)
-                        tiles[((d + i) / 64) * 1024 + ((d + i) % 64) / 4 * 64 + (4 * column + p) * 4 + (d + i) % 4] =
-                            digit[16 * p + i];
+                // channels d + 4 g .. + 3, digits 0 .. 3: 16 bytes at row (d % 64) / 4 + g of tile d / 64, from
+                // column 4 * column (the digits' rows, 4 dwords each, transposed; bytes as the scalar loop placed)
+                __m128 x[4];
+                for (int q4 = 0; q4 < 4; ++q4) x[q4] = _mm_castsi128_ps(_mm_load_si128((const __m128i*)&digit[16 * q4]));
+                _MM_TRANSPOSE4_PS(x[0], x[1], x[2], x[3]);
+                for (int g = 0; g < 4; ++g)
+                    _mm_storeu_ps((float*)&tiles[(d / 64) * 1024 + ((d % 64) / 4 + g) * 64 + 16 * column], x[g]);
             }
         }
         return true;

@@ -1761,7 +1761,8 @@ struct Item {
     bool amx_digits() {  // (in vectors: per work item, this took 2 ns per key and head as scalar code)
         const int64_t D = o.D;
         if (o.R > NR) more_digits.resize((o.R - 1) / NR * 16 * D + 64);
-        for (int64_t r0 = 0; r0 < o.R; r0 += NR) std::memset(digits_of(r0), 0, 16 * D);
+        for (int64_t r0 = 0; r0 < o.R; r0 += NR)  // (a group of NR rows writes every byte of its tiles below)
+            if (o.R - r0 < NR) std::memset(digits_of(r0), 0, 16 * D);
         for (int64_t r = 0; r < o.R; ++r) {
             const float* q = qb + r * D;
             int8_t* tiles = digits_of(r);

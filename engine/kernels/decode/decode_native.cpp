@@ -183,25 +183,31 @@ DN_INLINE float half_value(uint16_t h) {
 }
 template <> DN_INLINE float load_scalar<F16>(const void* p, int64_t i) { return half_value(((const uint16_t*)p)[i]); }
 template <> DN_INLINE float load_scalar<I8>(const void* p, int64_t i) { return (float)((const int8_t*)p)[i]; }
-// fp8 e4m3 (fn) bits to fp32 as the plain path reads them, NaN codes (the seven bits below the sign all ones) as NaN.
-// On Arm through the CPU's half conversion (e4m3_as_half_bits: 2^-8 times the value; E4M3_UNIT). Elsewhere exactly,
-// the seven bits rebiased from 7: on SSE2 0.86x the time of the route through fp16's bits and half_to_float (B 1
-// S 32k and B 8 S 8k, one thread, cold).
+// fp8 e4m3 (fn) bits to fp32 as the plain path reads them, its NaN codes (the seven bits below the sign all ones)
+// aside: e4m3_finite reads a code as a number (for rows that hold no NaN code: e4m3_nan_codes), load_scalar masks
+// the NaN codes to NaN. On Arm through the CPU's half conversion (e4m3_as_half_bits: 2^-8 times the value;
+// E4M3_UNIT). Elsewhere exactly, the seven bits rebiased from 7: on SSE2 0.86x the time of the route through fp16's
+// bits and half_to_float (B 1 S 32k and B 8 S 8k, one thread, cold).
 #if defined(__aarch64__)
 constexpr float E4M3_UNIT = 256.0f;  // what the plain path's fp8 values are multiplied by (the per-key scales carry it)
-template <> DN_INLINE float load_scalar<F8E4M3>(const void* p, int64_t i) {
-    const uint8_t x = ((const uint8_t*)p)[i];
-    const float value = half_value(e4m3_as_half_bits(x));
-    const uint32_t nan = 0u - (uint32_t)((x & 0x7F) == 0x7F);  // (a mask, as half_to_float's)
-    return bits_float((0x7FC00000u & nan) | (float_bits(value) & ~nan));
-}
+DN_INLINE float e4m3_finite(uint32_t x) { return half_value(e4m3_as_half_bits((uint8_t)x)); }
 #else
 constexpr float E4M3_UNIT = 1.0f;
-template <> DN_INLINE float load_scalar<F8E4M3>(const void* p, int64_t i) {
-    const uint32_t x = ((const uint8_t*)p)[i], nan = 0u - (uint32_t)((x & 0x7F) == 0x7F);
-    return bits_float((float_bits(rebiased<7>((x & 0x7F) << 20)) & ~nan) | (0x7FC00000u & nan) | ((x & 0x80) << 24));
+DN_INLINE float e4m3_finite(uint32_t x) {
+    return bits_float(float_bits(rebiased<7>((x & 0x7F) << 20)) | ((x & 0x80) << 24));
 }
 #endif
+template <> DN_INLINE float load_scalar<F8E4M3>(const void* p, int64_t i) {
+    const uint32_t x = ((const uint8_t*)p)[i], nan = 0u - (uint32_t)((x & 0x7F) == 0x7F);
+    return bits_float((float_bits(e4m3_finite(x)) & ~nan) | (0x7FC00000u & nan));
+}
+// load_scalar, fp8's codes read as numbers where the block's rows hold no NaN code (CODES false): the mask per value
+// left out, the plain path's fp8 took 0.86x the time on SSE2 (B 1 S 8k, one thread, cold)
+template <int K, bool CODES>
+DN_INLINE float load_lane(const void* p, int64_t i) {
+    if constexpr (K == F8E4M3 && !CODES) return e4m3_finite(((const uint8_t*)p)[i]);
+    else return load_scalar<K>(p, i);
+}
 
 // ---- the plain C++ path's loops --------------------------------------------------------------------------------
 //
@@ -468,9 +474,13 @@ inline __m512 hsum16_rows(const __m512 (&a)[4][4]) {
 }
 #endif
 
-// Whether rows[0 .. n) (each `bytes` long, a multiple of 8) hold an e4m3 NaN code: x | 0x80 is 0xFF for those
-// alone, so the bytes' running unsigned max tells (two instructions per vector of bytes).
+#endif
+
+// Whether rows[0 .. n) (each `bytes` long) hold an e4m3 NaN code: x | 0x80 is 0xFF for those alone, so the bytes'
+// running unsigned max tells (two instructions per vector of bytes; without the intrinsics, a loop the compiler
+// vectorises).
 inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
+#if DN_AVX512 || DN_AVX2
     const __m128i sign = _mm_set1_epi8((char)0x80);
     __m128i top = _mm_setzero_si128();
 #if DN_AVX512
@@ -493,6 +503,8 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
             top = _mm_max_epu8(top, _mm_or_si128(_mm_loadu_si128((const __m128i*)(row + b)), sign));
         for (; b + 8 <= bytes; b += 8)
             top = _mm_max_epu8(top, _mm_or_si128(_mm_loadl_epi64((const __m128i*)(row + b)), sign));
+        for (; b < bytes; ++b)  // (the plain path's rows: D need not be a multiple of 8)
+            if ((row[b] | 0x80) == (char)0xFF) return true;
     }
 #if DN_AVX512
     const __m256i half = _mm256_max_epu8(_mm512_castsi512_si256(wide), _mm512_extracti64x4_epi64(wide, 1));
@@ -501,8 +513,16 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
 #endif
     top = _mm_max_epu8(top, _mm_max_epu8(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1)));
     return _mm_movemask_epi8(_mm_cmpeq_epi8(top, _mm_set1_epi8((char)0xFF))) != 0;
-}
+#else
+    uint8_t top = 0;
+    for (int jj = 0; jj < n; ++jj) {
+        const uint8_t* row = (const uint8_t*)rows[jj];
+#pragma omp simd reduction(max : top)
+        for (int64_t b = 0; b < bytes; ++b) top = std::max<uint8_t>(top, (uint8_t)(row[b] | 0x80));
+    }
+    return top == 0xFF;
 #endif
+}
 
 #if DN_AMX
 // ---- int8 on AMX tiles ----------------------------------------------------------------------------------------
@@ -1399,8 +1419,14 @@ struct Item {
         }
     }
 
-    // the plain path's scores: one key at a time, its channels in one loop for all N rows
+    // the plain path's scores: one key at a time, its channels in one loop for all N rows (fp8's NaN codes masked
+    // where the block's rows hold one: load_lane)
     template <int N>
+    void scores_lanes(int64_t r0, int n) {
+        if (KIND == F8E4M3 && !nan_codes) scores_lanes<N, false>(r0, n);
+        else scores_lanes<N, true>(r0, n);
+    }
+    template <int N, bool CODES>
     void scores_lanes(int64_t r0, int n) {
         const int64_t D = o.D;
         const float* q = qb + r0 * D;
@@ -1409,7 +1435,7 @@ struct Item {
             float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
             for (int64_t d = 0; d < D; ++d) {
-                const float x = load_scalar<KIND>(krow, d);
+                const float x = load_lane<KIND, CODES>(krow, d);
                 a0 = lane_fma(q[d], x, a0);
                 if constexpr (N > 1) a1 = lane_fma(q[D + d], x, a1);
                 if constexpr (N > 2) a2 = lane_fma(q[2 * D + d], x, a2);
@@ -1483,6 +1509,11 @@ struct Item {
     // whole); else a key at a time, each row that sees it (a hidden key's value may be NaN)
     template <int N, bool MASKED>
     void accumulate_lanes(int64_t r0, int n) {
+        if (KIND == F8E4M3 && !nan_codes) accumulate_lanes<N, MASKED, false>(r0, n);
+        else accumulate_lanes<N, MASKED, true>(r0, n);
+    }
+    template <int N, bool MASKED, bool CODES>
+    void accumulate_lanes(int64_t r0, int n) {
         const int64_t Dv = o.Dv;
         float* acc = part.acc + r0 * Dv;
         const float* p = s + r0 * BLOCK;
@@ -1495,8 +1526,8 @@ struct Item {
                     for (int k = 0; k < 4; ++k) w[r][k] = p[r * BLOCK + jj + k];
 #pragma omp simd
                 for (int64_t d = 0; d < Dv; ++d) {
-                    const float x0 = load_scalar<KIND>(v0, d), x1 = load_scalar<KIND>(v1, d);
-                    const float x2 = load_scalar<KIND>(v2, d), x3 = load_scalar<KIND>(v3, d);
+                    const float x0 = load_lane<KIND, CODES>(v0, d), x1 = load_lane<KIND, CODES>(v1, d);
+                    const float x2 = load_lane<KIND, CODES>(v2, d), x3 = load_lane<KIND, CODES>(v3, d);
                     for (int r = 0; r < N; ++r)
                         acc[r * Dv + d] = lane_fma(w[r][3], x3, lane_fma(w[r][2], x2, lane_fma(w[r][1], x1,
                                                    lane_fma(w[r][0], x0, acc[r * Dv + d]))));
@@ -1510,7 +1541,7 @@ struct Item {
                 const float w = p[r * BLOCK + jj];
                 float* a = acc + r * Dv;
 #pragma omp simd
-                for (int64_t d = 0; d < Dv; ++d) a[d] = lane_fma(w, load_scalar<KIND>(vrow, d), a[d]);
+                for (int64_t d = 0; d < Dv; ++d) a[d] = lane_fma(w, load_lane<KIND, CODES>(vrow, d), a[d]);
             }
         }
     }
@@ -2315,10 +2346,8 @@ struct Item {
             }
         }
 #endif
-#if DN_AVX512 || DN_AVX2
-        if constexpr (KIND == F8E4M3 && SIMD)
+        if constexpr (KIND == F8E4M3)  // (the vector paths' vload_e4m3_nan, the plain path's load_scalar)
             nan_codes = e4m3_nan_codes(krows, n, o.D) || (!o.shared && e4m3_nan_codes(vrows, n, o.Dv));
-#endif
         for_row_groups(j0, n, masked, true);
         softmax_step(j0, n, masked);
         read_next_scales();

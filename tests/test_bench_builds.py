@@ -117,6 +117,18 @@ def test_a_vector_path_is_the_sources_build_with_its_flags_and_one_this_cpu_lack
     assert compiled == [(native_build.FLAGS, native_build.SOURCE), (native_build.path_flags("plain"),
                                                                      native_build.SOURCE)]
     assert "-march=native" not in native_build.path_flags("plain") and "-mavx2" in native_build.path_flags("avx2")
+    # --against REV with --path: the revision's source and the working tree's, each built for every path asked for
+    monkeypatch.setattr(builds, "source_at", lambda revision: f"// {revision}'s source\n")
+    compiled.clear()
+    made = builds.builds_from(parser.parse_args(["--against", "abc1234", "--path", "plain", "--path", "native",
+                                                 "--quiet"]), tmp_path)
+    assert [b.label for b in made] == ["abc1234, plain path", "working tree, plain path", "abc1234, native path",
+                                       "working tree, native path"]
+    old = tmp_path / "against.cpp"
+    assert old.read_text() == "// abc1234's source\n"
+    assert compiled == [(native_build.path_flags("plain"), old), (native_build.path_flags("plain"),
+                                                                  native_build.SOURCE),
+                        (native_build.FLAGS, old), (native_build.FLAGS, native_build.SOURCE)]
     monkeypatch.setattr(native_build, "cpu_key", lambda: "x86_64 flags: sse2 avx2 fma f16c")
     with pytest.raises(SystemExit, match="--path avx512 needs avx512f, avx512bw, avx512dq, which this CPU lacks"):
         builds.builds_from(parser.parse_args(["--path", "avx512", "--path", "plain"]), tmp_path)

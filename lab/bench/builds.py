@@ -19,6 +19,7 @@ copy") and ``bitwise same`` (its output against the first build's); then the cop
     python run.py bench builds --against HEAD --group 8         # Hq 64 / Hkv 8: 8 query rows a KV head
     python run.py bench builds --library x.so --library y.so --quick
     python run.py bench builds --path native --path avx2 --path plain  # this source on each vector path this CPU runs
+    python run.py bench builds --against HEAD~3 --path plain    # that revision's source and this one's, both for plain
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ HQ, HKV, D = 32, 8, 128
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, "bench_builds", impl_help="not used by this bench")
     parser.add_argument("--against", metavar="REV", help="time the working tree's decode_native.cpp against the one "
-                        "at git revision REV (e.g. HEAD)")
+                        "at git revision REV (e.g. HEAD); with --path, each built for every path asked for")
     parser.add_argument("--source", action="append", default=[], metavar="CPP",
                         help="a decode_native.cpp to build and time (repeat: two or more builds)")
     parser.add_argument("--library", action="append", default=[], metavar="SO",
@@ -124,10 +125,15 @@ def builds_from(args: argparse.Namespace, folder: Path) -> list[Build]:
     if args.against:
         old = folder / "against.cpp"
         old.write_text(source_at(args.against))
-        wanted += [(args.against, "source", old), ("working tree", "source", native_build.SOURCE)]
+        if not args.path:
+            wanted += [(args.against, "source", old), ("working tree", "source", native_build.SOURCE)]
+        for path in args.path:  # (the revision's and the working tree's side by side, path by path)
+            wanted += [(f"{args.against}, {path} path", path, old), (f"working tree, {path} path", path,
+                                                                      native_build.SOURCE)]
     wanted += [(Path(s).name, "source", Path(s)) for s in args.source]
     wanted += [(Path(s).name, "library", Path(s)) for s in args.library]
-    wanted += [(f"{path} path", path, native_build.SOURCE) for path in args.path]
+    if not args.against:
+        wanted += [(f"{path} path", path, native_build.SOURCE) for path in args.path]
     if len(wanted) < 2:
         raise SystemExit("bench builds: give two or more builds (--against REV, or --source / --library / --path "
                          "twice)")

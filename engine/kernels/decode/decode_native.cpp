@@ -202,7 +202,7 @@ template <> DN_INLINE float load_scalar<F8E4M3>(const void* p, int64_t i) {
     return bits_float((float_bits(e4m3_finite(x)) & ~nan) | (0x7FC00000u & nan));
 }
 // load_scalar, fp8's codes read as numbers where the block's rows hold no NaN code (CODES false): the mask per value
-// left out, the plain path's fp8 took 0.86x the time on SSE2 (B 1 S 8k, one thread, cold)
+// left out, the plain path's fp8 took 0.87-0.88x the time on SSE2 (B 1 S 8k and 32k, B 8 S 8k, one thread, cold)
 template <int K, bool CODES>
 DN_INLINE float load_lane(const void* p, int64_t i) {
     if constexpr (K == F8E4M3 && !CODES) return e4m3_finite(((const uint8_t*)p)[i]);
@@ -981,7 +981,8 @@ struct Item {
     const uint8_t* visb;
     const float* qb;
     const uint16_t* qh;             // (o.q_bf16's rows of this item's KV head, or null)
-    bool nan_codes = false;         // (fp8) the block's rows hold an e4m3 NaN code: read with vload_e4m3_nan
+    bool nan_codes = false;         // (fp8) the block's rows hold an e4m3 NaN code: read with vload_e4m3_nan (the
+                                    // vector paths) or load_scalar (the plain path's load_lane)
     // Block scratch, in one allocation from a 64-byte boundary (scratch; five had taken a tenth of a small call, B 8
     // Hkv 3 S 16): scores / probabilities s [R][BLOCK], visibility keep [R][BLOCK] as 0 / all-ones bit masks, the
     // values' scales vscale [BLOCK], kept [R] (below), which keys some row sees seen_key [BLOCK] (bytes)

@@ -6,6 +6,7 @@
 
 #include <cstdio>
 #include <random>
+#include <string>
 
 namespace check {
 
@@ -179,7 +180,11 @@ int nan_rows(std::mt19937& g) {
 
 }  // namespace check
 
-int main() {
+// "quick" as the argument: of the four variants of each case (masked or not, paged or not, 1 or 2 threads) the first
+// and the last alone (contiguous unmasked on 1 thread; paged masked on 2): half the decodes, for a run under an
+// emulator (qemu: 53 s for all 540)
+int main(int argc, char** argv) {
+    const bool quick = argc > 1 && std::string(argv[1]) == "quick";
     int wrong = 0;
     for (int h = 0; h < 65536; ++h) {
         const uint16_t code = (uint16_t)h;
@@ -198,7 +203,7 @@ int main() {
         for (const auto& dd : dims)
             for (int64_t R : {1, 4, 6})
                 for (int64_t S : {1, 70, 2100})
-                    for (int variant = 0; variant < 4; ++variant) {
+                    for (int variant = 0; variant < 4; variant += quick && variant == 0 ? 3 : 1) {
                         const check::Case t{kind, dd[0], dd[1], R, S, variant % 2 == 1, variant >= 2, 1 + variant % 2};
                         const double err = check::run(t, g);
                         ++cases, worst = std::max(worst, err);

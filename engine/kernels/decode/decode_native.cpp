@@ -1424,8 +1424,9 @@ struct Item {
     // where the block's rows hold one: load_lane)
     template <int N>
     void scores_lanes(int64_t r0, int n) {
-        if (KIND == F8E4M3 && !nan_codes) scores_lanes<N, false>(r0, n);
-        else scores_lanes<N, true>(r0, n);
+        if constexpr (KIND == F8E4M3)  // (the other kinds' one loop: load_lane is load_scalar either way)
+            if (!nan_codes) return scores_lanes<N, false>(r0, n);
+        scores_lanes<N, true>(r0, n);
     }
     template <int N, bool CODES>
     void scores_lanes(int64_t r0, int n) {
@@ -1510,8 +1511,9 @@ struct Item {
     // whole); else a key at a time, each row that sees it (a hidden key's value may be NaN)
     template <int N, bool MASKED>
     void accumulate_lanes(int64_t r0, int n) {
-        if (KIND == F8E4M3 && !nan_codes) accumulate_lanes<N, MASKED, false>(r0, n);
-        else accumulate_lanes<N, MASKED, true>(r0, n);
+        if constexpr (KIND == F8E4M3)
+            if (!nan_codes) return accumulate_lanes<N, MASKED, false>(r0, n);
+        accumulate_lanes<N, MASKED, true>(r0, n);
     }
     template <int N, bool MASKED, bool CODES>
     void accumulate_lanes(int64_t r0, int n) {

@@ -564,6 +564,15 @@ inline void amx_configure() {
     _tile_loadconfig(&config);
 }
 
+// The tile unit sleeps after about a thousand TSC ticks (0.4 us) without a tile instruction, and the next one then
+// stalls the core some 450 ticks while it wakes (rdtsc in the int8 path: the V rows laid out from DRAM take 20 ticks a
+// key, 1,300 a block, after the softmax's 550; the first products then took 900 ticks a block, with the unit kept awake
+// 450). A long vector phase keeps it awake with a product that nothing reads: into sums tile C (zeroed before its next
+// use) from any two tiles of the configured shape, whatever they hold (integer products: no exception, no assist).
+// One every 24 keys of the int8 V layout: from DRAM 0.97x the time (one and two threads), in cache the same; one every
+// 4 keys took 1.05x in cache (docs/BENCHMARKS.md, round 24).
+#define DN_AMX_AWAKE(C) _tile_dpbusd(C, 7, 1)
+
 // tile C = 16 key rows (base, stride apart) . q's digits (tiles 2 and 3), 64 channels a product (A tiles 1 and 7)
 #define DN_AMX_DOT(C, base, stride, D)                 \
     do {                                               \
@@ -2012,6 +2021,7 @@ struct Item {
         // channel 64 h + 16 L + 4 q + i of keys 4 g .. 4 g + 3 (row g)
         for (int g = 0; g < 16; ++g) {
             if (pass_asks) ask_next();
+            if (g % 6 == 0) DN_AMX_AWAKE(0);  // (tile 0 is zeroed before its products: amx_products, DN_AMX_DOT)
             for (int64_t h = 0; h < halves; ++h) {
                 __m512i v[4];
                 for (int a = 0; a < 4; ++a)

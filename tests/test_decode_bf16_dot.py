@@ -37,11 +37,15 @@ pytestmark = pytest.mark.skipif(not DOT, reason="no AVX512-BF16 here (or no nati
 @pytest.fixture(autouse=True)
 def dot_products():
     """The path forced on (the library would take the FMAs where vdpbf16ps costs more than about an FMA), then set
-    back as it was (by the rates, or as ATTENTION_ENGINE_BF16_DOT forced it)."""
-    before = LIBRARY.dot_mode
+    back as it was (by the rates, or as ATTENTION_ENGINE_BF16_DOT forced it); the AMX-BF16 tiles, which take bf16 K
+    of 8 rows and more and fp8 of 4 and more where the CPU has them (tests/test_decode_score_tiles.py), turned off
+    meanwhile, so that these calls take the dot products."""
+    before, tiles = LIBRARY.dot_mode, LIBRARY.bf16_tiles
     assert LIBRARY.use_bf16_dot(True)
+    LIBRARY.use_bf16_tiles(False)
     yield
     LIBRARY.use_bf16_dot(before)
+    LIBRARY.use_bf16_tiles(tiles)
 
 
 QUANTIZED = [kind for kind in QUANTIZED_DTYPES if kind != torch.int8 or not native_amx()]  # (int8: not the tiles)

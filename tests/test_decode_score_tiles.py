@@ -1,11 +1,12 @@
-"""bf16 K/V of 8-15 query rows a KV head (a G 8 decode), or 16 of Dv up to 128, with their scores on AMX-BF16 tiles
-(decode_native.cpp, ``scores_only``), against the float64 oracle: where the CPU has AMX-BF16 and Linux grants the
-tiles, and q's values are all bf16 numbers, the tiles compute the scores and the vector path the softmax and the
-weighted values, for every block, masked or not. These tests check that path where it runs, its edges (rows 8-16,
-partial blocks and key groups, masks, key rows copied because pages do not keep them a stride apart), that rows
-below 8 keep the vector path, and explain(); non-finite keys and values, a request's result alone or in any batch,
-and batch-invariant mode are checked in tests/test_decode_bf16_tiles.py. Elsewhere they skip; the
-vector path is checked by tests/test_decode_native.py."""
+"""bf16 K/V of 8-15 query rows a KV head (a G 8 decode), or 16 of Dv up to 128, and fp8 e4m3 K/V of 4-15 rows (a G 4
+decode; D and Dv multiples of 64), with their scores on AMX-BF16 tiles (decode_native.cpp, ``scores_only``), against
+the float64 oracle: where the CPU has AMX-BF16 and Linux grants the tiles, and q's values are all bf16 numbers, the
+tiles compute the scores and the vector path the softmax and the weighted values, for every block, masked or not.
+These tests check that path where it runs, its edges (rows 8-16, fp8's 4-15, partial blocks and key groups, masks,
+key rows copied because pages do not keep them a stride apart, fp8's NaN codes), that fewer rows keep the vector
+path, and explain(); bf16's non-finite keys and values, a request's result alone or in any batch, and
+batch-invariant mode are checked in tests/test_decode_bf16_tiles.py. Elsewhere they skip; the vector path is checked
+by tests/test_decode_native.py."""
 
 from __future__ import annotations
 
@@ -16,9 +17,14 @@ from hypothesis import strategies as st
 
 import engine
 from engine import causal_attention
+from engine.kernels.decode.native_build import f8_words_built
+from engine.quantized import quantize
 from tests.paged_cases import decode_pages_match, shuffled_pages
-from tests.test_decode_bf16_tiles import LIBRARY, TILES, bf16_numbers, call, matches_the_oracle
+from tests.test_decode_bf16_tiles import LIBRARY, TILES, bf16_numbers, call, exact, matches_the_oracle
 from tests.test_decode_native import oracle
+from tests.test_paged_quantized import dequantized_pool, quantized_pool
+
+FP8 = torch.float8_e4m3fn
 
 pytestmark = pytest.mark.skipif(not TILES, reason="no AMX-BF16 tiles here (a CPU without AMX-BF16, or not granted)")
 
@@ -80,6 +86,74 @@ def test_fewer_rows_keep_the_vector_path_and_explain_says_which_tiles():
     kv = bf16_numbers(1, 1, 700, 128, generator=g).bfloat16()
     visible = torch.ones(1, 1, 8, 700, dtype=torch.bool)
     for rows, same in ((7, True), (8, False)):
+        q_rows = bf16_numbers(1, 1, rows, 128, generator=g)
+        on = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
+        LIBRARY.use_bf16_tiles(False)
+        try:
+            off = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
+        finally:
+            LIBRARY.use_bf16_tiles(True)
+        assert torch.equal(on, off) == same, rows
+
+
+fp8_words = pytest.mark.skipif(not f8_words_built(), reason="fp8 is read as bf16 words only with AVX512-VBMI")
+
+
+@fp8_words
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(4, 15), s=st.integers(1, 300), d=st.sampled_from([64, 128, 192]),
+       dv=st.sampled_from([64, 128, 192]), masked=st.sampled_from(["none", "some", "blocks"]),
+       seed=st.integers(0, 2**16))
+def test_fp8_score_tiles_match_the_float64_oracle(rows, s, d, dv, masked, seed):
+    # fp8 K rows widened into tile rows in the words' channel order (q's tiles alike), the per-key scales on the sums
+    g = torch.Generator().manual_seed(seed)
+    q_rows = bf16_numbers(2, 2, rows, d, generator=g)
+    k, v = quantize(torch.randn(2, 2, s, d, generator=g), FP8), quantize(torch.randn(2, 2, s, dv, generator=g), FP8)
+    matches_the_oracle(q_rows, k, v, masked, g)
+
+
+@fp8_words
+def test_fp8_nan_codes_on_the_score_tiles_poison_only_the_rows_that_see_them():
+    # a NaN code in K makes the rows that see it NaN (lse -inf), one in V the channel of the rows that see it
+    g = torch.Generator().manual_seed(6)
+    q_rows = bf16_numbers(1, 1, 4, 64, generator=g)
+    k, v = (quantize(torch.randn(1, 1, 200, 64, generator=g), FP8) for _ in "kv")
+    k.data.view(torch.uint8)[0, 0, 20, 3] = 0xFF
+    v.data.view(torch.uint8)[0, 0, 150, 9] = 0x7F
+    visible = torch.ones(1, 1, 4, 200, dtype=torch.bool)
+    visible[0, 0, 0, 20] = False  # row 0 does not see the NaN key
+    out, lse = call(q_rows, k, v, visible, 0.125)
+    assert bool(out[0, 0, 1:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 1:]).all())
+    assert bool(out[0, 0, 0, 9].isnan()) and not bool(out[0, 0, 0, :9].isnan().any())
+    want, want_lse = oracle(q_rows, exact(k).nan_to_num(0.0), exact(v).nan_to_num(0.0), visible, 0.125)
+    torch.testing.assert_close(out[0, 0, 0, :9].double(), want[0, 0, 0, :9], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[0, 0, 0].double(), want_lse[0, 0, 0], rtol=1e-5, atol=1e-5)
+
+
+@fp8_words
+@pytest.mark.parametrize("page_size", [16, 24, 5])
+def test_fp8_pages_of_any_size_match_the_oracle(page_size):
+    g = torch.Generator().manual_seed(page_size)
+    lengths = [300, 77]
+    num_pages, table = shuffled_pages(lengths, page_size, g)
+    k_pool, v_pool = (quantized_pool(torch.randn(num_pages, page_size, 2, 128, generator=g), FP8) for _ in "kv")
+    q = bf16_numbers(2, 8, 128, generator=g).bfloat16()  # one query per sequence, G 4: 4 rows per KV head
+    decode_pages_match(q, k_pool, v_pool, table, lengths, dequantized_pool, rtol=2**-8, atol=1e-6)
+
+
+@fp8_words
+def test_fp8_of_fewer_rows_keeps_the_vector_path_and_explain_says_which():
+    q, kv = torch.randn(1, 8, 1, 128).bfloat16(), quantize(torch.randn(1, 2, 300, 128), FP8)
+    assert "fp8 e4m3 K/V, 4 rows a KV head: scores on AMX-BF16 tiles" in str(engine.explain(q, kv, kv))  # G 4
+    assert "AMX-BF16" not in str(engine.explain(q[:, :6], kv, kv))  # G 3
+    assert "AMX-BF16" not in str(engine.explain(q.float(), kv, kv))  # an fp32 q
+    k96 = quantize(torch.randn(1, 2, 300, 96), FP8)
+    assert "AMX-BF16" not in str(engine.explain(q[..., :96], k96, k96))  # D 96: not read as words
+    # fp32 outputs: 3 rows give the vector path's bits with the tiles on or off, 4 rows other bits (the tiles ran)
+    g = torch.Generator().manual_seed(9)
+    visible = torch.ones(1, 1, 4, 700, dtype=torch.bool)
+    kv = quantize(torch.randn(1, 1, 700, 128, generator=g), FP8)
+    for rows, same in ((3, True), (4, False)):
         q_rows = bf16_numbers(1, 1, rows, 128, generator=g)
         on = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
         LIBRARY.use_bf16_tiles(False)

@@ -648,6 +648,12 @@ constexpr int SCORE_TILE_ROWS = 8;  // bf16 K/V of this many rows up to TILE_ROW
 // thread (24 rows 0.96x, 32 rows 1.14x); a latent's 16 rows of Dv 512 keep the whole tiles, where the values
 // weigh most (16 x 512 channels a key)
 constexpr int64_t SCORE_TILE_DV = 128;
+// fp8 e4m3 K/V (read as F8_WORDS: D and Dv multiples of 64) of this many rows up to TILE_ROWS: the scores alone on the
+// tiles too, each K row widened by e4m3_words into a tile row (q's tiles in the words' channel order), the tile unit
+// kept awake through the vector passes (tiles_awake). One thread from DRAM, B 1 S 32k, against the vector path: G 4
+// 0.93x the time, G 6 0.89x, G 8 0.74x; G 3 1.02x, G 1-2 1.09-1.10x (docs/BENCHMARKS.md, round 24). Without the
+// unit kept awake, G 4 took 1.00-1.02x (round 23).
+constexpr int F8_SCORE_TILE_ROWS = 4;
 // bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
 // its own, 2^-8 of the output's rounding)
 constexpr int P_PIECES = 3;
@@ -1490,6 +1496,14 @@ struct Item {
 
     static constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
 
+    // the score tiles' unit kept awake between the value passes' register tiles (score_tiles_step)
+    DN_INLINE void awake_between_tiles() {
+#if DN_AMX_BF16
+        if constexpr (ON_TILES)
+            if (scores_only) tiles_awake();
+#endif
+    }
+
     // acc[r] += p[r][jj] * v[j0 + jj] for rows r0 .. r0 + N (p already holds the value scale; keep masks it)
     template <int N, bool MASKED>
     void accumulate_rows(int64_t r0, int64_t j0, int n) {
@@ -1503,8 +1517,14 @@ struct Item {
             // had 4 keys a chunk.)
             int64_t t0 = 0;
             if (pass_asks && values_ask)  // (its tiles ask for the next block's rows: for_row_groups)
-                for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE, true>(r0, n, t0 * W_);
-            for (; t0 + TILE <= vectors; t0 += TILE) accumulate_tile<N, MASKED, TILE>(r0, n, t0 * W_);
+                for (; t0 + TILE <= vectors; t0 += TILE) {
+                    accumulate_tile<N, MASKED, TILE, true>(r0, n, t0 * W_);
+                    awake_between_tiles();
+                }
+            for (; t0 + TILE <= vectors; t0 += TILE) {
+                accumulate_tile<N, MASKED, TILE>(r0, n, t0 * W_);
+                awake_between_tiles();
+            }
             switch (vectors - t0) {
                 case 3: accumulate_tile<N, MASKED, 3>(r0, n, t0 * W_); break;
                 case 2: accumulate_tile<N, MASKED, 2>(r0, n, t0 * W_); break;
@@ -2062,7 +2082,8 @@ struct Item {
     // bf16 K/V on AMX tiles (the section "bf16 on AMX tiles, many rows" above), decided once a call (q_tiles); int8
     // and fp8 e4m3 K/V too, widened to bf16 exactly (int8's 8 bits, e4m3's 4), their scales applied as the vector
     // path's are (the scores times kunit, the weights times vscale)
-    static constexpr bool ON_TILES = (KIND == BF16 || KIND == BF16_PAIRS || KIND == I8 || KIND == F8E4M3) && SIMD;
+    static constexpr bool ON_TILES =
+        (KIND == BF16 || KIND == BF16_PAIRS || KIND == I8 || KIND == F8E4M3 || KIND == F8_WORDS) && SIMD;
     static constexpr bool BF16_ROWS = KIND == BF16 || KIND == BF16_PAIRS;  // (rows the tiles read as they lie)
     bool bf16_tiles = false;
     bool scores_only = false;  // (Operands::scores_only: the scores on the tiles, the rest as the vector path's)
@@ -2070,6 +2091,22 @@ struct Item {
     static __m512i tile_words(const void* row, int64_t d) {
         if constexpr (BF16_ROWS) return _mm512_loadu_si512((const void*)((const uint16_t*)row + d));
         else return (__m512i)_mm512_cvtne2ps_pbh(load(row, d + 16, true), load(row, d, true));
+    }
+    // a key row as a tile's row of bf16 words (F8_WORDS: in e4m3_words' order, as q's tiles are: q_tile_words)
+    void tile_row(uint16_t* out, const void* row) const {
+        if constexpr (BF16_ROWS) {
+            std::memcpy(out, row, 2 * o.D);
+#if DN_F8_WORDS
+        } else if constexpr (KIND == F8_WORDS) {
+            for (int64_t d = 0; d < o.D; d += 64) {
+                const E4M3Words w = e4m3_words(row, d);
+                _mm512_store_si512(out + d, w.w0);
+                _mm512_store_si512(out + d + 32, w.w1);
+            }
+#endif
+        } else {
+            for (int64_t d = 0; d < o.D; d += 32) _mm512_store_si512(out + d, tile_words(row, d));
+        }
     }
     float* c_out = nullptr;         // [4][16][16]: sums tiles, stored
     uint16_t* v_words = nullptr;    // [SLICE / 16][2][16][32]: a slice of the block's V rows as B tiles (half h:
@@ -2094,14 +2131,8 @@ struct Item {
             if (!even) {  // copied (int8 / fp8: widened) into 16 rows a stride apart (rows past n zero)
                 uint16_t* rows = k_copy + jj * D;
                 for (int i = 0; i < 16; ++i) {
-                    if (BF16_ROWS && i < m) {
-                        std::memcpy(rows + i * D, krows[jj + i], 2 * D);
-                    } else if (i < m) {
-                        for (int64_t d = 0; d < D; d += 32)
-                            _mm512_store_si512(rows + i * D + d, tile_words(krows[jj + i], d));
-                    } else {
-                        std::memset(rows + i * D, 0, 2 * D);
-                    }
+                    if (i < m) tile_row(rows + i * D, krows[jj + i]);
+                    else std::memset(rows + i * D, 0, 2 * D);
                 }
                 base[g] = (const char*)rows, stride[g] = 2 * D;
             }
@@ -2305,7 +2336,8 @@ struct Item {
         }
     }
 
-    // the scores on the tiles, the softmax and values as the vector path's (scores_only)
+    // the scores on the tiles, the softmax and values as the vector path's (scores_only); the tile unit kept awake
+    // through the vector passes (tiles_awake: before them, between the value passes' register tiles, after them)
     void score_tiles_step(int64_t j0, int n, bool masked) {
         ask_step = 0;
         const int64_t values_steps = (o.R + NR - 1) / NR * (n / (ask_mask + 1)) * (o.Dv / W_ / TILE);
@@ -2314,9 +2346,13 @@ struct Item {
         tile_scores(n, masked);
         softmax_step(j0, n, masked);
         read_next_scales();
+        tiles_awake();
         for_row_groups(j0, n, masked, false);
+        tiles_awake();
         ask_upto(ahead_rows);
     }
+    // a product nothing reads (DN_AMX_AWAKE's reason), into sums tile 0: zeroed before tile_scores' products
+    static void tiles_awake() { _tile_dpbf16ps(0, 4, 5); }
 
     // (masked: keys no row sees, whose rows are never read for the values: block_visibility's uniform)
     void tile_step(int64_t j0, int n, bool masked) {
@@ -2353,10 +2389,11 @@ struct Item {
                 score_tiles_step(j0, n, masked);
                 return;
             }
-            if (bf16_tiles && (!masked || uniform)) {
-                tile_step(j0, n, masked);
-                return;
-            }
+            if constexpr (KIND != F8_WORDS)  // (F8_WORDS' scores alone: f8_score_tiles)
+                if (bf16_tiles && (!masked || uniform)) {
+                    tile_step(j0, n, masked);
+                    return;
+                }
         }
 #endif
         if constexpr (KIND == F8E4M3)  // (the vector paths' vload_e4m3_nan, the plain path's load_scalar)
@@ -2615,8 +2652,15 @@ int decode_native(const DecodeCall* call) {
     // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below; a bf16 q's are); of
     // 8-15 rows (or 16 of Dv up to SCORE_TILE_DV) the scores alone (score_tiles), the values on the vectors
     const bool tiled = simd && D % 32 == 0 && Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
-    const bool score_tiles = tiled && kind == BF16 && R >= SCORE_TILE_ROWS &&
-                             (R < TILE_ROWS || (R == TILE_ROWS && Dv <= SCORE_TILE_DV));
+#if DN_F8_WORDS
+    // fp8 e4m3 K/V read as F8_WORDS, of fewer rows than the whole tiles take: the scores alone on the tiles too
+    const bool f8_score_tiles = kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0 && R >= F8_SCORE_TILE_ROWS &&
+                                R < TILE_ROWS;
+#else
+    const bool f8_score_tiles = false;
+#endif
+    const bool score_tiles = tiled && ((kind == BF16 && R >= SCORE_TILE_ROWS &&
+                                        (R < TILE_ROWS || (R == TILE_ROWS && Dv <= SCORE_TILE_DV))) || f8_score_tiles);
     bool bf16_tiles = tiled && (kind == BF16 || kind == I8 || kind == F8E4M3) && R >= TILE_ROWS && !score_tiles;
     bool q_tiled = bf16_tiles || score_tiles;
     for (int64_t b = 0; b < B && q_tiled && !io_bf16; ++b)
@@ -2687,12 +2731,15 @@ int decode_native(const DecodeCall* call) {
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AMX_BF16
     std::vector<uint16_t> q_tiles;
-    if (q_tiled) {  // (a bf16 q widened whole first)
-        std::vector<float> q_wide(io_bf16 ? rows * D : 0);
-        for (int64_t row = 0; row < rows && io_bf16; ++row)
-            std::memcpy(&q_wide[row * D], q_row(row / (H * R), row / R % H, row % R), D * sizeof(float));
+    if (q_tiled) {  // (a bf16 q widened whole first; F8_WORDS' in e4m3_words' channel order, as its K rows)
+        const bool whole = io_bf16 || words;
+        std::vector<float> q_wide(whole ? rows * D : 0);
+        for (int64_t row = 0; row < rows && whole; ++row) {
+            const float* from = q_row(row / (H * R), row / R % H, row % R);
+            for (int64_t d = 0; d < D; ++d) q_wide[row * D + d] = from[words ? (d & ~63) | f8_word_channel(d & 63) : d];
+        }
         const int64_t wide_s[3] = {H * R * D, R * D, D};
-        q_tiles = q_tile_words(io_bf16 ? q_wide.data() : (const float*)c.q, io_bf16 ? wide_s : qs, B, H, R, D);
+        q_tiles = q_tile_words(whole ? q_wide.data() : (const float*)c.q, whole ? wide_s : qs, B, H, R, D);
     }
     if (q_tiled) o.q_tiles = q_tiles.data(), o.tile_unit = scale, o.p_pieces = io_bf16 ? 2 : P_PIECES;
     o.scores_only = q_tiled && !bf16_tiles;

@@ -152,6 +152,14 @@ def bf16_dot_built() -> bool:
 
 
 @functools.cache
+def f8_words_built() -> bool:
+    """Whether the ``-march=native`` build reads fp8 e4m3 as bf16 words by AVX512-VBMI byte lookups (decode_native.cpp,
+    DN_F8_WORDS: ``bf16_dot_built`` and AVX512-VBMI), which the score tiles take for fp8 K/V of 4-15 rows a KV head
+    (builds nothing)."""
+    return bf16_dot_built() and "avx512vbmi" in set(cpu_key().split())
+
+
+@functools.cache
 def cpu_lanes() -> int:
     """The vector width the ``-march=native`` build has on this CPU (builds nothing): 16 (AVX-512), 8 (AVX2 + FMA +
     F16C) or 1 (the portable C++: any other CPU)."""

@@ -12,6 +12,7 @@ from engine.kernels.decode.decode_native import KINDS
 from engine.kernels.decode.native_build import (
     bf16_dot_built,
     bf16_dot_scores,
+    f8_words_built,
     native_amx,
     native_bf16_tiles,
     vector_path,
@@ -23,14 +24,19 @@ from engine.quantized import QuantizedKV
 def bf16_tiles_note(kind: int | None, rows: int, d: int, dv: int) -> str | None:
     """explain()'s words where a bf16 q's call runs on AMX-BF16 tiles (``native_bf16_tiles``): K/V of kind 1, 3 or 4
     (decode_native.KINDS: bf16, int8, fp8 e4m3), 16 or more query rows a KV head; bf16 K/V of 8-15 rows, or 16 of Dv
-    up to 128, their scores alone; D and Dv multiples of 32; else None (and in batch-invariant mode:
-    DecodeCall.rows_alone). Builds nothing."""
+    up to 128, and fp8 K/V of 4-15 rows (D and Dv multiples of 64, read as bf16 words: ``f8_words_built``), their
+    scores alone; D and Dv multiples of 32; else None (and in batch-invariant mode: DecodeCall.rows_alone). Builds
+    nothing."""
     name = {1: "bf16", 3: "int8", 4: "fp8 e4m3"}.get(kind)
-    if name is None or rows < 8 or (rows < 16 and kind != 1) or d % 32 or dv % 32 or is_batch_invariant() or \
-            not native_bf16_tiles():
+    if name is None or d % 32 or dv % 32 or is_batch_invariant() or not native_bf16_tiles():
         return None
-    if kind == 1 and (rows < 16 or (rows == 16 and dv <= 128)):  # (decode_native.cpp's score_tiles)
+    # (decode_native.cpp's score_tiles: bf16 from SCORE_TILE_ROWS, fp8 from F8_SCORE_TILE_ROWS)
+    bf16_scores = kind == 1 and 8 <= rows and (rows < 16 or (rows == 16 and dv <= 128))
+    f8_scores = kind == 4 and 4 <= rows < 16 and d % 64 == 0 == dv % 64 and f8_words_built()
+    if bf16_scores or f8_scores:
         return f"{name} K/V, {rows} rows a KV head: scores on AMX-BF16 tiles (fp32 sums), softmax and values on vectors"
+    if rows < 16:
+        return None
     return f"{name} K/V, {rows} rows a KV head: blocks whose rows see the same keys on AMX-BF16 tiles (fp32 sums)"
 
 

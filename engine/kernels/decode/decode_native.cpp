@@ -570,7 +570,7 @@ inline void amx_configure() {
 // 450). A long vector phase keeps it awake with a product that nothing reads: into sums tile C (zeroed before its next
 // use) from any two tiles of the configured shape, whatever they hold (integer products: no exception, no assist).
 // One every 24 keys of the int8 V layout: from DRAM 0.97x the time (one and two threads), in cache the same; one every
-// 4 keys took 1.05x in cache (docs/BENCHMARKS.md, round 24).
+// 4 keys gained no more from DRAM and took 0.97-1.09x in cache (docs/BENCHMARKS.md, round 24).
 #define DN_AMX_AWAKE(C) _tile_dpbusd(C, 7, 1)
 
 // tile C = 16 key rows (base, stride apart) . q's digits (tiles 2 and 3), 64 channels a product (A tiles 1 and 7)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import engine
 from engine import causal_attention
 from engine.kernels.decode.native_build import f8_words_built
-from engine.quantized import quantize
+from engine.quantized import QuantizedKV, quantize
 from tests.paged_cases import decode_pages_match, shuffled_pages
 from tests.test_decode_bf16_tiles import LIBRARY, TILES, bf16_numbers, call, exact, matches_the_oracle
 from tests.test_decode_native import oracle
@@ -101,11 +101,12 @@ fp8_words = pytest.mark.skipif(not f8_words_built(), reason="fp8 is read as bf16
 
 @fp8_words
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(4, 15), s=st.integers(1, 300), d=st.sampled_from([64, 128, 192]),
+@given(rows=st.integers(4, 15), s=st.integers(256, 700), d=st.sampled_from([64, 128, 192]),
        dv=st.sampled_from([64, 128, 192]), masked=st.sampled_from(["none", "some", "blocks"]),
        seed=st.integers(0, 2**16))
 def test_fp8_score_tiles_match_the_float64_oracle(rows, s, d, dv, masked, seed):
-    # fp8 K rows widened into tile rows in the words' channel order (q's tiles alike), the per-key scales on the sums
+    # fp8 K rows widened into tile rows in the words' channel order (q's tiles alike), the per-key scales on the sums;
+    # calls of at least 256 keys (fewer keep the vector path), S past whole blocks and key groups
     g = torch.Generator().manual_seed(seed)
     q_rows = bf16_numbers(2, 2, rows, d, generator=g)
     k, v = quantize(torch.randn(2, 2, s, d, generator=g), FP8), quantize(torch.randn(2, 2, s, dv, generator=g), FP8)
@@ -117,10 +118,10 @@ def test_fp8_nan_codes_on_the_score_tiles_poison_only_the_rows_that_see_them():
     # a NaN code in K makes the rows that see it NaN (lse -inf), one in V the channel of the rows that see it
     g = torch.Generator().manual_seed(6)
     q_rows = bf16_numbers(1, 1, 4, 64, generator=g)
-    k, v = (quantize(torch.randn(1, 1, 200, 64, generator=g), FP8) for _ in "kv")
+    k, v = (quantize(torch.randn(1, 1, 300, 64, generator=g), FP8) for _ in "kv")
     k.data.view(torch.uint8)[0, 0, 20, 3] = 0xFF
     v.data.view(torch.uint8)[0, 0, 150, 9] = 0x7F
-    visible = torch.ones(1, 1, 4, 200, dtype=torch.bool)
+    visible = torch.ones(1, 1, 4, 300, dtype=torch.bool)
     visible[0, 0, 0, 20] = False  # row 0 does not see the NaN key
     out, lse = call(q_rows, k, v, visible, 0.125)
     assert bool(out[0, 0, 1:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 1:]).all())
@@ -141,24 +142,30 @@ def test_fp8_pages_of_any_size_match_the_oracle(page_size):
     decode_pages_match(q, k_pool, v_pool, table, lengths, dequantized_pool, rtol=2**-8, atol=1e-6)
 
 
+def first(x: QuantizedKV, keys: int) -> QuantizedKV:
+    return QuantizedKV(x.data[:, :, :keys], x.scale[:, :, :keys])
+
+
 @fp8_words
-def test_fp8_of_fewer_rows_keeps_the_vector_path_and_explain_says_which():
+def test_fp8_of_fewer_rows_or_keys_keeps_the_vector_path_and_explain_says_which():
     q, kv = torch.randn(1, 8, 1, 128).bfloat16(), quantize(torch.randn(1, 2, 300, 128), FP8)
     assert "fp8 e4m3 K/V, 4 rows a KV head: scores on AMX-BF16 tiles" in str(engine.explain(q, kv, kv))  # G 4
     assert "AMX-BF16" not in str(engine.explain(q[:, :6], kv, kv))  # G 3
     assert "AMX-BF16" not in str(engine.explain(q.float(), kv, kv))  # an fp32 q
     k96 = quantize(torch.randn(1, 2, 300, 96), FP8)
     assert "AMX-BF16" not in str(engine.explain(q[..., :96], k96, k96))  # D 96: not read as words
-    # fp32 outputs: 3 rows give the vector path's bits with the tiles on or off, 4 rows other bits (the tiles ran)
+    assert "AMX-BF16" not in str(engine.explain(q, first(kv, 255), first(kv, 255)))  # 255 keys
+    # fp32 outputs: 3 rows, or 4 over 255 keys, give the vector path's bits with the tiles on or off; 4 rows over 256
+    # keys other bits (the tiles ran)
     g = torch.Generator().manual_seed(9)
     visible = torch.ones(1, 1, 4, 700, dtype=torch.bool)
     kv = quantize(torch.randn(1, 1, 700, 128, generator=g), FP8)
-    for rows, same in ((3, True), (4, False)):
-        q_rows = bf16_numbers(1, 1, rows, 128, generator=g)
-        on = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
+    for rows, keys, same in ((3, 700, True), (4, 255, True), (4, 256, False), (4, 700, False)):
+        q_rows, part = bf16_numbers(1, 1, rows, 128, generator=g), first(kv, keys)
+        on = call(q_rows, part, part, visible[:, :, :rows, :keys], 0.1)[0]
         LIBRARY.use_bf16_tiles(False)
         try:
-            off = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
+            off = call(q_rows, part, part, visible[:, :, :rows, :keys], 0.1)[0]
         finally:
             LIBRARY.use_bf16_tiles(True)
-        assert torch.equal(on, off) == same, rows
+        assert torch.equal(on, off) == same, (rows, keys)

@@ -652,8 +652,11 @@ constexpr int64_t SCORE_TILE_DV = 128;
 // tiles too, each K row widened by e4m3_words into a tile row (q's tiles in the words' channel order), the tile unit
 // kept awake through the vector passes (tiles_awake). One thread from DRAM, B 1 S 32k, against the vector path: G 4
 // 0.93x the time, G 6 0.89x, G 8 0.74x; G 3 1.02x, G 1-2 1.09-1.10x (docs/BENCHMARKS.md, round 24). Without the
-// unit kept awake, G 4 took 1.00-1.02x (round 23).
+// unit kept awake, G 4 took 1.00-1.02x (round 23). Calls of fewer keys than F8_SCORE_TILE_KEYS keep the vector path:
+// each work item's blocks then pay more than the tiles save (B 8, Hkv 8, G 4, bf16 q, one thread, warm: S 16 1.43x the
+// time, 64 1.38x, 128 1.06-1.11x, 256 0.94x, 512 0.86x).
 constexpr int F8_SCORE_TILE_ROWS = 4;
+constexpr int64_t F8_SCORE_TILE_KEYS = 256;
 // bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
 // its own, 2^-8 of the output's rounding)
 constexpr int P_PIECES = 3;
@@ -753,6 +756,10 @@ struct Permute64 {
 };
 inline const Permute64& f8_q_order() {  // q's channels in f8_lane_channel's order
     static const Permute64 order([](int i) { return f8_lane_channel(i); });
+    return order;
+}
+inline const Permute64& f8_word_order() {  // and in f8_word_channel's (the score tiles' q: q_tile_words)
+    static const Permute64 order([](int i) { return f8_word_channel(i); });
     return order;
 }
 inline const Permute64& f8_output_order() {  // and back
@@ -2655,7 +2662,7 @@ int decode_native(const DecodeCall* call) {
 #if DN_F8_WORDS
     // fp8 e4m3 K/V read as F8_WORDS, of fewer rows than the whole tiles take: the scores alone on the tiles too
     const bool f8_score_tiles = kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0 && R >= F8_SCORE_TILE_ROWS &&
-                                R < TILE_ROWS;
+                                R < TILE_ROWS && S >= F8_SCORE_TILE_KEYS;
 #else
     const bool f8_score_tiles = false;
 #endif
@@ -2736,7 +2743,10 @@ int decode_native(const DecodeCall* call) {
         std::vector<float> q_wide(whole ? rows * D : 0);
         for (int64_t row = 0; row < rows && whole; ++row) {
             const float* from = q_row(row / (H * R), row / R % H, row % R);
-            for (int64_t d = 0; d < D; ++d) q_wide[row * D + d] = from[words ? (d & ~63) | f8_word_channel(d & 63) : d];
+            if (!words) std::memcpy(&q_wide[row * D], from, D * sizeof(float));
+#if DN_F8_WORDS
+            for (int64_t d = 0; d < D && words; d += 64) f8_word_order().apply(from + d, &q_wide[row * D + d], 1.0f);
+#endif
         }
         const int64_t wide_s[3] = {H * R * D, R * D, D};
         q_tiles = q_tile_words(whole ? q_wide.data() : (const float*)c.q, whole ? wide_s : qs, B, H, R, D);

@@ -61,7 +61,7 @@ def paged(batch, page_size, quantized=False, window=None, seed=0, head_major=Fal
     """Each request's output ``[Hq, D]`` from one paged call, its pages shuffled through one pool: ``[num_pages,
     page_size, Hkv, D]`` in memory (NHD), or with ``head_major`` ``[num_pages, Hkv, page_size, D]`` as PagedKVCache
     holds it (the kernel reads a page's two heads of a pair in turn: engine/kernels/decode/decode_native.cpp,
-    heads_in_turn)."""
+    heads_in_turn). ``quantized``: True for an int8 pool, or the quantized dtype."""
     g = torch.Generator().manual_seed(seed + 1)
     owned = [-(-k.shape[1] // page_size) for _, k, _ in batch]
     order = torch.randperm(sum(owned) + 2, generator=g)
@@ -77,7 +77,8 @@ def paged(batch, page_size, quantized=False, window=None, seed=0, head_major=Fal
         pools[0][table[b, j // page_size], j % page_size] = k.transpose(0, 1)
         pools[1][table[b, j // page_size], j % page_size] = v.transpose(0, 1)
     if quantized:
-        pools = [quantize(pool.permute(0, 2, 1, 3)) for pool in pools]  # per token and head, as stored
+        kind = torch.int8 if quantized is True else quantized
+        pools = [quantize(pool.permute(0, 2, 1, 3), kind) for pool in pools]  # per token and head, as stored
         pools = [type(pool)(pool.data.permute(0, 2, 1, 3), pool.scale.permute(0, 2, 1)) for pool in pools]
     q = torch.stack([q[:, 0] for q, _, _ in batch])  # [Nq = B, Hq, D]
     lengths = torch.tensor([k.shape[1] for _, k, _ in batch])

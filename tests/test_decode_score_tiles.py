@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 import engine
 from engine import causal_attention
 from engine.kernels.decode.native_build import f8_words_built
-from engine.quantized import QuantizedKV, quantize
+from engine.quantized import quantize
+from tests import test_batch_invariance as batch_invariance
 from tests.paged_cases import decode_pages_match, shuffled_pages
 from tests.test_decode_bf16_tiles import LIBRARY, TILES, bf16_numbers, call, exact, matches_the_oracle
 from tests.test_decode_native import oracle
@@ -101,12 +102,12 @@ fp8_words = pytest.mark.skipif(not f8_words_built(), reason="fp8 is read as bf16
 
 @fp8_words
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(4, 15), s=st.integers(256, 700), d=st.sampled_from([64, 128, 192]),
+@given(rows=st.integers(4, 15), s=st.integers(1, 400), d=st.sampled_from([64, 128, 192]),
        dv=st.sampled_from([64, 128, 192]), masked=st.sampled_from(["none", "some", "blocks"]),
        seed=st.integers(0, 2**16))
 def test_fp8_score_tiles_match_the_float64_oracle(rows, s, d, dv, masked, seed):
     # fp8 K rows widened into tile rows in the words' channel order (q's tiles alike), the per-key scales on the sums;
-    # calls of at least 256 keys (fewer keep the vector path), S past whole blocks and key groups
+    # S from one key past whole blocks and key groups
     g = torch.Generator().manual_seed(seed)
     q_rows = bf16_numbers(2, 2, rows, d, generator=g)
     k, v = quantize(torch.randn(2, 2, s, d, generator=g), FP8), quantize(torch.randn(2, 2, s, dv, generator=g), FP8)
@@ -142,30 +143,41 @@ def test_fp8_pages_of_any_size_match_the_oracle(page_size):
     decode_pages_match(q, k_pool, v_pool, table, lengths, dequantized_pool, rtol=2**-8, atol=1e-6)
 
 
-def first(x: QuantizedKV, keys: int) -> QuantizedKV:
-    return QuantizedKV(x.data[:, :, :keys], x.scale[:, :, :keys])
-
-
 @fp8_words
-def test_fp8_of_fewer_rows_or_keys_keeps_the_vector_path_and_explain_says_which():
+def test_fp8_of_fewer_rows_keeps_the_vector_path_and_explain_says_which():
     q, kv = torch.randn(1, 8, 1, 128).bfloat16(), quantize(torch.randn(1, 2, 300, 128), FP8)
     assert "fp8 e4m3 K/V, 4 rows a KV head: scores on AMX-BF16 tiles" in str(engine.explain(q, kv, kv))  # G 4
     assert "AMX-BF16" not in str(engine.explain(q[:, :6], kv, kv))  # G 3
     assert "AMX-BF16" not in str(engine.explain(q.float(), kv, kv))  # an fp32 q
     k96 = quantize(torch.randn(1, 2, 300, 96), FP8)
     assert "AMX-BF16" not in str(engine.explain(q[..., :96], k96, k96))  # D 96: not read as words
-    assert "AMX-BF16" not in str(engine.explain(q, first(kv, 255), first(kv, 255)))  # 255 keys
-    # fp32 outputs: 3 rows, or 4 over 255 keys, give the vector path's bits with the tiles on or off; 4 rows over 256
-    # keys other bits (the tiles ran)
+    # fp32 outputs: 3 rows give the vector path's bits with the tiles on or off, 4 rows other bits (the tiles ran)
     g = torch.Generator().manual_seed(9)
     visible = torch.ones(1, 1, 4, 700, dtype=torch.bool)
     kv = quantize(torch.randn(1, 1, 700, 128, generator=g), FP8)
-    for rows, keys, same in ((3, 700, True), (4, 255, True), (4, 256, False), (4, 700, False)):
-        q_rows, part = bf16_numbers(1, 1, rows, 128, generator=g), first(kv, keys)
-        on = call(q_rows, part, part, visible[:, :, :rows, :keys], 0.1)[0]
+    for rows, same in ((3, True), (4, False)):
+        q_rows = bf16_numbers(1, 1, rows, 128, generator=g)
+        on = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
         LIBRARY.use_bf16_tiles(False)
         try:
-            off = call(q_rows, part, part, visible[:, :, :rows, :keys], 0.1)[0]
+            off = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
         finally:
             LIBRARY.use_bf16_tiles(True)
-        assert torch.equal(on, off) == same, (rows, keys)
+        assert torch.equal(on, off) == same, rows
+
+
+@fp8_words
+def test_an_fp8_request_is_bitwise_the_same_alone_or_beside_longer_ones(monkeypatch):
+    # G 4 (Hq 8 / Hkv 2), D 64: whether the score tiles run depends on the call's rows and kinds, not on its keys, so a
+    # short request runs the same path alone as beside requests of thousands of keys; q fp32 holding bf16 numbers
+    # (the tiles take it), so the outputs are fp32 and show the two paths' last bits apart
+    monkeypatch.setattr(batch_invariance, "HQ", 8)
+    mine, *others = ((q.float(), k, v) for q, k, v in batch_invariance.requests([200, 3000, 40], torch.bfloat16,
+                                                                              seed=3, d=64))
+    alone = batch_invariance.paged([mine], 16, quantized=FP8)[0]
+    for n in (1, 2):
+        with batch_invariance.threads(n):
+            for batch in ([mine] + others, others + [mine]):
+                at = next(i for i, r in enumerate(batch) if r is mine)
+                for page_size in (16, 24):
+                    assert torch.equal(batch_invariance.paged(batch, page_size, quantized=FP8)[at], alone)

@@ -652,11 +652,12 @@ constexpr int64_t SCORE_TILE_DV = 128;
 // tiles too, each K row widened by e4m3_words into a tile row (q's tiles in the words' channel order), the tile unit
 // kept awake through the vector passes (tiles_awake). One thread from DRAM, B 1 S 32k, against the vector path: G 4
 // 0.93x the time, G 6 0.89x, G 8 0.74x; G 3 1.02x, G 1-2 1.09-1.10x (docs/BENCHMARKS.md, round 24). Without the
-// unit kept awake, G 4 took 1.00-1.02x (round 23). Calls of fewer keys than F8_SCORE_TILE_KEYS keep the vector path:
-// each work item's blocks then pay more than the tiles save (B 8, Hkv 8, G 4, bf16 q, one thread, warm: S 16 1.43x the
-// time, 64 1.38x, 128 1.06-1.11x, 256 0.94x, 512 0.86x).
+// unit kept awake, G 4 took 1.00-1.02x (round 23). A short call pays for it: each work item's first products wait for
+// the tile unit's latency, where the vector path would have finished (B 8, Hkv 8, G 4, bf16 q, one thread, warm: S 16
+// 1.43x the time, 64 1.38x, 128 1.06-1.11x, 256 0.94x, 512 0.86x; bf16's score tiles at G 8 alike: S 16 1.34x, 64
+// 1.16x, 128 0.94x). The choice is not made by the call's keys: a request would then run one path alone and the other
+// beside a longer one, and its bits would depend on its batch (tests/test_decode_score_tiles.py).
 constexpr int F8_SCORE_TILE_ROWS = 4;
-constexpr int64_t F8_SCORE_TILE_KEYS = 256;
 // bf16 pieces of each weight: 3 (24 bits, as fp32); 2 where the output is bf16 (16 bits: each weight within 2^-17 of
 // its own, 2^-8 of the output's rounding)
 constexpr int P_PIECES = 3;
@@ -2662,7 +2663,7 @@ int decode_native(const DecodeCall* call) {
 #if DN_F8_WORDS
     // fp8 e4m3 K/V read as F8_WORDS, of fewer rows than the whole tiles take: the scores alone on the tiles too
     const bool f8_score_tiles = kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0 && R >= F8_SCORE_TILE_ROWS &&
-                                R < TILE_ROWS && S >= F8_SCORE_TILE_KEYS;
+                                R < TILE_ROWS;
 #else
     const bool f8_score_tiles = false;
 #endif

@@ -18,22 +18,21 @@ from engine.kernels.decode.native_build import (
     vector_path,
 )
 from engine.kernels.decode.native_listed import listed_fits
-from engine.masks.key_indices import split_listed
 from engine.quantized import QuantizedKV
 
 
-def bf16_tiles_note(kind: int | None, rows: int, d: int, dv: int, keys: int) -> str | None:
+def bf16_tiles_note(kind: int | None, rows: int, d: int, dv: int) -> str | None:
     """explain()'s words where a bf16 q's call runs on AMX-BF16 tiles (``native_bf16_tiles``): K/V of kind 1, 3 or 4
     (decode_native.KINDS: bf16, int8, fp8 e4m3), 16 or more query rows a KV head; bf16 K/V of 8-15 rows, or 16 of Dv
-    up to 128, and fp8 K/V of 4-15 rows over at least 256 keys (D and Dv multiples of 64, read as bf16 words:
-    ``f8_words_built``), their scores alone; D and Dv multiples of 32; else None (and in batch-invariant mode:
-    DecodeCall.rows_alone). ``keys``: the call's S (a listed call's: keys listed per query). Builds nothing."""
+    up to 128, and fp8 K/V of 4-15 rows (D and Dv multiples of 64, read as bf16 words: ``f8_words_built``), their
+    scores alone; D and Dv multiples of 32; else None (and in batch-invariant mode: DecodeCall.rows_alone). Builds
+    nothing."""
     name = {1: "bf16", 3: "int8", 4: "fp8 e4m3"}.get(kind)
     if name is None or d % 32 or dv % 32 or is_batch_invariant() or not native_bf16_tiles():
         return None
     # (decode_native.cpp's score_tiles: bf16 from SCORE_TILE_ROWS, fp8 from F8_SCORE_TILE_ROWS)
     bf16_scores = kind == 1 and 8 <= rows and (rows < 16 or (rows == 16 and dv <= 128))
-    f8_scores = kind == 4 and 4 <= rows < 16 and keys >= 256 and d % 64 == 0 == dv % 64 and f8_words_built()
+    f8_scores = kind == 4 and 4 <= rows < 16 and d % 64 == 0 == dv % 64 and f8_words_built()
     if bf16_scores or f8_scores:
         return f"{name} K/V, {rows} rows a KV head: scores on AMX-BF16 tiles (fp32 sums), softmax and values on vectors"
     if rows < 16:
@@ -52,8 +51,7 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
     listed = listed_fits(inputs) is None
     rows = q.shape[1] // k.shape[1] * (1 if listed else q.shape[2])  # query rows per KV head (G, or G * T)
-    span = split_listed(inputs.allowed)[0].indices.shape[-1] if listed else k.shape[2]  # (the kernel's S)
-    note = bf16_tiles_note(KINDS.get(keys), rows, q.shape[3], v.shape[3], span) if q.dtype == torch.bfloat16 else None
+    note = bf16_tiles_note(KINDS.get(keys), rows, q.shape[3], v.shape[3]) if q.dtype == torch.bfloat16 else None
     tiles = [note] if note else []
     if listed:
         return ["key_indices: read in place, only each query's listed keys (native_listed)", *tiles]

@@ -184,12 +184,18 @@ def test_explain_names_the_tiles_where_they_run(vector_path):
 def test_fp8_nan_codes_poison_only_the_rows_that_see_them():
     # e4m3's NaN codes (0x7F, 0xFF) widened to bf16 NaN on the tiles: a NaN key makes its rows NaN, a NaN value its
     # channel; rows whose blocks hide them (the vector path) are untouched
-    g = torch.Generator().manual_seed(5)
-    q_rows = bf16_numbers(1, 1, 16, 64, generator=g)
-    k, v = (quantize(torch.randn(1, 1, 200, 64, generator=g), torch.float8_e4m3fn) for _ in "kv")
+    fp8_nan_codes_poison_only_their_rows(16, 200, seed=5)
+
+
+def fp8_nan_codes_poison_only_their_rows(rows: int, s: int, seed: int) -> None:
+    """An fp8 call of ``rows`` query rows over ``s`` keys (D 64): a NaN code in key 20, hidden from row 0, makes every
+    other row NaN (lse -inf); one in value 150's channel 9 makes that channel of row 0 NaN, and nothing else of it."""
+    g = torch.Generator().manual_seed(seed)
+    q_rows = bf16_numbers(1, 1, rows, 64, generator=g)
+    k, v = (quantize(torch.randn(1, 1, s, 64, generator=g), torch.float8_e4m3fn) for _ in "kv")
     k.data.view(torch.uint8)[0, 0, 20, 3] = 0x7F
     v.data.view(torch.uint8)[0, 0, 150, 9] = 0xFF
-    visible = torch.ones(1, 1, 16, 200, dtype=torch.bool)
+    visible = torch.ones(1, 1, rows, s, dtype=torch.bool)
     visible[0, 0, 0, 20] = False  # row 0 does not see the NaN key
     out, lse = call(q_rows, k, v, visible, 0.125)
     assert bool(out[0, 0, 1:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 1:]).all())
@@ -197,6 +203,18 @@ def test_fp8_nan_codes_poison_only_the_rows_that_see_them():
     want, want_lse = oracle(q_rows, exact(k).nan_to_num(0.0), exact(v).nan_to_num(0.0), visible, 0.125)
     torch.testing.assert_close(out[0, 0, 0, :9].double(), want[0, 0, 0, :9], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse[0, 0, 0].double(), want_lse[0, 0, 0], rtol=1e-5, atol=1e-5)
+
+
+def tiles_change_the_bits(q_rows, kv, visible) -> bool:
+    """Whether the kernel's fp32 output for ``q_rows`` over ``kv`` (K and V alike) differs with the tiles turned off:
+    the tiles ran (sums in another order)."""
+    on = call(q_rows, kv, kv, visible, 0.1)[0]
+    LIBRARY.use_bf16_tiles(False)
+    try:
+        off = call(q_rows, kv, kv, visible, 0.1)[0]
+    finally:
+        LIBRARY.use_bf16_tiles(True)
+    return not torch.equal(on, off)
 
 
 @pytest.mark.parametrize("window", [None, 1300], ids=["full", "window"])

@@ -21,7 +21,14 @@ from engine.kernels.decode.native_build import f8_words_built
 from engine.quantized import quantize
 from tests import test_batch_invariance as batch_invariance
 from tests.paged_cases import decode_pages_match, shuffled_pages
-from tests.test_decode_bf16_tiles import LIBRARY, TILES, bf16_numbers, call, exact, matches_the_oracle
+from tests.test_decode_bf16_tiles import (
+    LIBRARY,
+    TILES,
+    bf16_numbers,
+    fp8_nan_codes_poison_only_their_rows,
+    matches_the_oracle,
+    tiles_change_the_bits,
+)
 from tests.test_decode_native import oracle
 from tests.test_paged_quantized import dequantized_pool, quantized_pool
 
@@ -85,16 +92,9 @@ def test_fewer_rows_keep_the_vector_path_and_explain_says_which_tiles():
     # fp32 outputs: 7 rows give the vector path's bits with the tiles on or off, 8 rows other bits (the tiles ran)
     g = torch.Generator().manual_seed(8)
     kv = bf16_numbers(1, 1, 700, 128, generator=g).bfloat16()
-    visible = torch.ones(1, 1, 8, 700, dtype=torch.bool)
-    for rows, same in ((7, True), (8, False)):
+    for rows, ran in ((7, False), (8, True)):
         q_rows = bf16_numbers(1, 1, rows, 128, generator=g)
-        on = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
-        LIBRARY.use_bf16_tiles(False)
-        try:
-            off = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
-        finally:
-            LIBRARY.use_bf16_tiles(True)
-        assert torch.equal(on, off) == same, rows
+        assert tiles_change_the_bits(q_rows, kv, torch.ones(1, 1, rows, 700, dtype=torch.bool)) == ran, rows
 
 
 fp8_words = pytest.mark.skipif(not f8_words_built(), reason="fp8 is read as bf16 words only with AVX512-VBMI")
@@ -117,19 +117,7 @@ def test_fp8_score_tiles_match_the_float64_oracle(rows, s, d, dv, masked, seed):
 @fp8_words
 def test_fp8_nan_codes_on_the_score_tiles_poison_only_the_rows_that_see_them():
     # a NaN code in K makes the rows that see it NaN (lse -inf), one in V the channel of the rows that see it
-    g = torch.Generator().manual_seed(6)
-    q_rows = bf16_numbers(1, 1, 4, 64, generator=g)
-    k, v = (quantize(torch.randn(1, 1, 300, 64, generator=g), FP8) for _ in "kv")
-    k.data.view(torch.uint8)[0, 0, 20, 3] = 0xFF
-    v.data.view(torch.uint8)[0, 0, 150, 9] = 0x7F
-    visible = torch.ones(1, 1, 4, 300, dtype=torch.bool)
-    visible[0, 0, 0, 20] = False  # row 0 does not see the NaN key
-    out, lse = call(q_rows, k, v, visible, 0.125)
-    assert bool(out[0, 0, 1:].isnan().all()) and bool(torch.isneginf(lse[0, 0, 1:]).all())
-    assert bool(out[0, 0, 0, 9].isnan()) and not bool(out[0, 0, 0, :9].isnan().any())
-    want, want_lse = oracle(q_rows, exact(k).nan_to_num(0.0), exact(v).nan_to_num(0.0), visible, 0.125)
-    torch.testing.assert_close(out[0, 0, 0, :9].double(), want[0, 0, 0, :9], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse[0, 0, 0].double(), want_lse[0, 0, 0], rtol=1e-5, atol=1e-5)
+    fp8_nan_codes_poison_only_their_rows(4, 300, seed=6)
 
 
 @fp8_words
@@ -153,17 +141,10 @@ def test_fp8_of_fewer_rows_keeps_the_vector_path_and_explain_says_which():
     assert "AMX-BF16" not in str(engine.explain(q[..., :96], k96, k96))  # D 96: not read as words
     # fp32 outputs: 3 rows give the vector path's bits with the tiles on or off, 4 rows other bits (the tiles ran)
     g = torch.Generator().manual_seed(9)
-    visible = torch.ones(1, 1, 4, 700, dtype=torch.bool)
     kv = quantize(torch.randn(1, 1, 700, 128, generator=g), FP8)
-    for rows, same in ((3, True), (4, False)):
+    for rows, ran in ((3, False), (4, True)):
         q_rows = bf16_numbers(1, 1, rows, 128, generator=g)
-        on = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
-        LIBRARY.use_bf16_tiles(False)
-        try:
-            off = call(q_rows, kv, kv, visible[:, :, :rows], 0.1)[0]
-        finally:
-            LIBRARY.use_bf16_tiles(True)
-        assert torch.equal(on, off) == same, rows
+        assert tiles_change_the_bits(q_rows, kv, torch.ones(1, 1, rows, 700, dtype=torch.bool)) == ran, rows
 
 
 @fp8_words

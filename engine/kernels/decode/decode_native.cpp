@@ -568,7 +568,8 @@ inline void amx_configure() {
 // stalls the core some 450 ticks while it wakes (rdtsc in the int8 path: the V rows laid out from DRAM take 20 ticks a
 // key, 1,300 a block, after the softmax's 550; the first products then took 900 ticks a block, with the unit kept awake
 // 450). A long vector phase keeps it awake with a product that nothing reads: into sums tile C (zeroed before its next
-// use) from any two tiles of the configured shape, whatever they hold (integer products: no exception, no assist).
+// use) from any two tiles (amx_configure gives every tile one shape), whatever they hold (integer products: no
+// exception, no assist). The int8 tiles' V layout and the score tiles' vector passes (tiles_awake) both take it.
 // One every 24 keys of the int8 V layout: from DRAM 0.97x the time (one and two threads), in cache the same; one every
 // 4 keys gained no more from DRAM and took 0.97-1.09x in cache (docs/BENCHMARKS.md, round 24).
 #define DN_AMX_AWAKE(C) _tile_dpbusd(C, 7, 1)
@@ -2359,8 +2360,8 @@ struct Item {
         tiles_awake();
         ask_upto(ahead_rows);
     }
-    // a product nothing reads (DN_AMX_AWAKE's reason), into sums tile 0: zeroed before tile_scores' products
-    static void tiles_awake() { _tile_dpbf16ps(0, 4, 5); }
+    // into sums tile 0, which tile_scores zeroes before its products
+    static void tiles_awake() { DN_AMX_AWAKE(0); }
 
     // (masked: keys no row sees, whose rows are never read for the values: block_visibility's uniform)
     void tile_step(int64_t j0, int n, bool masked) {

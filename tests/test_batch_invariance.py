@@ -124,13 +124,14 @@ def test_an_int8_request_is_bitwise_the_same_in_any_batch_and_page_size():
 
 @pytest.mark.parametrize("kv_heads", [3, 5], ids=str)
 @pytest.mark.parametrize("head_major", [True, False], ids=["head_major", "nhd"])
-def test_kv_heads_read_in_turn_give_each_heads_own_result(kv_heads, head_major):
-    # pages of 16: a head-major pool has its heads read two at a time (an odd head count leaves one alone), an NHD
-    # pool all of them with their next rows asked for in address order; two threads may cut between heads read
-    # together: every request is still bitwise its contiguous self
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kv_heads_read_in_turn_give_each_heads_own_result(kv_heads, head_major, dtype):
+    # pages of 16: a head-major pool has its heads read two at a time (bf16 and fp16: four; a head count they do not
+    # divide leaves a smaller group), an NHD pool all of them with their next rows asked for in address order; two
+    # threads may cut between heads read together: every request is still bitwise its contiguous self
     g = torch.Generator().manual_seed(kv_heads)
-    batch = [tuple(torch.randn(h, n, D, generator=g) for h, n in ((kv_heads * 2, 1), (kv_heads, s), (kv_heads, s)))
-             for s in (2500, 33, 4100)]
+    batch = [tuple(torch.randn(h, n, D, generator=g).to(dtype)
+                   for h, n in ((kv_heads * 2, 1), (kv_heads, s), (kv_heads, s))) for s in (2500, 33, 4100)]
     for n in (1, 2):
         with threads(n):
             want = [contiguous([request])[0] for request in batch]

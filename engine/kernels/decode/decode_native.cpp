@@ -2513,7 +2513,11 @@ void dispatch_kind(int kind, const Operands& o, Partial* p, size_t n, int64_t in
 // contiguous K/V or pages of one key: each head its own stream, heads in turn took 1.25-1.9x the time. int8 on AMX
 // tiles (`tiles`) pairs only pages of fewer than 32 keys: the pairs cost its tiles 5-7% in cache (B 2, S 1k), and
 // from DRAM its pages of 32 and 64 (4 and 8 KiB runs) read alone in 0.969-0.988x the time (B 8, S 16k, one thread,
-// shuffled), where pages of 16 alone took 1.10x, and bf16 pages of 32 alone 1.02x.
+// shuffled), where pages of 16 alone took 1.10x, and bf16 pages of 32 alone 1.02x. bf16 and fp16 run four heads in
+// turn: against two, on an AVX-512 Zen 4 VM (B 8, S 8k, shuffled; one thread / two), bf16 pages of 16 took
+// 0.932-0.939x / 0.951-0.980x the time, pages of 32 0.972x / 1.018x; fp16 pages of 16 0.951-0.992x / 0.928-0.956x,
+// pages of 32 0.978x / 0.981x (fp32 1.00x / 0.98x and int8 0.966x / 1.003x: kept at two); on the AMX Xeon four bf16
+// heads had taken 1.00x (docs/BENCHMARKS.md, rounds 16 and 25).
 int64_t heads_in_turn(const Operands& o, int64_t elem, bool tiles) {
     if (heads_side_by_side(o)) return std::min<int64_t>(o.H, 16);
     if (!o.pages || o.H < 2 || o.page_size < 2 || (tiles && o.page_size >= 32)) return 1;
@@ -2522,7 +2526,7 @@ int64_t heads_in_turn(const Operands& o, int64_t elem, bool tiles) {
         const int64_t slot = st[0], head = st[1];
         if (slot <= 0 || head != o.page_size * slot || head * elem >= 16384) return 1;
     }
-    return 2;
+    return elem == 2 ? std::min<int64_t>(o.H, 4) : 2;
 }
 
 }  // namespace

@@ -6,11 +6,11 @@ keys over pages p, p + 1, ... are one run, which the native kernel streams as it
 and ``values`` show it in ``paged_attention``'s ``[num_pages, page_size, Hkv, D]`` order through a permuted view.
 ``heads_outer=False`` stores ``[num_pages, Hkv, page_size, D]`` instead (a head's keys of one page one run, the
 kernel reading two heads of a page side by side, four for bf16 / fp16): decodes over pages of 16 that follow on took
-1.00-1.04x contiguous held so against 1.07-1.23x; over pages that do not, 1.11-1.6x against 1.07-1.32x; after a serving-like churn of
-requests, with this allocator, 0.87-0.93x the time of the other layout and the lowest-id free list of before (89% of
-the pool in use) or 0.92-0.95x (96.5%) (docs/BENCHMARKS.md, "Decode at the bandwidth limit, round 18"). The NHD
-order (``[num_pages, page_size, Hkv, D]`` in memory) puts a head's keys of a page Hkv * D apart: 1.3-1.9x slower
-decode, measured.
+1.00-1.04x contiguous held so against 1.07-1.23x; over pages that do not, 1.11-1.6x against 1.07-1.32x; after a
+serving-like churn of requests, with this allocator, 0.87-0.93x the time of the other layout and the lowest-id free
+list of before (89% of the pool in use) or 0.92-0.95x (96.5%) (docs/BENCHMARKS.md, "Decode at the bandwidth limit,
+round 18"). The NHD order (``[num_pages, page_size, Hkv, D]`` in memory) puts a head's keys of a page Hkv * D apart:
+1.3-1.9x slower decode, measured.
 
 Where pages come from (``take``): a sequence's next page is the one after its last where that is free, so its pages
 follow on. A page that starts a run (a new sequence's, or one whose follower is taken) goes where the new run has the

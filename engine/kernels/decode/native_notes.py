@@ -32,7 +32,7 @@ def bf16_tiles_note(kind: int | None, rows: int, d: int, dv: int) -> str | None:
         return None
     # (decode_native.cpp's score_tiles: bf16 from SCORE_TILE_ROWS, fp8 from F8_SCORE_TILE_ROWS)
     bf16_scores = kind == 1 and 8 <= rows and (rows < 16 or (rows == 16 and dv <= 128))
-    f8_scores = kind == 4 and 4 <= rows < 16 and d % 64 == 0 == dv % 64 and f8_words_built()
+    f8_scores = kind == 4 and 4 <= rows < 16 and d % 64 == 0 and dv % 64 == 0 and f8_words_built()
     if bf16_scores or f8_scores:
         return f"{name} K/V, {rows} rows a KV head: scores on AMX-BF16 tiles (fp32 sums), softmax and values on vectors"
     if rows < 16:

@@ -117,18 +117,23 @@ template <class T> inline T* aligned64(T* p) {
 }
 // One call's array of n Ts (q's rows, the items' states) in a buffer of this thread's, kept from call to call: a small
 // call then neither allocates nor zeroes its arrays, and finds them in cache. Not zeroed: each is written before it is
-// read. One over KEPT_BYTES is the call's own, freed after it.
+// read. One over KEPT_BYTES is the call's own, freed after it. It starts on a 64-byte boundary (aligned64): the AVX2
+// scores' passes load each q vector from memory for every key, and from a std::vector's 16-byte alignment every other
+// 32-byte load straddled two cache lines. AVX-512 Zen 4 VM, one thread, AVX2 build, bf16 in cache: q 32 bytes past a
+// 4 KiB boundary (or 0, or 64) 0.88-0.89x the time of 16 or 48 past it; the AVX-512 build, which keeps q in
+// registers, 0.99-1.00x. docs/BENCHMARKS.md, round 26.
 constexpr size_t KEPT_BYTES = size_t(4) << 20;
 template <class T>
 struct CallArray {
+    static constexpr size_t PAD = 64 / sizeof(T);  // (room to start from the boundary)
     std::unique_ptr<T[]> own;
     T* data;
     CallArray(std::vector<T>& kept, size_t n) {
         if (n * sizeof(T) > KEPT_BYTES) {
-            own.reset(new T[n]), data = own.get();
+            own.reset(new T[n + PAD]), data = aligned64(own.get());
         } else {
-            if (kept.size() < n) kept.resize(n);
-            data = kept.data();
+            if (kept.size() < n + PAD) kept.resize(n + PAD);
+            data = aligned64(kept.data());
         }
     }
 };
@@ -2794,14 +2799,15 @@ int decode_native(const DecodeCall* call) {
                     total += chunks[i].second - chunks[i].first;
                 }
     }
-    // every item's state in two arrays, set (m -inf, l and acc 0, bad 0) by the Item that runs it
-    const int64_t state = 2 * R + R * Dv;
+    // every item's state in two arrays, set (m -inf, l and acc 0, bad 0) by the Item that runs it; each item's acc
+    // from a 64-byte boundary (its value tiles' loads and stores within cache lines)
+    const int64_t state = (R * Dv + 2 * R + 15) / 16 * 16;
     static thread_local std::vector<uint8_t> kept_bad;
     CallArray<float> states(kept_states, items.size() * state);
     CallArray<uint8_t> bads(kept_bad, items.size() * R);
     for (size_t i = 0; i < items.size(); ++i) {
         float* x = states.data + i * state;
-        items[i].m = x, items[i].l = x + R, items[i].acc = x + 2 * R, items[i].bad = bads.data + i * R;
+        items[i].acc = x, items[i].m = x + R * Dv, items[i].l = x + R * Dv + R, items[i].bad = bads.data + i * R;
     }
     threads = (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)threads, (int64_t)items.size(),
                                                             total / (4 * BLOCK)}));

@@ -49,11 +49,21 @@
 // Keeps a vector in a register. GCC folds a load that several FMAs use into each of them: the scores' four-key pass
 // read each q vector, and each fp32 K vector, four times from L1. Kept, on an AVX-512 Zen 4 VM, one thread: from
 // DRAM bf16 0.85x the time, fp32 0.96x; the two-key pass in cache (1 or 2 rows a KV head) 0.90-1.02x. The AVX2
-// build keeps the folded loads (16 registers: one row a KV head took 1.03-1.07x). docs/BENCHMARKS.md, round 10.
+// build keeps the folded loads where a pass has fewer than four rows (16 registers: one row a KV head took
+// 1.03-1.07x; DN_IN_YMM). docs/BENCHMARKS.md, round 10.
 #if DN_AVX512 && defined(__GNUC__)
 #define DN_IN_REGISTER(x) asm("" : "+v"(x))
 #else
 #define DN_IN_REGISTER(x) ((void)0)
+#endif
+// The AVX2 two-key pass keeps q in a register too where it has four rows (NR): each q vector then loaded once for the
+// two keys. AVX-512 Zen 4 VM, one thread, AVX2 build, G 4: fp32 / bf16 / fp16 0.94-0.98x the time from DRAM (B 1 S
+// 32k), 0.94-0.95x in cache, int8 / fp8 0.98-1.01x; G 8 0.92-0.96x. With two rows (G 2) bf16 took 1.075x, with one
+// 1.01-1.11x: those keep the folded loads. docs/BENCHMARKS.md, round 26.
+#if DN_AVX2 && defined(__GNUC__)
+#define DN_IN_YMM(x) asm("" : "+x"(x))
+#else
+#define DN_IN_YMM(x) ((void)0)
 #endif
 // bf16, int8 or fp8 e4m3 K against a q whose values are all bf16 numbers (a bf16 model's): every key value is a bf16
 // number too (int8's 8 bits, e4m3's 4), and each product is exact in fp32 either way, so AVX512-BF16's pair dot
@@ -1408,6 +1418,7 @@ struct Item {
                         for (int r = 0; r < N; ++r) {
                             vec qv = vloadf(qb + (r0 + r) * D + d + h * W);
                             DN_IN_REGISTER(qv);
+                            if constexpr (N == NR) DN_IN_YMM(qv);
                             a0[r] = vfma(qv, x0, a0[r]);
                             a1[r] = vfma(qv, x1, a1[r]);
                         }

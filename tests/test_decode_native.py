@@ -7,11 +7,8 @@ the native kernel reported unavailable, as on a machine without a compiler.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
-import subprocess
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -20,10 +17,11 @@ from hypothesis import strategies as st
 
 import engine
 from engine import KVCache, causal_attention, window_mask
-from engine.kernels.decode.native_build import cpu_key, load_native, path_flags, path_missing
+from engine.kernels.decode.native_build import cpu_key, load_native
 from engine.kernels.dispatch import KERNELS
 from engine.masks import key_padding_mask
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
+from tests import native_variants
 from tests.precision import assert_within_precision, plain_attention
 
 NATIVE = not isinstance(load_native(), str)
@@ -501,70 +499,32 @@ def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
 
 # --- the other vector paths: this CPU's build takes the widest; build the narrower ones too ----------------------
 
-# Each vector path (native_build.VECTOR_PATHS: its flags, cpu_key's names for what it needs) and its lanes, built with
-# native_build.path_flags(path, openmp=False): no -march=native, no -fopenmp (plain threads), its `omp simd` loops
-# kept. The cached build is -march=native, the widest this CPU has (AVX-512 here, AVX2 on a Zen 3), so the others
-# are built here and checked too: a CPU without AVX-512 (or without AVX2, or not x86) runs code that was tested.
-VARIANTS = {"avx512": ("avx512", 16), "avx2": ("avx2", 8), "plain_cpp": ("plain", 1)}  # (native_build's path, lanes)
-
-
-def _missing(name):
-    return path_missing(VARIANTS[name][0])
-
-
-def _variant_path(native_build, cxx, name):
-    """Where variant ``name`` is built: beside the engine's cached library (``ATTENTION_ENGINE_CACHE``), named by a
-    digest of the source, the flags and the compiler, as native_build names its own (an edit of the source builds
-    it again; the same source is not compiled again by every run of the tests)."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256()
-    flags = " ".join(path_flags(VARIANTS[name][0], openmp=False))
-    for part in (native_build.SOURCE.read_bytes(), flags.encode(), version.encode()):
-        digest.update(part)
-    return native_build.library_path(cxx).parent / f"decode_native-{name}-{digest.hexdigest()[:16]}.so"
-
 
 @pytest.fixture(scope="module")
 def variant_library():
-    """``variant_library(name)``: the native library built with that vector path's flags (once per module, or found
-    built from the same source), or a skip where this CPU lacks the instructions; ``"native"``: the engine's own
-    build. The first call starts the builds of every variant this CPU runs that is not built yet, side by side (one
-    compiler process each, seconds apiece)."""
+    """``variant_library(name)``: the native library built with that vector path's flags (tests/native_variants.py:
+    found built from the same source, or built in the background since collection), or a skip where this CPU lacks
+    the instructions; ``"native"``: the engine's own build."""
     from engine.kernels.decode import native_build
 
-    built, builds = {}, {}
-
-    def start_builds():
-        cxx = native_build.compiler()
-        pool = ThreadPoolExecutor(len(VARIANTS))
-        for name, (vector_path, _) in VARIANTS.items():
-            if not _missing(name):
-                path = _variant_path(native_build, cxx, name)
-                builds[name] = path, (None if path.exists() else pool.submit(native_build._build, cxx, path,
-                                                                             path_flags(vector_path, openmp=False)))
-        pool.shutdown(wait=False)
+    built = {}
 
     def build(name):
         if name == "native":
             return load_native()
-        missing = _missing(name)
+        missing = native_variants.missing(name)
         if missing:
             pytest.skip(f"this CPU has no {', '.join(missing)}")
-        if not builds:
-            start_builds()
         if name not in built:
-            path, done = builds[name]
+            path, done = native_variants.start_builds()[name]
             if done is not None:
                 done.result()  # (a failed build raises here, in the test that needs it)
             built[name] = native_build.NativeLibrary(path, 0.0)
-            assert built[name].lanes == VARIANTS[name][1]
+            assert built[name].lanes == native_variants.VARIANTS[name][1]
             assert not built[name].openmp  # (built without -fopenmp: the library's own threads run it)
         return built[name]
 
-    yield build
-    for _, done in builds.values():  # none left running past the module
-        if done is not None:
-            done.exception()
+    return build
 
 
 @needs_native

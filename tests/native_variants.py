@@ -3,16 +3,14 @@
 The cached build is -march=native, the widest this CPU has (AVX-512 here, AVX2 on a Zen 3), so the narrower paths are
 built here too and checked: a CPU without AVX-512 (or without AVX2, or not x86) runs code that was tested. Each is built
 with native_build.path_flags(path, openmp=False) (no -march=native, no -fopenmp: its own threads), beside the engine's
-cached library and named by a digest of the source, the flags and the compiler, as native_build names its own: an edit
-of the source builds them again, the same source is not compiled again by every run.
+cached library and named as native_build names its own (a digest of the source, the flags, the compiler and the CPU):
+an edit of the source builds them again, the same source is not compiled again by every run.
 
 The builds start once per session, one compiler at a time in the background, as soon as collection shows a test that
 needs them (conftest.py), so that they overlap the tests before it instead of holding up the first that needs one."""
 
 from __future__ import annotations
 
-import hashlib
-import subprocess
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,13 +28,9 @@ def missing(name: str) -> list[str]:
 
 
 def variant_path(cxx: str, name: str) -> Path:
-    """Where variant ``name`` is built (see the module's docstring)."""
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    digest = hashlib.sha256()
-    flags = " ".join(native_build.path_flags(VARIANTS[name][0], openmp=False))
-    for part in (native_build.SOURCE.read_bytes(), flags.encode(), version.encode()):
-        digest.update(part)
-    return native_build.library_path(cxx).parent / f"decode_native-{name}-{digest.hexdigest()[:16]}.so"
+    """Where variant ``name`` is built: native_build's own name for a build with its flags, the variant's name in it."""
+    path = native_build.library_path(cxx, native_build.path_flags(VARIANTS[name][0], openmp=False))
+    return path.with_name(path.name.replace("decode_native-", f"decode_native-{name}-", 1))
 
 
 def start_builds() -> dict[str, tuple[Path, Future | None]]:

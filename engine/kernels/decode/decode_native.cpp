@@ -244,10 +244,14 @@ DN_INLINE float lane_fma(float a, float b, float c) {
 #endif
 }
 // e^x for x <= 0, as vexp computes it (x <= -87 gives 0, e^-inf too): 2^n p(r), n rounded by adding and taking away
-// 1.5 * 2^23, p the same degree-6 polynomial; no branch and no call, so a loop of them vectorises
+// 1.5 * 2^23, p the same degree-6 polynomial; no branch and no call, so a loop of them vectorises. x is clamped to -87
+// by a bit mask, not by `x > -87 ? x : -87`: GCC 12 (its default -ftrapping-math) turns a float comparison's select
+// into vector code only with AVX-512's or SVE's mask registers, so that form left the softmax step's loop of exps
+// scalar on NEON, SSE2 and AVX2 (-fopt-info-vec: "control flow in loop"). The portable path on x86 took 0.85-0.95x
+// the time with it vectorised (docs/BENCHMARKS.md, round 27).
 DN_INLINE float exp_lane(float x) {
-    const float x0 = x;
-    x = x > -87.0f ? x : -87.0f;
+    const uint32_t above = 0u - (uint32_t)(x > -87.0f);  // all ones where x > -87 (none for NaN)
+    x = bits_float((float_bits(x) & above) | (float_bits(-87.0f) & ~above));
     const float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;
     float r = lane_fma(-n, 0.693359375f, x);
     r = lane_fma(-n, -2.12194440e-4f, r);
@@ -259,7 +263,7 @@ DN_INLINE float exp_lane(float x) {
     poly = lane_fma(poly, r, 1.0f);
     poly = lane_fma(poly, r, 1.0f);
     const float y = poly * bits_float((uint32_t)((int32_t)n + 127) << 23);
-    return bits_float(float_bits(y) & (0u - (uint32_t)(x0 > -87.0f)));  // (a mask: no branch)
+    return bits_float(float_bits(y) & above);  // (a mask: no branch)
 }
 
 // ---- vectors of W fp32 lanes --------------------------------------------------------------------------------

@@ -247,8 +247,8 @@ DN_INLINE float lane_fma(float a, float b, float c) {
 // 1.5 * 2^23, p the same degree-6 polynomial; no branch and no call, so a loop of them vectorises. x is clamped to -87
 // by a bit mask, not by `x > -87 ? x : -87`: GCC 12 (its default -ftrapping-math) turns a float comparison's select
 // into vector code only with AVX-512's or SVE's mask registers, so that form left the softmax step's loop of exps
-// scalar on NEON, SSE2 and AVX2 (-fopt-info-vec: "control flow in loop"). The portable path on x86 took 0.85-0.95x
-// the time with it vectorised (docs/BENCHMARKS.md, round 27).
+// scalar on NEON, SSE2 and AVX2 (-fopt-info-vec: "control flow in loop"). Vectorised, the portable path took
+// 0.86-0.96x the time on x86 (SSE2 and AVX2 code; docs/BENCHMARKS.md, round 27).
 DN_INLINE float exp_lane(float x) {
     const uint32_t above = 0u - (uint32_t)(x > -87.0f);  // all ones where x > -87 (none for NaN)
     x = bits_float((float_bits(x) & above) | (float_bits(-87.0f) & ~above));

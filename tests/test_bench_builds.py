@@ -132,8 +132,10 @@ def test_a_vector_path_is_the_sources_build_with_its_flags_and_one_this_cpu_lack
     monkeypatch.setattr(native_build, "cpu_key", lambda: "x86_64 flags: sse2 avx2 fma f16c")
     with pytest.raises(SystemExit, match="--path avx512 needs avx512f, avx512bw, avx512dq, which this CPU lacks"):
         builds.builds_from(parser.parse_args(["--path", "avx512", "--path", "plain"]), tmp_path)
+    with pytest.raises(SystemExit, match="--path neon needs asimd, which this CPU lacks"):  # (aarch64's)
+        builds.builds_from(parser.parse_args(["--path", "neon", "--path", "plain"]), tmp_path)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--path", "neon"])
+        parser.parse_args(["--path", "sve"])
 
 
 @needs_native

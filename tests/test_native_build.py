@@ -94,7 +94,11 @@ def test_explain_names_the_vector_path_a_call_takes(monkeypatch, fresh_cpu_lanes
     assert vector_path(128, 128) == "AVX-512 vectors (16 lanes)"
     monkeypatch.setattr(native_build, "loaded_native", lambda: None)
     cpu("aarch64", "fp asimd avx512f avx512bw avx512dq")  # (not x86: whatever its flags say)
-    assert vector_path(128, 128).endswith("no AVX-512 or AVX2 here")
+    assert vector_path(128, 128) == "NEON vectors (4 lanes)" and vector_path(72, 40) == "NEON vectors (4 lanes)"
+    assert vector_path(36, 64).endswith("D 36 / Dv 64 not both multiples of 8 (NEON's 4 lanes, two at a time) "
+                                        "(slower than NEON)")  # (4 lanes, but read 8 values a step)
+    cpu("x86_64", "sse2 fma f16c")
+    assert vector_path(128, 128).endswith("no AVX-512, AVX2 or NEON here")
 
 
 @pytest.mark.skipif(not NATIVE, reason="native kernel unavailable")

@@ -1,7 +1,9 @@
-// The decode kernel built for another CPU (tests/test_decode_portable.py: aarch64, its portable C++ path in NEON
-// vectors, run under qemu) against a float64 oracle written here: every fp16 and e4m3 code as the kernel reads
-// it, then decodes over each kind, head dims no vector width divides, 1-6 rows, masks, 1 and 2 threads, contiguous
-// and paged (pages of 16, shuffled). Prints one line per failure and a summary; exits 1 on any failure.
+// The decode kernel built for another CPU (tests/test_decode_portable.py: aarch64, its NEON path and its portable C++
+// path (DN_PORTABLE), run under qemu; x86-64 without -march: the portable path in SSE2) against a float64 oracle
+// written here: every fp16 and e4m3 code as the kernel reads it, then decodes over each kind, head dims no vector
+// width divides, 1-6 rows, masks, 1 and 2 threads, contiguous and paged (pages of 16, shuffled); NaN / inf keys in
+// full blocks and fp8 NaN codes; batch invariance, bitwise. Prints one line per failure and a summary; exits 1 on any
+// failure.
 #include "../../engine/kernels/decode/decode_native.cpp"
 
 #include <cstdio>
@@ -141,40 +143,138 @@ double run(const Case& t, std::mt19937& g) {
     return worst;
 }
 
-// fp8 NaN codes reach exactly the outputs that see them (the plain path reads a block's codes as numbers unless its
-// rows hold a NaN code: e4m3_nan_codes): a K code in head 0, hidden from its row 1, makes row 0 all NaN; a V code in
-// head 1's channel 35 makes that channel of both its rows NaN; every other output finite. D 36, which no vector
-// width divides. The rows wrong.
-int nan_rows(std::mt19937& g) {
-    const int64_t H = 3, R = 2, S = 150, D = 36;
-    std::vector<uint8_t> k(H * S * D), v(H * S * D);
-    for (auto* x : {&k, &v})
-        for (auto& c : *x) {
-            c = (uint8_t)(g() & 0xFF);
-            if ((c & 0x7F) == 0x7F) c = 0;
-        }
-    k[(0 * S + 100) * D + 7] = 0x7F, v[(1 * S + 20) * D + 35] = 0xFF;
-    std::vector<float> ks(H * S, 0.05f), vs(H * S, 0.05f), q(H * R * D, 0.5f), out(H * R * D), lse(H * R);
-    std::vector<uint8_t> visible(H * R * S, 1);
-    visible[(0 * R + 1) * S + 100] = 0;
+// One head-major decode of B 1 (H KV heads, R rows each, S keys, D = Dv, one thread), K / V already in the kind's
+// bytes, scales of 0.05 for int8 / fp8; visible [H, R, S] or none. False when the kernel refused the call.
+bool decode(int kind, int64_t H, int64_t R, int64_t S, int64_t D, const std::vector<uint8_t>& k,
+            const std::vector<uint8_t>& v, const std::vector<float>& q, const uint8_t* visible,
+            std::vector<float>& out, std::vector<float>& lse) {
+    static std::vector<float> scales;
+    scales.assign(H * S, 0.05f);
+    out.assign(H * R * D, 0.0f), lse.assign(H * R, 0.0f);
     DecodeCall c{};
-    c.kind = F8E4M3, c.threads = 1, c.B = 1, c.H = H, c.R = R, c.S = S, c.D = D, c.Dv = D, c.scale = 0.125;
+    c.kind = kind, c.threads = 1, c.B = 1, c.H = H, c.R = R, c.S = S, c.D = D, c.Dv = D, c.scale = 0.125;
     c.q = q.data(), c.q_strides[0] = H * R * D, c.q_strides[1] = R * D, c.q_strides[2] = D;
     c.k = k.data(), c.k_strides[0] = H * S * D, c.k_strides[1] = S * D, c.k_strides[2] = D;
     c.v = v.data(), c.v_strides[0] = H * S * D, c.v_strides[1] = S * D, c.v_strides[2] = D;
-    c.k_scale = ks.data(), c.v_scale = vs.data(), c.k_scale_strides[0] = c.v_scale_strides[0] = H * S;
-    c.k_scale_strides[1] = c.v_scale_strides[1] = S, c.k_scale_strides[2] = c.v_scale_strides[2] = 1;
-    c.visible = visible.data(), c.visible_strides[0] = H * R * S, c.visible_strides[1] = R * S;
-    c.visible_strides[2] = S, c.visible_strides[3] = 1;
+    if (kind == I8 || kind == F8E4M3)
+        c.k_scale = c.v_scale = scales.data(), c.k_scale_strides[0] = c.v_scale_strides[0] = H * S,
+        c.k_scale_strides[1] = c.v_scale_strides[1] = S, c.k_scale_strides[2] = c.v_scale_strides[2] = 1;
+    if (visible)
+        c.visible = visible, c.visible_strides[0] = H * R * S, c.visible_strides[1] = R * S, c.visible_strides[2] = S,
+        c.visible_strides[3] = 1;
     c.out = out.data(), c.lse = lse.data(), c.io_kind = F32;
-    if (decode_native(&c) != 0) return (int)(H * R);
+    return decode_native(&c) == 0;
+}
+// n random values' bytes of the kind: finite, |x| < 2 (fp32 / bf16 / fp16), any int8, any e4m3 but its NaN codes
+std::vector<uint8_t> random_bytes(int kind, int64_t n, std::mt19937& g) {
+    const int64_t eb = kind_bytes(kind);
+    std::vector<uint8_t> raw(n * eb);
+    for (int64_t i = 0; i < n; ++i) {
+        const float x = (float)((int)(g() % 4001) - 2000) / 1000.0f;
+        const uint16_t half = (uint16_t)((g() & 0x83FF) | ((g() % 16) << 10));  // (exponents 0 to 15: |x| < 2)
+        const uint16_t top = (uint16_t)(float_bits(x) >> 16);  // (x as bf16)
+        uint8_t code = (uint8_t)(g() & 0xFF);
+        if (kind == F8E4M3 && (code & 0x7F) == 0x7F) code = 0;
+        if (kind == F32) std::memcpy(&raw[4 * i], &x, 4);
+        else if (kind == BF16) std::memcpy(&raw[2 * i], &top, 2);
+        else if (kind == F16) std::memcpy(&raw[2 * i], &half, 2);
+        else raw[i] = code;
+    }
+    return raw;
+}
+
+// fp8 NaN codes reach exactly the outputs that see them (the paths read a block's codes as numbers unless its rows
+// hold a NaN code: e4m3_nan_codes): a K code in head 0, hidden from its row 1, makes row 0 all NaN; a V code in head
+// 1's last channel makes that channel of both its rows NaN; every other output finite. D 36, which no vector width
+// divides, and 64 (the vector paths). The rows wrong.
+int nan_rows(std::mt19937& g, int64_t D) {
+    const int64_t H = 3, R = 2, S = 150;
+    std::vector<uint8_t> k = random_bytes(F8E4M3, H * S * D, g), v = random_bytes(F8E4M3, H * S * D, g);
+    k[(0 * S + 100) * D + 7] = 0x7F, v[(1 * S + 20) * D + D - 1] = 0xFF;
+    std::vector<float> q(H * R * D, 0.5f), out, lse;
+    std::vector<uint8_t> visible(H * R * S, 1);
+    visible[(0 * R + 1) * S + 100] = 0;
+    if (!decode(F8E4M3, H, R, S, D, k, v, q, visible.data(), out, lse)) return (int)(H * R);
     int wrong = 0;
     for (int64_t row = 0; row < H * R; ++row) {
         bool right = true;
         for (int64_t d = 0; d < D; ++d)
-            right &= (bool)std::isnan(out[row * D + d]) == (row == 0 || ((row == 2 || row == 3) && d == 35));
+            right &= (bool)std::isnan(out[row * D + d]) == (row == 0 || ((row == 2 || row == 3) && d == D - 1));
         wrong += !right;
     }
+    return wrong;
+}
+
+// A visible NaN key (head 0) and inf key (head 1) inside full blocks no row masks (the vector paths' finite_max)
+// make their heads' rows NaN with lse -inf; head 2's rows stay finite. fp32 and fp16, D 36 and 64. The rows wrong.
+int nonfinite_rows(std::mt19937& g, int kind, int64_t D) {
+    const int64_t H = 3, R = 4, S = 192, eb = kind_bytes(kind);
+    std::vector<uint8_t> k = random_bytes(kind, H * S * D, g), v = random_bytes(kind, H * S * D, g);
+    const float nan = NAN, inf = INFINITY;
+    const uint16_t half_nan = 0x7E00, half_inf = 0x7C00;
+    std::memcpy(&k[((0 * S + 70) * D + 5) * eb], kind == F32 ? (const void*)&nan : &half_nan, eb);
+    for (int64_t d = 0; d < D; ++d)
+        std::memcpy(&k[((1 * S + 130) * D + d) * eb], kind == F32 ? (const void*)&inf : &half_inf, eb);
+    std::vector<float> q(H * R * D), out, lse;
+    for (auto& x : q) x = (float)((int)(g() % 2001) - 1000) / 1000.0f;
+    if (!decode(kind, H, R, S, D, k, v, q, nullptr, out, lse)) return (int)(H * R);
+    int wrong = 0;
+    for (int64_t row = 0; row < H * R; ++row) {
+        const bool poisoned = row < 2 * R;
+        bool right = poisoned ? lse[row] == -INFINITY : std::isfinite(lse[row]);
+        for (int64_t d = 0; d < D; ++d)
+            right &= poisoned ? std::isnan(out[row * D + d]) : std::isfinite(out[row * D + d]);
+        wrong += !right;
+    }
+    return wrong;
+}
+
+float value_at(int kind, const void* row, int64_t d) {  // (as the kernel's plain path reads it)
+    switch (kind) {
+        case F32: return load_scalar<F32>(row, d);
+        case BF16: return load_scalar<BF16>(row, d);
+        case F16: return load_scalar<F16>(row, d);
+        case I8: return load_scalar<I8>(row, d);
+        default: return load_scalar<F8E4M3>(row, d);
+    }
+}
+
+// Batch invariance: rows that see keys 0 .. 68 of 69 give bitwise the same outputs and lse with 1, 2, 3 or 9 hidden
+// keys after them: the second block's last seen keys are then summed by other passes (key 68 by the one-key pass of
+// 69 keys, the two-key pass of 70, the four-key pass of 72). Rows 0 and 2 are key 68 itself, so that its score is
+// their max and a last bit of it shows in their lse (a key among many weighs too little to show). Each kind, D 128
+// and 36. The cases that differ.
+int invariance_cases(std::mt19937& g) {
+    const int64_t H = 2, R = 4, seen = 69;
+    int wrong = 0;
+    for (int kind = F32; kind <= F8E4M3; ++kind)
+        for (int64_t D : {128, 36}) {
+            const int64_t eb = kind_bytes(kind), most = seen + 9;
+            const std::vector<uint8_t> k = random_bytes(kind, H * most * D, g), v = random_bytes(kind, H * most * D, g);
+            std::vector<float> q(H * R * D), want_out, want_lse, out, lse;
+            for (auto& x : q) x = (float)((int)(g() % 2001) - 1000) / 1000.0f;
+            for (int64_t h = 0; h < H; ++h)
+                for (int64_t r : {0, 2})
+                    for (int64_t d = 0; d < D; ++d)
+                        q[(h * R + r) * D + d] = value_at(kind, &k[(h * most + seen - 1) * D * eb], d);
+            auto keys = [&](const std::vector<uint8_t>& all, int64_t S) {  // each head's first S of `most` rows
+                std::vector<uint8_t> part(H * S * D * eb);
+                for (int64_t h = 0; h < H; ++h)
+                    std::memcpy(&part[h * S * D * eb], &all[h * most * D * eb], S * D * eb);
+                return part;
+            };
+            if (!decode(kind, H, R, seen, D, keys(k, seen), keys(v, seen), q, nullptr, want_out, want_lse)) ++wrong;
+            for (int64_t pad : {1, 2, 3, 9}) {
+                const int64_t S = seen + pad;
+                std::vector<uint8_t> visible(H * R * S);
+                for (int64_t i = 0; i < H * R * S; ++i) visible[i] = i % S < seen;
+                const bool ran = decode(kind, H, R, S, D, keys(k, S), keys(v, S), q, visible.data(), out, lse);
+                const bool same = ran && std::memcmp(out.data(), want_out.data(), out.size() * 4) == 0 &&
+                                  std::memcmp(lse.data(), want_lse.data(), lse.size() * 4) == 0;
+                if (!same && wrong++ < 10)
+                    printf("invariance: kind %d D %ld pad %ld differs\n", kind, (long)D, (long)pad);
+            }
+        }
     return wrong;
 }
 
@@ -211,9 +311,17 @@ int main(int argc, char** argv) {
                             printf("kind %d D %ld Dv %ld R %ld S %ld masked %d paged %d threads %d: %g of tolerance\n",
                                    kind, (long)t.D, (long)t.Dv, (long)R, (long)S, t.masked, t.paged, t.threads, err);
                     }
-    const int nan_wrong = check::nan_rows(g);
-    if (nan_wrong) printf("fp8 NaN codes: %d rows wrong\n", nan_wrong);
-    wrong += nan_wrong;
+    for (int64_t D : {36, 64}) {
+        const int nan_wrong = check::nan_rows(g, D);
+        if (nan_wrong) printf("fp8 NaN codes, D %ld: %d rows wrong\n", (long)D, nan_wrong);
+        wrong += nan_wrong;
+        for (int kind : {F32, F16}) {
+            const int bad = check::nonfinite_rows(g, kind, D);
+            if (bad) printf("non-finite keys, kind %d D %ld: %d rows wrong\n", kind, (long)D, bad);
+            wrong += bad;
+        }
+    }
+    wrong += check::invariance_cases(g);
     printf("lanes %d; %d cases, worst %.3f of tolerance; %d wrong\n", decode_native_lanes(), cases, worst, wrong);
     return wrong != 0;
 }

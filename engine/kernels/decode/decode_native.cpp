@@ -39,12 +39,31 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+// The vector paths, one per build, chosen by the compiler's target: AVX-512 (16 lanes), AVX2 + FMA + F16C (8) or
+// aarch64's NEON (4); without any, or with DN_PORTABLE defined (the tests' and `run.py bench builds`' plain path), the
+// portable C++ path (the compiler's own vectors).
+#if defined(DN_PORTABLE)
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define DN_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define DN_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define DN_NEON 1
+#endif
+#if DN_AVX512 || DN_AVX2 || DN_NEON
+#define DN_VECTORS 1
+#endif
+#ifndef DN_AVX512  // (0 where not chosen: the code's expressions read them too)
+#define DN_AVX512 0
+#endif
+#ifndef DN_AVX2
+#define DN_AVX2 0
+#endif
+#ifndef DN_NEON
+#define DN_NEON 0
 #endif
 // Keeps a vector in a register. GCC folds a load that several FMAs use into each of them: the scores' four-key pass
 // read each q vector, and each fp32 K vector, four times from L1. Kept, on an AVX-512 Zen 4 VM, one thread: from
@@ -432,13 +451,92 @@ inline vec vexp(vec x) {
     vec y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     return _mm256_and_ps(y, _mm256_cmp_ps(x0, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));  // e^-inf = 0
 }
+#elif DN_NEON
+constexpr int W = 4;
+using vec = float32x4_t;
+inline vec vzero() { return vdupq_n_f32(0.0f); }
+inline vec vset(float x) { return vdupq_n_f32(x); }
+inline vec vloadf(const float* p) { return vld1q_f32(p); }
+inline void vstore(float* p, vec x) { vst1q_f32(p, x); }
+inline vec vfma(vec a, vec b, vec c) { return vfmaq_f32(c, a, b); }
+inline vec vmul(vec a, vec b) { return vmulq_f32(a, b); }
+inline vec vand(vec a, vec b) {
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(a), vreinterpretq_u32_f32(b)));
+}
+// A vector's sum as (x0 + x1) + (x2 + x3), the order sums4 adds each of its vectors in: a key's score is bitwise the
+// same whichever pass computes it (batch invariance, as hsum1's on x86)
+inline float hsum1(vec x) { return vpadds_f32(vget_low_f32(vpaddq_f32(x, x))); }
+inline float vsum(vec x) { return hsum1(x); }
+// the sums of four vectors, lane k the sum of the k-th: three pairwise adds (a transposed reduction)
+inline vec sums4(vec a, vec b, vec c, vec d) { return vpaddq_f32(vpaddq_f32(a, b), vpaddq_f32(c, d)); }
+inline void hsum8(vec v0, vec v1, vec v2, vec v3, vec v4, vec v5, vec v6, vec v7, float* out) {
+    vst1q_f32(out, sums4(v0, v1, v2, v3));
+    vst1q_f32(out + 4, sums4(v4, v5, v6, v7));
+}
+// K and V are read 8 values a step (Item::STEP): one load of 16 bytes (bf16, fp16) or 8 (int8, fp8), as loaded here
+// (fp32's: where they lie), and its two vectors of 4 converted from it by neon_half: bf16 shifted up 16 bits, fp16 by
+// the CPU's conversion (exact, subnormals included), int8 widened twice and converted, fp8 e4m3 as e4m3_halves
+template <int K> struct NeonRaw { using type = int8x8_t; };
+template <> struct NeonRaw<F32> { using type = const float*; };
+template <> struct NeonRaw<BF16> { using type = uint16x8_t; };
+template <> struct NeonRaw<F16> { using type = uint16x8_t; };
+template <int K> inline typename NeonRaw<K>::type neon_load(const void* p, int64_t i) {
+    if constexpr (K == F32) return (const float*)p + i;
+    else if constexpr (K == BF16 || K == F16) return vld1q_u16((const uint16_t*)p + i);
+    else return vld1_s8((const int8_t*)p + i);
+}
+// e4m3_as_half_bits of 8 codes (AVX2's e4m3_half_bits: sign-extended, shifted left by 7, bit 14 cleared); where nan,
+// the NaN codes (the seven low bits set) as fp16 NaN
+inline uint16x8_t e4m3_halves(int8x8_t codes, bool nan) {
+    const uint16x8_t bits = vandq_u16(vshlq_n_u16(vreinterpretq_u16_s16(vmovl_s8(codes)), 7), vdupq_n_u16(0xBFFF));
+    if (__builtin_expect(!nan, 1)) return bits;
+    const uint16x8_t seven = vdupq_n_u16(0x3F80);
+    return vbslq_u16(vceqq_u16(vandq_u16(bits, seven), seven), vdupq_n_u16(0x7E00), bits);
+}
+inline vec half_pair(uint16x8_t bits, int h) {  // fp16 values 4 h .. 4 h + 3 of 8
+    const float16x8_t x = vreinterpretq_f16_u16(bits);
+    return h == 0 ? vcvt_f32_f16(vget_low_f16(x)) : vcvt_high_f32_f16(x);
+}
+template <int K> inline vec neon_half(const typename NeonRaw<K>::type& x, int h, bool nan) {
+    if constexpr (K == F32) {
+        return vld1q_f32(x + 4 * h);
+    } else if constexpr (K == BF16) {
+        return vreinterpretq_f32_u32(h == 0 ? vshll_n_u16(vget_low_u16(x), 16) : vshll_high_n_u16(x, 16));
+    } else if constexpr (K == F16) {
+        return half_pair(x, h);
+    } else if constexpr (K == I8) {
+        const int16x8_t w = vmovl_s8(x);
+        return vcvtq_f32_s32(h == 0 ? vmovl_s16(vget_low_s16(w)) : vmovl_high_s16(w));
+    } else {
+        return half_pair(e4m3_halves(x, nan), h);
+    }
+}
+inline vec vexp(vec x) {  // (AVX-512's vexp, step for step)
+    const vec x0 = x;
+    x = vmaxq_f32(vdupq_n_f32(-87.0f), x);
+    const vec n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(1.44269504f)));
+    vec r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));
+    r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+    vec p = vdupq_n_f32(1.0f / 720);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 120), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 24), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f / 6), p, r);
+    p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    const vec y = vmulq_f32(p, vreinterpretq_f32_s32(e));
+    return vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(y), vcgtq_f32(x0, vdupq_n_f32(-87.0f))));  // e^-inf 0
+}
 #endif
 
-#if DN_AVX512 || DN_AVX2
+#if DN_VECTORS
 constexpr int W_ = W;
 #else
 constexpr int W_ = 1;
 #endif
+// what D and Dv must be multiples of for the vector path (NEON's reads 8 values a step: two vectors)
+constexpr int64_t VECTOR_DIMS = DN_NEON ? 2 * W_ : W_;
 
 #if DN_AVX512 || DN_AVX2
 // The sums of eight vectors at once (a transposed reduction: 7 horizontal adds, not 8 separate reductions).
@@ -532,6 +630,22 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
 #endif
     top = _mm_max_epu8(top, _mm_max_epu8(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1)));
     return _mm_movemask_epi8(_mm_cmpeq_epi8(top, _mm_set1_epi8((char)0xFF))) != 0;
+#elif DN_NEON
+    const uint8x16_t sign = vdupq_n_u8(0x80);
+    uint8x16_t top = vdupq_n_u8(0), tops[4] = {top, top, top, top};
+    for (int jj = 0; jj < n; ++jj) {
+        const uint8_t* row = (const uint8_t*)rows[jj];
+        int64_t b = 0;
+        for (; b + 64 <= bytes; b += 64) {  // (one load of four vectors, four running maxima)
+            const uint8x16x4_t x = vld1q_u8_x4(row + b);
+            for (int i = 0; i < 4; ++i) tops[i] = vmaxq_u8(tops[i], vorrq_u8(x.val[i], sign));
+        }
+        for (; b + 16 <= bytes; b += 16) top = vmaxq_u8(top, vorrq_u8(vld1q_u8(row + b), sign));
+        for (; b < bytes; ++b)  // (the plain path's rows: D need not be a multiple of 16)
+            if ((row[b] | 0x80) == 0xFF) return true;
+    }
+    top = vmaxq_u8(vmaxq_u8(top, tops[0]), vmaxq_u8(vmaxq_u8(tops[1], tops[2]), tops[3]));
+    return vmaxvq_u8(top) == 0xFF;
 #else
     uint8_t top = 0;
     for (int jj = 0; jj < n; ++jj) {
@@ -1152,6 +1266,12 @@ struct Item {
 #endif
             return load_at(x.row, x.d, h, nan);
     }
+#elif DN_NEON
+    // 8 values a step, two vectors from one load (neon_load, neon_half): D and Dv multiples of 8 (VECTOR_DIMS)
+    static constexpr int STEP = 2;
+    using Raw = typename NeonRaw<KIND>::type;
+    static Raw raw_at(const void* row, int64_t d) { return neon_load<KIND>(row, d); }
+    static vec from_raw(const Raw& x, int h, bool nan) { return neon_half<KIND>(x, h, nan); }
 #endif
     static constexpr int64_t elem_size() { return kind_bytes(KIND); }
 
@@ -1343,11 +1463,12 @@ struct Item {
         const bool nan = nan_codes;
         int jj = 0;
         if constexpr (SIMD) {
-#if DN_AVX512
-            // four keys per pass where 32 registers hold the 16 sums: a q vector loaded serves 4 keys (many rows,
-            // as a shared prefix's pass has, are bound by these loads, not by memory). 2 or 3 rows too: their sums
-            // in hsum16_rows' one transposed reduction cost less than hsum1's one by one (AVX-512 Zen 4 VM, one
-            // thread: 3 rows of D 64 over 128 keys in cache 0.88x the time; from DRAM, D 128, 2 / 3 rows 0.90-0.97x)
+#if DN_AVX512 || DN_NEON
+            // four keys per pass where 32 registers hold the 16 sums (AVX-512's, NEON's): a q vector loaded serves
+            // 4 keys (many rows, as a shared prefix's pass has, are bound by these loads, not by memory). 2 or 3 rows
+            // too: their sums in one transposed reduction (store_sums) cost less than hsum1's one by one (AVX-512 Zen
+            // 4 VM, one thread: 3 rows of D 64 over 128 keys in cache 0.88x the time; from DRAM, D 128, 2 / 3 rows
+            // 0.90-0.97x)
             if constexpr (N >= 2) {
 #if DN_BF16_DOT
                 // q and K as bf16: 32 channels of a row and a key in one vdpbf16ps (each lane sums two products)
@@ -1405,7 +1526,7 @@ struct Item {
                 }
             }
 #endif
-#if DN_AVX512 || DN_AVX2
+#if DN_VECTORS
             for (; jj + 2 <= n; jj += 2) {
                 const void* k0 = krows[jj];
                 const void* k1 = krows[jj + 1];
@@ -1509,6 +1630,15 @@ struct Item {
         }
     }
 #endif
+#if DN_NEON
+    // the four-key pass's [key][row] sums into s, times each key's scale: a row's four keys in one vector (sums4)
+    template <int N>
+    void store_sums(const vec (&a)[4][4], int64_t r0, int jj) {
+        const vec units = vld1q_f32(&kunit[jj]);
+        for (int r = 0; r < N; ++r)
+            vst1q_f32(&s[(r0 + r) * BLOCK + jj], vmulq_f32(sums4(a[0][r], a[1][r], a[2][r], a[3][r]), units));
+    }
+#endif
 #if DN_AVX512
     // the four-key pass's [key][row] sums into s, times each key's scale, N rows of four keys stored at once
     template <int N>
@@ -1523,7 +1653,8 @@ struct Item {
     }
 #endif
 
-    static constexpr int TILE = W_ == 16 ? 4 : 2;  // vectors of Dv per row in registers (AVX2 has 16 of them)
+    // vectors of Dv per row in registers: 4 with AVX-512's or NEON's 32 registers, 2 with AVX2's 16
+    static constexpr int TILE = W_ == 16 || W_ == 4 ? 4 : 2;
 
     // the score tiles' unit kept awake between the value passes' register tiles (score_tiles_step)
     DN_INLINE void awake_between_tiles() {
@@ -1611,7 +1742,7 @@ struct Item {
     // block's rows asked for every ask_mask + 1 keys)
     template <int N, bool MASKED, int TILES, bool ASK = false>
     void accumulate_tile(int64_t r0, int n, int64_t d0) {
-#if DN_AVX512 || DN_AVX2
+#if DN_VECTORS
         const int64_t Dv = o.Dv;
         const bool nan = nan_codes;
         float* acc = part.acc;
@@ -1648,6 +1779,8 @@ struct Item {
     static vec _add(vec a, vec b) { return _mm512_add_ps(a, b); }
 #elif DN_AVX2
     static vec _add(vec a, vec b) { return _mm256_add_ps(a, b); }
+#elif DN_NEON
+    static vec _add(vec a, vec b) { return vaddq_f32(a, b); }
 #endif
 
     template <int N>
@@ -1675,7 +1808,7 @@ struct Item {
         const int64_t rest = o.R % NR;
         const int passes = (int)(o.R / NR), asking_passes = passes > 0 ? passes : rest > 0;
         // (scores_rows' passes: the portable path's one key each)
-        const int scores_steps = !SIMD ? n : W_ == 16 && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;
+        const int scores_steps = !SIMD ? n : W_ != 8 && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;
         if (scores) {
             const int values_steps = values_ask ? n / (ask_mask + 1) * (int)(o.Dv / W_ / TILE) : 0;
             const int steps = asking_passes * scores_steps + values_steps + 1;
@@ -1758,6 +1891,16 @@ struct Item {
         h = _mm_max_ss(h, _mm_movehdup_ps(h));
         out = _mm_cvtss_f32(h);
         return _mm256_movemask_ps(ok) == 0xFF;
+#elif DN_NEON
+        vec m = vld1q_f32(sr);
+        uint32x4_t ok = vdupq_n_u32(~0u);
+        for (int jj = 0; jj < BLOCK; jj += W) {
+            const vec x = vld1q_f32(sr + jj);
+            ok = vandq_u32(ok, vceqq_f32(vsubq_f32(x, x), vdupq_n_f32(0.0f)));  // x - x = 0: finite
+            m = vmaxq_f32(m, x);
+        }
+        out = vmaxvq_f32(m);
+        return vminvq_u32(ok) == ~0u;
 #else
         (void)sr;
         (void)out;
@@ -1796,7 +1939,7 @@ struct Item {
             }
             const float alpha = m_new > m_old ? std::exp(m_old - m_new) : 1.0f;  // 0 when m_old = -inf
             float sum = 0.0f;
-#if DN_AVX512 || DN_AVX2
+#if DN_VECTORS
             if (SIMD) {
                 vec mv = vset(m_new);
                 vec acc = vzero();
@@ -1839,6 +1982,8 @@ struct Item {
     static vec _sub(vec a, vec b) { return _mm512_sub_ps(a, b); }
 #elif DN_AVX2
     static vec _sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+#elif DN_NEON
+    static vec _sub(vec a, vec b) { return vsubq_f32(a, b); }
 #endif
     static bool _bits(float x) {
         uint32_t b;
@@ -2556,7 +2701,7 @@ extern "C" {
 // The vector width this build uses (16: AVX-512, 8: AVX2 + FMA + F16C, 1: the portable C++, vectorised by the
 // compiler).
 int decode_native_lanes() {
-#if DN_AVX512 || DN_AVX2
+#if DN_VECTORS
     return W;
 #else
     return 1;
@@ -2676,8 +2821,8 @@ int decode_native(const DecodeCall* call) {
         widen_bf16_row((const uint16_t*)c.q + at, row_wide.data, D);
         return row_wide.data;
     };
-#if DN_AVX512 || DN_AVX2
-    const bool simd = D % W == 0 && Dv % W == 0;
+#if DN_VECTORS
+    const bool simd = D % VECTOR_DIMS == 0 && Dv % VECTOR_DIMS == 0;
 #else
     const bool simd = false;
 #endif
@@ -2703,7 +2848,8 @@ int decode_native(const DecodeCall* call) {
 #else
     const bool bf16_tiles = false, q_tiled = false;
 #endif
-    const bool pairs = simd && kind == BF16 && D % PAIR == 0 && Dv % PAIR == 0 && !bf16_tiles;  // read as BF16_PAIRS
+    const bool pairs = (DN_AVX512 || DN_AVX2) && simd && kind == BF16 && D % PAIR == 0 && Dv % PAIR == 0 &&
+                       !bf16_tiles;  // read as BF16_PAIRS (x86's vectors)
 #if DN_F8_WORDS
     const bool words = simd && kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0 && !bf16_tiles;  // read as F8_WORDS
 #else

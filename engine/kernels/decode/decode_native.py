@@ -3,7 +3,7 @@
 Decode reads the whole KV cache for a few queries, so its time is the cache's bytes over the memory bandwidth. This
 kernel (``decode_native.cpp``, built by ``native_build``) reads each K/V row once for all ``R = G * T`` query rows of
 its KV head, converts it to fp32 in registers (bf16, fp16, int8, fp8), computes the R scores, updates an online
-softmax and adds the R weighted rows, in blocks of 64 keys (AVX-512, AVX2 or portable C++: ``vector_path``); each
+softmax and adds the R weighted rows, in blocks of 64 keys (AVX-512, AVX2, NEON or portable C++: ``vector_path``); each
 sequence's keys are cut into work items at multiples of 2,048 positions (``SPLIT`` in the source), shared out to
 the threads and merged by log-sum-exp in order, so a row's result depends on its own keys alone: bitwise the same
 whatever else shares the batch, however many threads run it, contiguous or paged (batch invariance)::

@@ -49,15 +49,18 @@ SOURCE = Path(__file__).with_name("decode_native.cpp")
 # -fopenmp: the kernel's threads are torch's OpenMP workers (the libgomp.so.1 torch has loaded serves this library too)
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fopenmp")
 # The other vector paths, built on this CPU for the tests and for ``run.py bench builds``: each path's flags in place
-# of -march=native (the cached build takes the widest this CPU has; a CPU without AVX-512, or without AVX2, or not
-# x86 at all, runs one of the others), and the CPU flags it needs. The plain path is the kernel's portable C++ (its
-# ``omp simd`` loops made vectors by the compiler: SSE2's here, NEON's on Arm).
+# of -march=native (the cached build takes the widest this CPU has; a CPU without AVX-512, or without AVX2, runs one
+# of the others; an aarch64 one NEON's), and the CPU flags it needs. The plain path is the kernel's portable C++
+# (DN_PORTABLE: its ``omp simd`` loops made vectors by the compiler, SSE2's on x86-64, NEON's on Arm).
 VECTOR_PATHS = {
     "avx512": (("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"), ("avx512f", "avx512bw",
                                                                                           "avx512dq")),
     "avx2": (("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
-    "plain": ((), ()),
+    "neon": ((), ("asimd",)),  # (every aarch64 CPU: its compilers' default target)
+    "plain": (("-DDN_PORTABLE",), ()),
 }
+# lanes of each vector path's build, and what D and Dv must be multiples of for it (NEON reads two vectors a step)
+LANES = {16: ("AVX-512", 16), 8: ("AVX2", 8), 4: ("NEON", 8)}
 DISABLE_ENV = "ATTENTION_ENGINE_NATIVE"
 # A compiler without OpenMP's runtime (clang without libomp, Apple's among them) refuses -fopenmp: the library is then
 # built without it, its runs on threads of its own (std::thread) and its `omp simd` loops still the compiler's vectors
@@ -162,8 +165,10 @@ def f8_words_built() -> bool:
 @functools.cache
 def cpu_lanes() -> int:
     """The vector width the ``-march=native`` build has on this CPU (builds nothing): 16 (AVX-512), 8 (AVX2 + FMA +
-    F16C) or 1 (the portable C++: any other CPU)."""
+    F16C), 4 (aarch64's NEON) or 1 (the portable C++: any other CPU)."""
     x86 = platform.machine() in ("x86_64", "AMD64")
+    if platform.machine() in ("aarch64", "arm64"):
+        return 4
     return 16 if x86 and not path_missing("avx512") else 8 if x86 and not path_missing("avx2") else 1
 
 
@@ -172,12 +177,13 @@ def vector_path(d: int, dv: int) -> str:
     loaded library's width, else the one this CPU's flags give the build)."""
     library = loaded_native()
     lanes = library.lanes if library is not None else cpu_lanes()
-    name = {16: "AVX-512", 8: "AVX2"}.get(lanes)
     portable = "the portable C++ path (its loops the compiler's own vectors)"
-    if name is None:
-        return f"{portable}: no AVX-512 or AVX2 here"
-    if d % lanes or dv % lanes:
-        return f"{portable}: D {d} / Dv {dv} not both multiples of {name}'s {lanes} lanes (slower than {name})"
+    if lanes not in LANES:
+        return f"{portable}: no AVX-512, AVX2 or NEON here"
+    name, multiple = LANES[lanes]
+    if d % multiple or dv % multiple:
+        what = f"{name}'s {lanes} lanes" if multiple == lanes else f"{multiple} ({name}'s {lanes} lanes, two at a time)"
+        return f"{portable}: D {d} / Dv {dv} not both multiples of {what} (slower than {name})"
     return f"{name} vectors ({lanes} lanes)"
 
 

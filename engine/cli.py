@@ -27,6 +27,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "overhead"), "lab.bench.overhead", "per-call cost and generate tokens/s vs PyTorch SDPA"),
     (("bench", "paged"), "lab.bench.paged", "decode over a paged KV cache vs the same keys contiguous"),
     (("bench", "builds"), "lab.bench.builds", "builds of the native decode kernel timed against each other"),
+    (("bench", "arm"), "lab.bench.arm", "the decode kernel's aarch64 build under qemu: NEON vs portable, in "
+     "instructions"),
     (("bench", "sparse"), "lab.bench.sparse", "top-k sparse attention (key_indices) vs SDPA with the dense mask"),
     (("bench", "latent"), "lab.bench.latent", "absorbed-MLA decode over a latent cache vs rows apart, expanded"),
     (("bench", "tiles"), "lab.bench.tiles", "calls of many rows a KV head with and without the AMX-BF16 tiles"),

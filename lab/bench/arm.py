@@ -10,7 +10,8 @@ leaves out how many an Arm core issues a cycle, its memory and the latency of ea
 asks of the CPU, and what a change adds or saves.
 
     python run.py bench arm                     # fp32, bf16, fp16, int8, fp8; contiguous and pages of 16: ~2 min
-    python run.py bench arm --kinds bf16 --keys 1k --quick
+    python run.py bench arm --against HEAD      # the NEON path of HEAD's source too: what a change adds or saves
+    python run.py bench arm --kinds bf16 --quick
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engine.kernels.decode import native_build
 from lab import plots
+from lab.bench.builds import source_at
 from lab.measure import format_table, machine_info, progress, save_results
 from lab.options import add_common, parse_count, parse_counts, positive_int
 
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "16,256 (default 16; '' for none)")
     parser.add_argument("--calls", type=positive_int, default=4, help="calls counted past the first (default 4; 1 "
                         "with --quick)")
+    parser.add_argument("--against", metavar="REV", help="also count the NEON path of decode_native.cpp at git "
+                        "revision REV (e.g. HEAD)")
 
 
 def missing_tools() -> list[str]:
@@ -57,13 +60,19 @@ def _run(command: list[str]) -> subprocess.CompletedProcess:
     return done
 
 
-def build(folder: Path) -> tuple[Path, dict[str, Path]]:
-    """The plugin (host cc) and the driver for each path (cross g++), built side by side."""
+def build(folder: Path, against: str | None) -> tuple[Path, dict[str, Path]]:
+    """The plugin (host cc) and a driver for each build (cross g++): the working tree's source on the portable and the
+    NEON path, and with ``against``, that revision's on the NEON path; built side by side."""
     plugin = folder / "libqemu_icount.so"
-    drivers = {path: folder / f"decode_driver_{path}" for path in PATHS}
+    builds = dict(PATHS)
+    if against:
+        old = folder / "against.cpp"
+        old.write_text(source_at(against))
+        builds[f"neon at {against}"] = (f'-DKERNEL_SOURCE="{old}"',)
+    drivers = {name: folder / f"decode_driver_{index}" for index, name in enumerate(builds)}
     commands = [["cc", "-shared", "-fPIC", "-O2", str(HERE / "qemu_icount.c"), "-o", str(plugin)]]
     commands += [[CXX, "-O3", "-std=c++17", "-pthread", "-march=armv8-a", "-fopenmp", "-Wno-psabi", *flags,
-                  str(HERE / "decode_driver.cpp"), "-o", str(drivers[path])] for path, flags in PATHS.items()]
+                  str(HERE / "decode_driver.cpp"), "-o", str(drivers[name])] for name, flags in builds.items()]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(_run, commands))
     return plugin, drivers
@@ -103,24 +112,28 @@ def main(args: argparse.Namespace) -> int:
     cases = [(kind, layout, page) for kind in kinds for layout, page in layouts]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-arm-") as folder:
-        print("building the plugin and the aarch64 driver (NEON and portable paths): ~30 s")
-        plugin, drivers = build(Path(folder))
+        print("building the plugin and the aarch64 drivers (the NEON and portable paths): ~30 s a build")
+        plugin, drivers = build(Path(folder), args.against)
         with ThreadPoolExecutor(2) as pool:
             for kind, layout, page in progress(cases, "bench arm", quiet=args.quiet):
-                runs = {path: pool.submit(per_key_head, plugin, drivers[path], KINDS[kind], keys, page, calls)
-                        for path in PATHS}
-                counted = {path: run.result() for path, run in runs.items()}
-                rows.append({"kind": kind, "layout": layout, "portable": counted["portable"],
-                             "neon": counted["neon"], "neon / portable": counted["neon"] / counted["portable"]})
+                runs = {name: pool.submit(per_key_head, plugin, driver, KINDS[kind], keys, page, calls)
+                        for name, driver in drivers.items()}
+                counted = {name: run.result() for name, run in runs.items()}
+                row = {"kind": kind, "layout": layout, **counted, "neon / portable": counted["neon"] /
+                       counted["portable"]}
+                if args.against:
+                    row[f"neon / at {args.against}"] = counted["neon"] / counted[f"neon at {args.against}"]
+                rows.append(row)
     print("\nInstructions per key and KV head (aarch64 under qemu; B 1, Hq 32 / Hkv 8, D 128, "
           f"{keys} keys, one thread):")
     print(format_table(rows))
-    meta = {**machine_info(), "keys": keys, "calls": calls, "compiler": _version(CXX), "qemu": _version(QEMU),
-            "flags": "-O3 -std=c++17 -march=armv8-a -fopenmp", "source": str(native_build.SOURCE)}
+    meta = {**machine_info(), "keys": keys, "calls": calls, "against": args.against, "compiler": _version(CXX),
+            "qemu": _version(QEMU),
+            "flags": "-O3 -std=c++17 -march=armv8-a -fopenmp"}
     paths = save_results(args.out, "arm", rows, meta)
     fig, (ax,) = plots.figure(width=7.0)
     labels = [f"{r['kind']}, {r['layout']}" for r in rows]
-    plots.grouped_bars(ax, labels, {"portable": [r["portable"] for r in rows], "neon": [r["neon"] for r in rows]})
+    plots.grouped_bars(ax, labels, {name: [r[name] for r in rows] for name in drivers})
     ax.set_ylim(bottom=0)
     ax.set_ylabel("instructions per key and KV head")
     ax.set_title("decode_native on aarch64 (qemu): NEON vs portable C++", fontsize=9)

@@ -3,7 +3,12 @@
 // shuffled pages [pages, page, H, D]. The data are random, finite and fixed by a seed.
 //
 //     decode_driver KIND S PAGE CALLS      (KIND 0-4: fp32, bf16, fp16, int8, fp8 e4m3; PAGE 0: contiguous)
-#include "../../../engine/kernels/decode/decode_native.cpp"
+//
+// The kernel's source is the working tree's, or KERNEL_SOURCE's (a quoted path: another revision's).
+#ifndef KERNEL_SOURCE
+#define KERNEL_SOURCE "../../../engine/kernels/decode/decode_native.cpp"
+#endif
+#include KERNEL_SOURCE
 
 #include <cstdio>
 #include <cstdlib>

@@ -537,6 +537,8 @@ constexpr int W_ = 1;
 #endif
 // what D and Dv must be multiples of for the vector path (NEON's reads 8 values a step: two vectors)
 constexpr int64_t VECTOR_DIMS = DN_NEON ? 2 * W_ : W_;
+// whether the scores have the four-key pass (32 registers: AVX-512's, NEON's), else two keys a pass at most
+constexpr bool FOUR_KEYS = DN_AVX512 || DN_NEON;
 
 #if DN_AVX512 || DN_AVX2
 // The sums of eight vectors at once (a transposed reduction: 7 horizontal adds, not 8 separate reductions).
@@ -1654,7 +1656,7 @@ struct Item {
 #endif
 
     // vectors of Dv per row in registers: 4 with AVX-512's or NEON's 32 registers, 2 with AVX2's 16
-    static constexpr int TILE = W_ == 16 || W_ == 4 ? 4 : 2;
+    static constexpr int TILE = FOUR_KEYS ? 4 : 2;
 
     // the score tiles' unit kept awake between the value passes' register tiles (score_tiles_step)
     DN_INLINE void awake_between_tiles() {
@@ -1808,7 +1810,7 @@ struct Item {
         const int64_t rest = o.R % NR;
         const int passes = (int)(o.R / NR), asking_passes = passes > 0 ? passes : rest > 0;
         // (scores_rows' passes: the portable path's one key each)
-        const int scores_steps = !SIMD ? n : W_ != 8 && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;
+        const int scores_steps = !SIMD ? n : FOUR_KEYS && passes > 0 ? n / 4 + n % 4 / 2 : n / 2;
         if (scores) {
             const int values_steps = values_ask ? n / (ask_mask + 1) * (int)(o.Dv / W_ / TILE) : 0;
             const int steps = asking_passes * scores_steps + values_steps + 1;
@@ -2698,8 +2700,8 @@ int64_t heads_in_turn(const Operands& o, int64_t elem, bool tiles) {
 
 extern "C" {
 
-// The vector width this build uses (16: AVX-512, 8: AVX2 + FMA + F16C, 1: the portable C++, vectorised by the
-// compiler).
+// The vector width this build uses (16: AVX-512, 8: AVX2 + FMA + F16C, 4: NEON, 1: the portable C++, vectorised by
+// the compiler).
 int decode_native_lanes() {
 #if DN_VECTORS
     return W;

@@ -24,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from lab import plots
-from lab.bench.builds import source_at
 from lab.measure import format_table, machine_info, progress, save_results
 from lab.options import add_common, parse_count, parse_counts, positive_int
+from lab.revisions import source_at
 
 HERE = Path(__file__).with_name("arm")
 CXX, QEMU, SYSROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-linux-gnu"
@@ -128,8 +128,7 @@ def main(args: argparse.Namespace) -> int:
           f"{keys} keys, one thread):")
     print(format_table(rows))
     meta = {**machine_info(), "keys": keys, "calls": calls, "against": args.against, "compiler": _version(CXX),
-            "qemu": _version(QEMU),
-            "flags": "-O3 -std=c++17 -march=armv8-a -fopenmp"}
+            "qemu": _version(QEMU), "flags": "-O3 -std=c++17 -march=armv8-a -fopenmp"}
     paths = save_results(args.out, "arm", rows, meta)
     fig, (ax,) = plots.figure(width=7.0)
     labels = [f"{r['kind']}, {r['layout']}" for r in rows]

@@ -28,7 +28,6 @@ import argparse
 import functools
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +53,7 @@ from lab.measure import (
     save_results,
 )
 from lab.options import add_common, apply_threads, parse_count, parse_counts, positive_int
+from lab.revisions import source_at
 
 SWITCHED = (decode_native, native_paged, native_paged_listed)  # the modules whose load_native a build stands in for
 KINDS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
@@ -108,15 +108,6 @@ def load_build(label: str, path: Path) -> Build:
 
     build.library.decode = counted
     return build
-
-
-def source_at(revision: str) -> str:
-    """decode_native.cpp's text at a git revision of this checkout."""
-    done = subprocess.run(["git", "show", f"{revision}:./{native_build.SOURCE.name}"], capture_output=True, text=True,
-                          timeout=60, cwd=native_build.SOURCE.parent)  # (./: relative to the source's folder)
-    if done.returncode != 0:
-        raise SystemExit(f"bench builds: no decode_native.cpp at {revision!r}: {done.stderr.strip()}")
-    return done.stdout
 
 
 def builds_from(args: argparse.Namespace, folder: Path) -> list[Build]:

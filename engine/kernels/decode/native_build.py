@@ -59,8 +59,7 @@ VECTOR_PATHS = {
     "neon": ((), ("asimd",)),  # (every aarch64 CPU: its compilers' default target)
     "plain": (("-DDN_PORTABLE",), ()),
 }
-# lanes of each vector path's build, and what D and Dv must be multiples of for it (NEON reads two vectors a step)
-LANES = {16: ("AVX-512", 16), 8: ("AVX2", 8), 4: ("NEON", 8)}
+LANES = {16: ("AVX-512", 16), 8: ("AVX2", 8), 4: ("NEON", 8)}  # each build's lanes: its name, D's and Dv's multiple
 DISABLE_ENV = "ATTENTION_ENGINE_NATIVE"
 # A compiler without OpenMP's runtime (clang without libomp, Apple's among them) refuses -fopenmp: the library is then
 # built without it, its runs on threads of its own (std::thread) and its `omp simd` loops still the compiler's vectors
@@ -166,10 +165,8 @@ def f8_words_built() -> bool:
 def cpu_lanes() -> int:
     """The vector width the ``-march=native`` build has on this CPU (builds nothing): 16 (AVX-512), 8 (AVX2 + FMA +
     F16C), 4 (aarch64's NEON) or 1 (the portable C++: any other CPU)."""
-    x86 = platform.machine() in ("x86_64", "AMD64")
-    if platform.machine() in ("aarch64", "arm64"):
-        return 4
-    return 16 if x86 and not path_missing("avx512") else 8 if x86 and not path_missing("avx2") else 1
+    x86, arm = platform.machine() in ("x86_64", "AMD64"), platform.machine() in ("aarch64", "arm64")
+    return 4 if arm else 16 if x86 and not path_missing("avx512") else 8 if x86 and not path_missing("avx2") else 1
 
 
 def vector_path(d: int, dv: int) -> str:
@@ -181,7 +178,7 @@ def vector_path(d: int, dv: int) -> str:
     if lanes not in LANES:
         return f"{portable}: no AVX-512, AVX2 or NEON here"
     name, multiple = LANES[lanes]
-    if d % multiple or dv % multiple:
+    if d % multiple or dv % multiple:  # (NEON: multiples of 8, "8 (NEON's 4 lanes, two at a time)")
         what = f"{name}'s {lanes} lanes" if multiple == lanes else f"{multiple} ({name}'s {lanes} lanes, two at a time)"
         return f"{portable}: D {d} / Dv {dv} not both multiples of {what} (slower than {name})"
     return f"{name} vectors ({lanes} lanes)"

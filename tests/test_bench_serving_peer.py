@@ -16,6 +16,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -215,6 +216,23 @@ def test_a_server_that_never_becomes_ready_is_stopped_with_a_clear_error(tmp_pat
         server.start()
     assert time.monotonic() - start < 30  # the timeout, then SIGINT ends it at once
     assert "loading" in str(error.value)  # the end of its log
+    assert server.process is None
+
+
+def test_a_server_started_with_sigint_ignored_is_stopped_at_once(tmp_path):
+    # under nohup (or in a script's background) SIGINT is ignored, and a child inherits that: stop() sends SIGTERM
+    port = free_ports(1)[0]
+    server = ServerProcess([sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(120)"],
+                           f"http://127.0.0.1:{port}", tmp_path / "ignored.log", ready_timeout=0.5)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="was not ready"):
+            server.start()
+        assert time.monotonic() - start < 10  # (SIGINT first: 20 s of grace)
+    finally:
+        signal.signal(signal.SIGINT, before)
+        server.stop()
     assert server.process is None
 
 

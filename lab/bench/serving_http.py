@@ -135,10 +135,15 @@ class ServerProcess:
         return None if self.process is None or self.process.poll() is not None else self.process.pid
 
     def stop(self) -> None:
-        """Its process group: SIGINT, then SIGTERM, then SIGKILL, each given time to end it."""
+        """Its process group: SIGINT, then SIGTERM, then SIGKILL, each given time to end it. Where this process ignores
+        SIGINT (started by nohup, or in the background of a shell script), the server inherited that and would sit out
+        SIGINT's grace: SIGTERM comes first."""
         if self.process is None:
             return
-        for sent, grace in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        steps = [(signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)]
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            steps = steps[1:]
+        for sent, grace in steps:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sent)
             with contextlib.suppress(subprocess.TimeoutExpired):

@@ -634,7 +634,7 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
     return _mm_movemask_epi8(_mm_cmpeq_epi8(top, _mm_set1_epi8((char)0xFF))) != 0;
 #elif DN_NEON
     const uint8x16_t sign = vdupq_n_u8(0x80);
-    uint8x16_t top = vdupq_n_u8(0), tops[4] = {top, top, top, top};
+    uint8x16_t tops[4] = {vdupq_n_u8(0), vdupq_n_u8(0), vdupq_n_u8(0), vdupq_n_u8(0)};
     for (int jj = 0; jj < n; ++jj) {
         const uint8_t* row = (const uint8_t*)rows[jj];
         int64_t b = 0;
@@ -642,12 +642,11 @@ inline bool e4m3_nan_codes(const char* const* rows, int n, int64_t bytes) {
             const uint8x16x4_t x = vld1q_u8_x4(row + b);
             for (int i = 0; i < 4; ++i) tops[i] = vmaxq_u8(tops[i], vorrq_u8(x.val[i], sign));
         }
-        for (; b + 16 <= bytes; b += 16) top = vmaxq_u8(top, vorrq_u8(vld1q_u8(row + b), sign));
+        for (; b + 16 <= bytes; b += 16) tops[0] = vmaxq_u8(tops[0], vorrq_u8(vld1q_u8(row + b), sign));
         for (; b < bytes; ++b)  // (the plain path's rows: D need not be a multiple of 16)
             if ((row[b] | 0x80) == 0xFF) return true;
     }
-    top = vmaxq_u8(vmaxq_u8(top, tops[0]), vmaxq_u8(vmaxq_u8(tops[1], tops[2]), tops[3]));
-    return vmaxvq_u8(top) == 0xFF;
+    return vmaxvq_u8(vmaxq_u8(vmaxq_u8(tops[0], tops[1]), vmaxq_u8(tops[2], tops[3]))) == 0xFF;
 #else
     uint8_t top = 0;
     for (int jj = 0; jj < n; ++jj) {

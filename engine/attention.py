@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import torch
 
+from engine.inputs import check_positions
 from engine.masks.window import window_mask
 from engine.modifiers import ScoreMod
 from engine.planning import plan_for_call, plan_for_shapes
+from engine.quantized import QuantizedKV
 from engine.relative_bias import RelativePositionBias
 
 __all__ = ["causal_attention", "split_heads", "merge_heads", "window_mask"]
@@ -99,12 +101,49 @@ def causal_attention(
              and alibi_slopes is None and bias is None and score_mod is None and not dropout_p and key_indices is None)
     if plain:  # only shapes decide: the plan made for the first call of these shapes serves this one
         call_plan = plan_for_shapes(q, k, v, scale, causal, softcap, kernel)
+    elif (allowed is None and sinks is None and alibi_slopes is None and bias is None and score_mod is None
+          and not dropout_p and key_indices is None and causal is True
+          and hides_no_key(q, k, query_positions, key_positions)):  # positions that decide nothing: shapes decide
+        call_plan = plan_for_shapes(q, k, v, scale, False, softcap, kernel)
     else:
         call_plan = plan_for_call(q, k, v, query_positions, key_positions, allowed, scale, causal=causal,
                                   softcap=softcap, kernel=kernel, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,
                                   score_mod=score_mod, dropout_p=dropout_p, generator=generator,
                                   **({} if key_indices is None else {"key_indices": key_indices}))
     return call_plan.run(q, k, v, return_lse=return_lse)
+
+
+def hides_no_key(q, k, query_positions: torch.Tensor | None, key_positions: torch.Tensor | None) -> bool:
+    """True when the rule hides no key from any query: in each row, the greatest key position is at most the least
+    query position (a decode step at the end of its cache, its positions passed as a model's layers pass them). Such
+    a call is the same call with ``causal=False`` (the same kernel, the same results), whose plan is made once for
+    its shapes; four small reductions decide it. False for anything else, bad input included (the full planning
+    names what is wrong)."""
+    if not (type(q) is torch.Tensor and isinstance(k, (torch.Tensor, QuantizedKV)) and q.dim() == 4 and k.dim() == 4):
+        return False
+    batch, _, t, _ = q.shape
+    s = k.shape[2]
+    if t == 0 or s == 0:
+        return False
+    try:  # (validated as the full planning does; a bad argument is left to it, to be named)
+        first_query = _bound(query_positions, batch, t, s - t, "query_positions", torch.amin, q.device)  # [B] or int
+        last_key = _bound(key_positions, batch, s, 0, "key_positions", torch.amax, q.device)
+    except ValueError:
+        return False
+    if isinstance(first_query, int) and isinstance(last_key, int):
+        return last_key <= first_query
+    return bool((torch.as_tensor(last_key) <= first_query).all())
+
+
+def _bound(positions, batch: int, length: int, start: int, name: str, reduce, device: torch.device):
+    """``reduce`` (amin / amax) of each row's positions: an int where every row has the same positions (default ones
+    read off the shapes), else ``[B]``."""
+    if positions is None:
+        return start if reduce is torch.amin else start + length - 1
+    check_positions(positions, batch, length, name)
+    if positions.dim() == 1 or batch == 1:
+        return int(reduce(positions))
+    return reduce(positions.to(device, torch.long), dim=-1)  # [B]
 
 
 def split_heads(x: torch.Tensor, num_heads: int) -> torch.Tensor:

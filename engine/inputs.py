@@ -232,6 +232,13 @@ def resolve_positions(
     """Return int64 positions of shape ``[B, length]``; ``None`` means ``start .. start+length-1``."""
     if positions is None:
         return torch.arange(start, start + length, device=device).expand(batch, length)  # [B, L]
+    check_positions(positions, batch, length, name)
+    return positions.to(device=device, dtype=torch.long).expand(batch, length)  # [B, L]
+
+
+def check_positions(positions: object, batch: int, length: int, name: str) -> None:
+    """ValueError unless ``positions`` is an integer tensor of shape ``[length]`` or ``[batch, length]`` with values
+    (not a meta tensor)."""
     if not isinstance(positions, torch.Tensor):
         raise ValueError(f"{name} must be an integer tensor of shape [{length}] or [{batch}, {length}], "
                          f"got {type(positions).__name__}")
@@ -239,11 +246,9 @@ def resolve_positions(
         raise ValueError(f"{name} must have an integer dtype, got {positions.dtype}")
     if positions.device.type == "meta":
         raise ValueError(f"{name} is a meta tensor: positions need values (got device {positions.device})")
-    if positions.dim() == 1 and positions.shape[0] == length:
-        return positions.to(device=device, dtype=torch.long).expand(batch, length)  # [B, L]
-    if positions.dim() == 2 and tuple(positions.shape) == (batch, length):
-        return positions.to(device=device, dtype=torch.long)  # [B, L]
-    raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got {tuple(positions.shape)}")
+    if not ((positions.dim() == 1 and positions.shape[0] == length)
+            or (positions.dim() == 2 and tuple(positions.shape) == (batch, length))):
+        raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got {tuple(positions.shape)}")
 
 
 def check_allowed(allowed: torch.Tensor | StructuredMask, full: tuple[int, int, int, int]) -> None:

@@ -218,7 +218,8 @@ def plan_for_shapes(q, k, v, scale=None, causal: bool = True, softcap: float | N
                     kernel: str = "auto") -> AttentionPlan:
     """The plan of a call with default positions and no mask or modifier, where shapes decide everything: made on
     the first call with this signature, kept (at most PLAN_CACHE_SIZE of them) and reused."""
-    if not (_plain_number(scale) and _plain_number(softcap) and isinstance(causal, bool) and isinstance(kernel, str)):
+    if not (_plain_number(scale) and _plain_number(softcap) and isinstance(causal, bool) and isinstance(kernel, str)
+            and isinstance(q, torch.Tensor) and isinstance(k, TENSORS) and isinstance(v, TENSORS)):
         return plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap,
                              kernel=kernel)  # validates
     return reuse(_plans, (scale, causal, softcap, kernel, environment()), (q, k, v),

@@ -22,6 +22,7 @@ same ``Signature``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -280,4 +281,10 @@ def placeholder(x):
     no memory, so a plan never keeps a call's tensors alive."""
     if isinstance(x, QuantizedKV):
         return QuantizedKV(placeholder(x.data), placeholder(x.scale))
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+    return _meta(x.shape, x.stride(), x.dtype)
+
+
+@functools.lru_cache(maxsize=512)
+def _meta(shape: torch.Size, stride: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """One meta tensor per layout, shared by the plans that stand for tensors of it (nothing writes a placeholder)."""
+    return torch.empty_strided(shape, stride, dtype=dtype, device="meta")

@@ -23,6 +23,7 @@ Readable twins: ``decode`` and ``tiled`` (and ``dequantized`` for quantized K/V)
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -123,10 +124,7 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
     """``run(q, k, v, return_lse)`` for queries ``q`` of shape ``q_shape`` (at most MAX_QUERIES) seeing keys j0 .. j1-1
     as ``visible`` says: one kernel call, its shapes read once off fold_groups / unfold_groups (the fold's one
     definition) applied to the plan's shapes, not per run; q and out fp32 or bf16 (IO_KINDS), others converted."""
-    folded = tuple(fold_groups(torch.empty(q_shape, device="meta"), kv_heads).shape)  # [B, Hkv, G*T, D]
-    # the kernel writes out [B, Hkv, G*T, Dv] and lse [B, Hkv, G*T] contiguous: the bytes of unfold_groups' [B, Hq,
-    # T, Dv] / [B, Hq, T] (a view of the same memory), so they are allocated in those shapes, no view per run
-    unfolded = tuple(unfold_groups(torch.empty((*folded[:3], dv), device="meta"), q_shape[1]).shape)
+    folded, unfolded = _fold_shapes(tuple(q_shape), kv_heads, dv)
     planned = []  # the DecodeCall, made by the first run (from its strides), and that run's q layout: its strides
     # unfolded and folded (a q laid out as it was is read through the folded strides, no view made: a view costs
     # about 65 us of a call that finds the CPU's caches cold, as after a layer's weights went through them)
@@ -158,6 +156,16 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
         return (out if io == q.dtype else out.to(q.dtype)), lse
 
     return run
+
+
+@functools.lru_cache(maxsize=256)
+def _fold_shapes(q_shape: tuple, kv_heads: int, dv: int) -> tuple[tuple, tuple]:
+    """``(folded, unfolded)``: q's rows ``[B, Hkv, G*T, D]`` and the output's ``[B, Hq, T, Dv]``, read off
+    fold_groups / unfold_groups (the fold's one definition) on meta tensors once per shape. The kernel writes out
+    ``[B, Hkv, G*T, Dv]`` and lse ``[B, Hkv, G*T]`` contiguous: the bytes of unfold_groups' ``[B, Hq, T, Dv]`` /
+    ``[B, Hq, T]`` (a view of the same memory), so they are allocated in those shapes, no view per run."""
+    folded = tuple(fold_groups(torch.empty(q_shape, device="meta"), kv_heads).shape)  # [B, Hkv, G*T, D]
+    return folded, tuple(unfold_groups(torch.empty((*folded[:3], dv), device="meta"), q_shape[1]).shape)
 
 
 def _keys(x: torch.Tensor | QuantizedKV, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -119,7 +119,7 @@ def dense_rows(mask, kv_heads: int, group: int, t: int, s: int) -> tuple[int, in
         j0, j1 = (0, s) if bool(seen) else (0, 0)
     else:
         hits = seen.nonzero()  # [n, 1]
-        j0, j1 = _blocks(*hits[[0, -1], 0].tolist(), s) if hits.numel() else (0, 0)
+        j0, j1 = _blocks(int(hits[0]), int(hits[-1]), s) if hits.numel() else (0, 0)
     if j1 == j0:
         return 0, 0, None
     part = dense[..., j0:j1] if dense.shape[3] > 1 else dense

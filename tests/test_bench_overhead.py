@@ -29,8 +29,9 @@ def test_bench_overhead_calls_quick_times_three_implementations_per_shape(tmp_pa
     saved = json.loads((tmp_path / "overhead.json").read_text())
     rows = saved["rows"]
     assert saved["meta"]["threads"] == 2  # the bench's default, not add_common's
-    assert {r["case"] for r in rows} == {case for case, *_ in overhead.CALL_SHAPES}
-    for case, batch, q_heads, kv_heads, keys, head_dim, dtype in overhead.CALL_SHAPES:
+    assert {r["case"] for r in rows} == {case for case, *_ in overhead.CALL_SHAPES + overhead.POSITION_CASES}
+    position_cases = [(*case[:6], torch.float32) for case in overhead.POSITION_CASES]
+    for case, batch, q_heads, kv_heads, keys, head_dim, dtype in overhead.CALL_SHAPES + position_cases:
         mine = {r["impl"]: r for r in rows if r["case"] == case}
         assert set(mine) == IMPLS, case
         assert all(r["us/call"] > 0 and r["rounds"] == 3 for r in mine.values()), case
@@ -48,6 +49,14 @@ def test_bench_overhead_calls_quick_times_three_implementations_per_shape(tmp_pa
     out = capsys.readouterr().out
     assert "engine plan.run" in out and "targets met:" in out
     assert "loaded" not in out and "tok/s" not in out  # the generate group did not run
+
+
+def test_positioned_gives_left_padded_rows_their_positions_and_mask():
+    where = overhead.positioned(torch.tensor([5, 3]), 5)
+    assert where["query_positions"].tolist() == [[4], [2]]
+    assert where["key_positions"].tolist() == [[0, 1, 2, 3, 4], [0, 0, 0, 1, 2]]
+    assert where["allowed"].to_dense().reshape(2, 5).tolist() == [[True] * 5, [False, False, True, True, True]]
+    assert overhead.positioned(torch.tensor([5]), 5)["allowed"] is None  # no padding: the positions alone
 
 
 def test_bench_overhead_rejects_unknown_groups(tmp_path, capsys):

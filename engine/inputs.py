@@ -18,8 +18,9 @@ import torch
 from engine.masks.copies import compact_clone, owned_copy
 from engine.masks.key_indices import key_index_mask
 from engine.masks.structured import StructuredMask
-from engine.modifiers import NONE, Modifiers, broadcasts_to, check_score_mod_captures, prepare_modifiers
+from engine.modifiers import NONE, Modifiers, check_score_mod_captures, prepare_modifiers
 from engine.quantized import QuantizedKV, checked_as_tensors
+from engine.shapes import broadcasts_to
 
 __all__ = ["AttentionInputs", "Decisions", "SUPPORTED_DTYPES", "check_allowed", "prepare_inputs", "resolve_positions",
            "resolve_scale"]
@@ -257,6 +258,6 @@ def check_allowed(allowed: torch.Tensor | StructuredMask, full: tuple[int, int, 
         kind = allowed.dtype if isinstance(allowed, torch.Tensor) else type(allowed).__name__
         raise ValueError(f"allowed must be a bool tensor broadcastable to [B, Hq, T, S] = {list(full)}, "
                          f"got {kind}")
-    if not broadcasts_to(allowed, full):
+    if not broadcasts_to(allowed.shape, full):
         raise ValueError(f"allowed must be broadcastable to [B, Hq, T, S] = {list(full)}, "
                          f"got shape {list(allowed.shape)}")

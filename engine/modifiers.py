@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.relative_bias import RelativePositionBias
+from engine.shapes import broadcasts_to
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -141,14 +142,6 @@ def check_score_mod_captures(score_mod: ScoreMod | None, query_positions: torch.
                          "or call under torch.no_grad()")
 
 
-def broadcasts_to(x, full: tuple[int, ...]) -> bool:
-    """True when ``x`` (a tensor or anything with ``dim()`` and ``shape``) broadcasts to ``full``, without more dims."""
-    try:
-        return x.dim() <= len(full) and torch.broadcast_shapes(tuple(x.shape), full) == torch.Size(full)
-    except RuntimeError:
-        return False
-
-
 def _float_tensor(x, name: str, device: torch.device) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         kind = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -180,7 +173,7 @@ def _check_bias(bias, shape: tuple[int, int, int, int], device: torch.device):
                              f"buckets: half of each direction's), got {bias.max_distance!r}")
         return bias
     bias = _float_tensor(bias, "bias", device)
-    if not broadcasts_to(bias, shape):
+    if not broadcasts_to(bias.shape, shape):
         raise ValueError(f"bias must be a float tensor broadcastable to [B, Hq, T, S] = {list(shape)} or a "
                          f"RelativePositionBias, got shape {list(bias.shape)}")
     _finite(bias, "bias", " (hide keys with allowed, not with a -inf bias)")

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from engine.masks.tile_reduce import tile_reduce
+from engine.shapes import broadcast_shape
 
 
 class StructuredMask:
@@ -206,8 +207,7 @@ class DenseMask(StructuredMask):
         m = self._mask4[b if self._mask4.shape[0] > 1 else 0]  # [H|1, T|1, S|1]
         nq, nk = math.ceil(t / block_q), math.ceil(s / block_k)
         bounds = []
-        for op, heads in (("any", m.any(dim=0)), ("all", m.all(dim=0))):  # [T|1, S|1], over heads
-            x = heads
+        for op, x in (("any", m.any(dim=0)), ("all", m.all(dim=0))):  # [T|1, S|1], over heads
             if x.shape[0] > 1:
                 x = tile_reduce(x, block_q, op, dim=0)  # [nq, S|1]
             if x.shape[1] > 1:
@@ -233,7 +233,7 @@ class _Combined(StructuredMask):
         for part in parts:
             flat += part.parts if isinstance(part, type(self)) else [part]
         self.parts = flat
-        super().__init__(torch.broadcast_shapes(*(p.shape for p in flat)), flat[0].device)
+        super().__init__(broadcast_shape(*(p.shape for p in flat)), flat[0].device)
 
     def _fold(self, get):
         out = get(self.parts[0])

@@ -11,6 +11,8 @@ import torch
 def broadcast_shape(*shapes: Sequence[int]) -> torch.Size:
     """The shape all of ``shapes`` broadcast to (numpy's rule: trailing dims aligned, each 1 or one common size);
     a RuntimeError naming the shapes where they do not broadcast, as torch's."""
+    if len(shapes) == 2 and tuple(shapes[0]) == tuple(shapes[1]):  # (a mask and its like: nothing to work out)
+        return torch.Size(shapes[0])
     ndim = max((len(shape) for shape in shapes), default=0)
     out = []
     for dims in zip(*((1,) * (ndim - len(shape)) + tuple(shape) for shape in shapes)):

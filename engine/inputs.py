@@ -243,9 +243,10 @@ def check_positions(positions: object, batch: int, length: int, name: str) -> No
     if not isinstance(positions, torch.Tensor):
         raise ValueError(f"{name} must be an integer tensor of shape [{length}] or [{batch}, {length}], "
                          f"got {type(positions).__name__}")
-    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
-        raise ValueError(f"{name} must have an integer dtype, got {positions.dtype}")
-    if positions.device.type == "meta":
+    dtype = positions.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise ValueError(f"{name} must have an integer dtype, got {dtype}")
+    if positions.is_meta:
         raise ValueError(f"{name} is a meta tensor: positions need values (got device {positions.device})")
     if not ((positions.dim() == 1 and positions.shape[0] == length)
             or (positions.dim() == 2 and tuple(positions.shape) == (batch, length))):

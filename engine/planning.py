@@ -97,6 +97,12 @@ class AttentionPlan:
         shapes, dtypes and device; a ValueError names what differs from the plan otherwise."""
         if not self.matches(q, k, v):
             self._refuse(q, k, v)
+        return self._run_made_for(q, k, v, return_lse)
+
+    __call__ = run
+
+    def _run_made_for(self, q, k, v, return_lse: bool):
+        """``run`` for the tensors this plan was made or found for (``causal_attention``: no check to repeat)."""
         fast = self.inputs.decided("prepared", lambda: prepared(self.inputs, self.choice.kernel))
         if fast is not None:
             try:
@@ -106,8 +112,6 @@ class AttentionPlan:
                 pass
         out, lse = execute(self.inputs.with_tensors(q, k, v), self.choice.kernel, return_lse)
         return (out, lse) if return_lse else out
-
-    __call__ = run
 
     def matches(self, q, k, v) -> bool:
         """True when q, k, v are tensors this plan was made for (each one's kind, shape, dtype and device, and the

@@ -15,9 +15,9 @@ What the plan keeps (``engine.inputs.Decisions``, named fields): the visibility 
 kernels' span of keys and each row's visibility, the native kernel's call and the chosen kernel's prepared run; each
 is made at its first use (choosing or explaining builds nothing) and every later run reuses it. ``sdpa_tiles`` and
 ``tiled`` still work out their tiles on each run. ``causal_attention`` is ``plan(...).run(q, k, v)``; a call with
-default positions and no mask or modifier reuses a cached plan for its shapes. A paged step (page tables, key
-lengths, query offsets) is planned the same way by ``engine.plan_paged`` (engine.paged.plan), whose runs compare the
-same ``Signature``.
+default positions and no mask or modifier reuses a cached plan for its shapes, as does one whose positions hide no
+key (engine.attention.hides_no_key). A paged step (page tables, key lengths, query offsets) is planned the same way
+by ``engine.plan_paged`` (engine.paged.plan), whose runs compare the same ``Signature``.
 """
 
 from __future__ import annotations

@@ -220,7 +220,8 @@ def plot(rows: list[dict[str, Any]], path) -> None:
         ("calls", "time/sdpa", "one decode call", "time per call / sdpa's (lower is better)"),
         ("generate", "tok/s vs sdpa", "SmolLM2-135M generate, fp32", "tokens/s / sdpa's (higher is better)"))
         if any(r["group"] == group for r in rows)]
-    fig, axes = plots.figure(ncols=max(1, len(panels)), width=6.4)
+    most = max([len({r["case"] for r in rows if r["group"] == group}) for group, *_ in panels] + [1])
+    fig, axes = plots.figure(ncols=max(1, len(panels)), width=max(6.4, 0.9 * most))
     for ax, (group, column, title, ylabel) in zip(axes, panels):
         mine = [r for r in rows if r["group"] == group and r["impl"] != "sdpa"]
         cases = list(dict.fromkeys(r["case"] for r in mine))
@@ -238,7 +239,7 @@ def plot(rows: list[dict[str, Any]], path) -> None:
                               color="black", linewidth=2, label="target" if index == position == 0 else None)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_ylim(0, 1.35 * max([r[column] for r in mine] + [1.5]))  # room for the legend above the bars
-        ax.set_xticks(range(len(cases)), cases, fontsize=8, rotation=15)
+        ax.set_xticks(range(len(cases)), cases, fontsize=8, rotation=20, ha="right")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(True, axis="y", alpha=0.3)

@@ -51,3 +51,32 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     native_variants = sys.modules.get("tests.native_variants")
     if native_variants is not None:
         native_variants.finish()
+
+
+@pytest.fixture(scope="session")
+def variant_library():
+    """``variant_library(name)``: the native library built with that vector path's flags (tests/native_variants.py:
+    found built from the same source, or built in the background since collection), or a skip where this CPU lacks
+    the instructions; ``"native"``: the engine's own build."""
+    from engine.kernels.decode import native_build
+
+    built = {}
+
+    def build(name):
+        if name == "native":
+            return native_build.load_native()
+        from tests import native_variants
+
+        missing = native_variants.missing(name)
+        if missing:
+            pytest.skip(f"this CPU has no {', '.join(missing)}")
+        if name not in built:
+            path, done = native_variants.start_builds()[name]
+            if done is not None:
+                done.result()  # (a failed build raises here, in the test that needs it)
+            built[name] = native_build.NativeLibrary(path, 0.0)
+            assert built[name].lanes == native_variants.VARIANTS[name][1]
+            assert not built[name].openmp  # (built without -fopenmp: the library's own threads run it)
+        return built[name]
+
+    return build

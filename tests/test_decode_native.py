@@ -21,7 +21,6 @@ from engine.kernels.decode.native_build import cpu_key, load_native
 from engine.kernels.dispatch import KERNELS
 from engine.masks import key_padding_mask
 from engine.quantized import QUANTIZED_DTYPES, QuantizedKV, quantize
-from tests import native_variants
 from tests.precision import assert_within_precision, plain_attention
 
 NATIVE = not isinstance(load_native(), str)
@@ -350,8 +349,9 @@ def test_auto_takes_the_native_kernel_for_decode_and_the_torch_kernels_otherwise
     assert engine.explain(torch.randn(1, 8, 32, 64), k, k).kernel != "decode_native"  # T = 32 > 16
     assert engine.explain(q, k[:, :, :100], k[:, :, :100]).kernel == "decode_native"  # any S: it pays off once planned
     assert engine.explain(q.double(), k.double(), k.double()).kernel == "decode"  # fp64: the torch kernel
-    choice = engine.explain(q, k, k, softcap=3.0, kernel="decode_native")
-    assert choice.passed_over["decode_native"] == "softcap: not computed by this kernel"
+    assert engine.explain(q, k, k, softcap=3.0).kernel == "decode_native"  # a softcap: capped in C++
+    choice = engine.explain(q, k, k, alibi_slopes=torch.rand(8), kernel="decode_native")
+    assert choice.passed_over["decode_native"] == "alibi: not computed by this kernel"
 
 
 def test_without_the_native_kernel_the_same_calls_run_the_torch_kernels(no_native):
@@ -497,34 +497,7 @@ def test_generate_with_an_int8_cache_prints_its_memory_and_error(capsys):
     assert len(errors) == 2 and all(0 < e < 0.05 for e in errors)  # int8 rounding: small, and not zero
 
 
-# --- the other vector paths: this CPU's build takes the widest; build the narrower ones too ----------------------
-
-
-@pytest.fixture(scope="module")
-def variant_library():
-    """``variant_library(name)``: the native library built with that vector path's flags (tests/native_variants.py:
-    found built from the same source, or built in the background since collection), or a skip where this CPU lacks
-    the instructions; ``"native"``: the engine's own build."""
-    from engine.kernels.decode import native_build
-
-    built = {}
-
-    def build(name):
-        if name == "native":
-            return load_native()
-        missing = native_variants.missing(name)
-        if missing:
-            pytest.skip(f"this CPU has no {', '.join(missing)}")
-        if name not in built:
-            path, done = native_variants.start_builds()[name]
-            if done is not None:
-                done.result()  # (a failed build raises here, in the test that needs it)
-            built[name] = native_build.NativeLibrary(path, 0.0)
-            assert built[name].lanes == native_variants.VARIANTS[name][1]
-            assert not built[name].openmp  # (built without -fopenmp: the library's own threads run it)
-        return built[name]
-
-    return build
+# --- the other vector paths (conftest.py's variant_library): this CPU's build takes the widest ------------------
 
 
 @needs_native

@@ -109,7 +109,7 @@ KERNELS: dict[str, Kernel] = {
     "decode_native": Kernel(native_decode_attention, native_decode_fits, native_decode_pays_off,
                             "few queries against a long cache, in C++: each K/V row read once for its query group, "
                             "converted in registers",
-                            takes=frozenset({"quantized_kv", "paged", "allowed", "key_indices"}),
+                            takes=frozenset({"quantized_kv", "paged", "allowed", "key_indices", "softcap"}),
                             prepare=native_decode_runner, paged=NATIVE_PAGED),
     "sparse": Kernel(sparse_attention, sparse_fits, sparse_pays_off,
                      "top-k sparse attention: only each query's listed keys gathered and read (O(T K D))",

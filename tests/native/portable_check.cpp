@@ -2,7 +2,7 @@
 // path (DN_PORTABLE), run under qemu; x86-64 without -march: the portable path in SSE2) against a float64 oracle
 // written here: every fp16 and e4m3 code as the kernel reads it, then decodes over each kind, head dims no vector
 // width divides, 1-6 rows, masks, 1 and 2 threads, contiguous and paged (pages of 16, shuffled); NaN / inf keys in
-// full blocks and fp8 NaN codes; batch invariance, bitwise. Prints one line per failure and a summary; exits 1 on any
+// full blocks and fp8 NaN codes; batch invariance, bitwise; tanh_lane and a softcap's decode. Prints one line per failure and a summary; exits 1 on any
 // failure.
 #include "../../engine/kernels/decode/decode_native.cpp"
 
@@ -147,7 +147,7 @@ double run(const Case& t, std::mt19937& g) {
 // bytes, scales of 0.05 for int8 / fp8; visible [H, R, S] or none. False when the kernel refused the call.
 bool decode(int kind, int64_t H, int64_t R, int64_t S, int64_t D, const std::vector<uint8_t>& k,
             const std::vector<uint8_t>& v, const std::vector<float>& q, const uint8_t* visible,
-            std::vector<float>& out, std::vector<float>& lse) {
+            std::vector<float>& out, std::vector<float>& lse, double softcap = 0.0) {
     static std::vector<float> scales;
     scales.assign(H * S, 0.05f);
     out.assign(H * R * D, 0.0f), lse.assign(H * R, 0.0f);
@@ -162,7 +162,7 @@ bool decode(int kind, int64_t H, int64_t R, int64_t S, int64_t D, const std::vec
     if (visible)
         c.visible = visible, c.visible_strides[0] = H * R * S, c.visible_strides[1] = R * S, c.visible_strides[2] = S,
         c.visible_strides[3] = 1;
-    c.out = out.data(), c.lse = lse.data(), c.io_kind = F32;
+    c.out = out.data(), c.lse = lse.data(), c.io_kind = F32, c.softcap = softcap;
     return decode_native(&c) == 0;
 }
 // n random values' bytes of the kind: finite, |x| < 2 (fp32 / bf16 / fp16), any int8, any e4m3 but its NaN codes
@@ -278,6 +278,76 @@ int invariance_cases(std::mt19937& g) {
     return wrong;
 }
 
+// tanh_lane against tanh in double, in a loop the compiler vectorises as the kernel's softcap loop: every 997th float
+// from -20 to 20 (both branches, the 0.55 seam, subnormals, zeros) within 3 ulp; +-inf to +-1, NaN to NaN. The values
+// wrong.
+int tanh_values() {
+    std::vector<float> x;
+    for (uint32_t b = 0; b < 0x41A00000u; b += 997) x.push_back(bits_float(b)), x.push_back(-bits_float(b));
+    for (float special : {0.55f, std::nextafter(0.55f, 0.0f), INFINITY, -INFINITY, NAN}) x.push_back(special);
+    std::vector<float> y(x.size());
+    const int64_t n = (int64_t)x.size();
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = tanh_lane(x[i]);
+    int wrong = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const double want = std::tanh((double)x[i]);
+        const double ulp = std::ldexp(1.0, std::max(std::ilogb((float)want), -126) - 23);
+        const bool right = std::isnan(want) ? std::isnan(y[i]) : std::fabs(y[i] - want) <= 3 * ulp;
+        if (!right && wrong++ < 5) printf("tanh_lane(%a) = %a, tanh: %a\n", x[i], y[i], want);
+    }
+    return wrong;
+}
+
+// A softcap (cap * tanh(score / cap)) against a float64 oracle, fp32 K/V, D 36 and 64, 5 rows: head 0 holds a
+// visible NaN key, head 1 an inf one (their rows NaN, lse -inf: a visible non-finite key's rule, capped or not), head
+// 2 none. The rows wrong.
+int softcap_rows(std::mt19937& g, int64_t D) {
+    const int64_t H = 3, R = 5, S = 150;
+    const double cap = 2.5;
+    std::vector<uint8_t> k = random_bytes(F32, H * S * D, g), v = random_bytes(F32, H * S * D, g);
+    const float nan = NAN, inf = INFINITY;
+    std::memcpy(&k[((0 * S + 33) * D + 3) * 4], &nan, 4);
+    std::memcpy(&k[((1 * S + 140) * D + 0) * 4], &inf, 4);
+    std::vector<float> q(H * R * D), out, lse;
+    for (auto& x : q) x = (float)((int)(g() % 4001) - 2000) / 500.0f;
+    for (int64_t r = 0; r < R; ++r) q[(1 * R + r) * D] = r % 2 ? 0.75f : -0.75f;  // (the inf key: +-inf scores)
+    if (!decode(F32, H, R, S, D, k, v, q, nullptr, out, lse, cap)) return (int)(H * R);
+    int wrong = 0;
+    auto at = [](const std::vector<uint8_t>& raw, int64_t i) { float x; std::memcpy(&x, &raw[4 * i], 4); return x; };
+    for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t row = h * R + r;
+            std::vector<double> score(S);
+            double top = -INFINITY;
+            bool bad = false;
+            for (int64_t j = 0; j < S; ++j) {
+                double dot = 0;
+                for (int64_t d = 0; d < D; ++d) dot += (double)q[row * D + d] * at(k, (h * S + j) * D + d);
+                bad |= !std::isfinite(dot);
+                score[j] = cap * std::tanh(dot * 0.125 / cap);
+                top = std::max(top, score[j]);
+            }
+            bool right;
+            if (bad) {
+                right = lse[row] == -INFINITY;
+                for (int64_t d = 0; d < D; ++d) right &= (bool)std::isnan(out[row * D + d]);
+            } else {
+                double l = 0;
+                std::vector<double> o(D, 0.0);
+                for (int64_t j = 0; j < S; ++j) {
+                    const double p = std::exp(score[j] - top);
+                    l += p;
+                    for (int64_t d = 0; d < D; ++d) o[d] += p * at(v, (h * S + j) * D + d);
+                }
+                right = std::fabs(lse[row] - (top + std::log(l))) <= 1e-5 * (1 + std::fabs(lse[row]));
+                for (int64_t d = 0; d < D; ++d) right &= std::fabs(out[row * D + d] - o[d] / l) <= 1e-5 * 3;
+            }
+            wrong += !right;
+        }
+    return wrong;
+}
+
 }  // namespace check
 
 // "quick" as the argument: of the four variants of each case (masked or not, paged or not, 1 or 2 threads) the first
@@ -322,6 +392,14 @@ int main(int argc, char** argv) {
         }
     }
     wrong += check::invariance_cases(g);
+    const int tanh_wrong = check::tanh_values();
+    if (tanh_wrong) printf("tanh_lane: %d values wrong\n", tanh_wrong);
+    wrong += tanh_wrong;
+    for (int64_t D : {36, 64}) {
+        const int bad = check::softcap_rows(g, D);
+        if (bad) printf("softcap, D %ld: %d rows wrong\n", (long)D, bad);
+        wrong += bad;
+    }
     printf("lanes %d; %d cases, worst %.3f of tolerance; %d wrong\n", decode_native_lanes(), cases, worst, wrong);
     return wrong != 0;
 }

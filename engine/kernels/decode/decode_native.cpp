@@ -285,6 +285,36 @@ DN_INLINE float exp_lane(float x) {
     return bits_float(float_bits(y) & above);  // (a mask: no branch)
 }
 
+// tanh(x) for any float, within 3 ulp (NaN stays NaN, +-inf gives +-1): below 0.55 in magnitude x + x^3 p(x^2), p a
+// degree-6 fit to (tanh x - x) / x^3 (0.7 ulp), above it (1 - t) / (1 + t) with t = e^{-2|x|} (exp_lane: 0 past 43)
+// and x's sign. Both are computed and one is kept by a bit mask, as exp_lane selects, so a loop of them vectorises.
+DN_INLINE float tanh_lane(float x) {
+    const uint32_t sign = float_bits(x) & 0x80000000u;
+    const float a = bits_float(float_bits(x) & 0x7FFFFFFFu);
+    const float t = exp_lane(-2.0f * a);
+    const float far = bits_float(float_bits((1.0f - t) / (1.0f + t)) | sign);
+    const float u = x * x;
+    float p = -0.0009236502810381353f;
+    p = lane_fma(p, u, 0.003362058661878109f);
+    p = lane_fma(p, u, -0.008809257298707962f);
+    p = lane_fma(p, u, 0.021862400695681572f);
+    p = lane_fma(p, u, -0.05396775156259537f);
+    p = lane_fma(p, u, 0.13333331048488617f);
+    p = lane_fma(p, u, -0.3333333432674408f);
+    const float near = lane_fma(x * u, p, x);
+    const uint32_t small = 0u - (uint32_t)(a < 0.55f);                      // (none for NaN)
+    const uint32_t nan = 0u - (uint32_t)(float_bits(a) > 0x7F800000u);       // an integer test: NaN's bits
+    const uint32_t kept = (float_bits(near) & small) | (float_bits(far) & ~small);
+    return bits_float((kept & ~nan) | (float_bits(x) & nan));
+}
+
+// A score's softcap (Gemma 2's): cap * tanh(s / cap), a non-finite score left as it is (a visible non-finite key
+// makes its row NaN, whatever caps the scores: the torch kernels' rule), by a bit mask as tanh_lane selects.
+DN_INLINE float capped(float s, float cap) {
+    const uint32_t wild = 0u - (uint32_t)((float_bits(s) & 0x7F800000u) == 0x7F800000u);  // inf or NaN
+    return bits_float((float_bits(cap * tanh_lane(s / cap)) & ~wild) | (float_bits(s) & wild));
+}
+
 // ---- vectors of W fp32 lanes --------------------------------------------------------------------------------
 
 #if DN_AVX512
@@ -1068,6 +1098,9 @@ struct DecodeCall {
     // 1: each row computed as alone, whatever other rows share the call (batch-invariant mode: a prefill's rows
     // bitwise the same chunked or whole), so not on the AMX-BF16 tiles, which take a call's rows 16 at a time
     int64_t rows_alone;
+    // > 0: every score capped, softcap * tanh(score / softcap) (Gemma 2's attention), before the softmax; not on the
+    // AMX-BF16 tiles (their softmax reads the sums as they come)
+    double softcap;
 };
 
 }  // extern "C"
@@ -1097,6 +1130,7 @@ struct Operands {
     float tile_unit;                // what the tiles' sums are multiplied by (the softmax scale)
     int64_t p_pieces;               // bf16 pieces of each weight on the tiles (P_PIECES, or 2 for a bf16 output)
     bool scores_only;               // the tiles take the scores alone (score_tiles), the vectors the rest
+    float softcap;                  // > 0: scores capped at +-softcap by tanh (softmax_step), else 0
 };
 
 #if DN_AMX
@@ -1915,6 +1949,11 @@ struct Item {
         // row's sum do not depend on where the block ends (the sequence's end, padding, a work item's cut)
         for (int64_t r = 0; r < R; ++r) {
             float* sr = &s[r * BLOCK];
+            if (o.softcap > 0.0f) {  // the scores capped before anything reads them
+                const float cap = o.softcap;
+#pragma omp simd
+                for (int jj = 0; jj < BLOCK; ++jj) sr[jj] = capped(sr[jj], cap);
+            }
             for (int jj = n; jj < BLOCK; ++jj) sr[jj] = NEG_INF;
             float block_max = NEG_INF;
             if (!(SIMD && !masked && n == BLOCK && finite_max(sr, block_max))) {
@@ -2709,6 +2748,9 @@ int decode_native_lanes() {
 #endif
 }
 
+// 1: DecodeCall.softcap is read (a library built from an older source ignores it: Python checks this first)
+int decode_native_softcap() { return 1; }
+
 // 1 when the runs go to OpenMP's workers (torch's), 0 when to threads of the library's own (a build without OpenMP)
 int decode_native_openmp() {
 #ifdef _OPENMP
@@ -2797,7 +2839,8 @@ int decode_native_layout(int64_t* offsets, int capacity) {
         (int64_t)offsetof(DecodeCall, out), (int64_t)offsetof(DecodeCall, lse), (int64_t)offsetof(DecodeCall, pages),
         (int64_t)offsetof(DecodeCall, pages_stride), (int64_t)offsetof(DecodeCall, page_size),
         (int64_t)offsetof(DecodeCall, lengths), (int64_t)offsetof(DecodeCall, key_offset),
-        (int64_t)offsetof(DecodeCall, io_kind), (int64_t)offsetof(DecodeCall, rows_alone), (int64_t)sizeof(DecodeCall)};
+        (int64_t)offsetof(DecodeCall, io_kind), (int64_t)offsetof(DecodeCall, rows_alone),
+        (int64_t)offsetof(DecodeCall, softcap), (int64_t)sizeof(DecodeCall)};
     const int n = (int)(sizeof(all) / sizeof(all[0]));
     for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
     return n;
@@ -2830,7 +2873,8 @@ int decode_native(const DecodeCall* call) {
 #if DN_AMX_BF16
     // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below; a bf16 q's are); of
     // 8-15 rows (or 16 of Dv up to SCORE_TILE_DV) the scores alone (score_tiles), the values on the vectors
-    const bool tiled = simd && D % 32 == 0 && Dv % 32 == 0 && !c.rows_alone && decode_native_bf16_tiles();
+    const bool tiled = simd && D % 32 == 0 && Dv % 32 == 0 && !c.rows_alone && !(c.softcap > 0) &&
+                       decode_native_bf16_tiles();
 #if DN_F8_WORDS
     // fp8 e4m3 K/V read as F8_WORDS, of fewer rows than the whole tiles take: the scores alone on the tiles too
     const bool f8_score_tiles = kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0 && R >= F8_SCORE_TILE_ROWS &&
@@ -2907,6 +2951,7 @@ int decode_native(const DecodeCall* call) {
     if (q_bf16) o.q_bf16 = q_bits.data, o.k_unit *= scale;
 #endif
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
+    o.softcap = c.softcap > 0 ? (float)c.softcap : 0.0f;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AMX_BF16

@@ -12,12 +12,12 @@ whatever else shares the batch, however many threads run it, contiguous or paged
     k, v [B, Hkv, S, D] as they are (any strides, last axis contiguous; KVCache.view() slices: no copy)
     out [B, Hkv, G*T, Dv] (fp32 or bf16), lse fp32 [B, Hkv, G*T]  ->  [B, Hq, T, Dv] in q's dtype, [B, Hq, T]
 
-Visibility (positions, windows, padding, documents) is cut to the span of keys some row sees; inside it a
-bool ``[B|1, Hkv|1, G*T, n]`` tells the kernel which rows see which key (no mask when every key is
-visible, as in one-token decode). K/V may be ``QuantizedKV`` (int8 / fp8 with per-token scales,
-``engine.quantized``): the option ``"quantized_kv"``. Fits: T <= 16 on the CPU (any T with key_indices read in
-place: native_listed), no gradients, fp32 / bf16 / fp16 q, no softcap; NaN/inf in q goes to the next kernel.
-Readable twins: ``decode`` and ``tiled`` (and ``dequantized`` for quantized K/V), checked against a float64 oracle.
+Visibility (positions, windows, padding, documents) is cut to the span of keys some row sees; inside it a bool
+``[B|1, Hkv|1, G*T, n]`` tells the kernel which rows see which key (no mask when every key is visible: a decode step).
+K/V may be ``QuantizedKV`` (int8 / fp8 with per-token scales, ``engine.quantized``): the option ``"quantized_kv"``.
+Fits: T <= 16 on the CPU (any T with key_indices read in place: native_listed), no gradients, fp32 / bf16 / fp16 q; a
+softcap caps each score in C++ (``cap * tanh(s / cap)``, off the AMX-BF16 tiles); NaN/inf in q goes to the next kernel.
+Readable twins: ``decode`` and ``tiled`` (``dequantized`` for quantized K/V), checked against a float64 oracle.
 """
 
 from __future__ import annotations
@@ -99,16 +99,19 @@ def _runner(inputs: AttentionInputs):
     library = load_native()
     if isinstance(library, str):
         raise DoesNotFit(library)
+    if inputs.softcap is not None and not library.softcap:
+        raise DoesNotFit(f"{library.path.name} was built from a source without the softcap: it would ignore it")
     (batch, q_heads, t, d), kv_heads, dv = inputs.q.shape, inputs.k.shape[1], inputs.v.shape[3]
     resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles NaN in q
     listed = listed_runner(library, inputs, resume, paged_template, paged_run)
     if listed is not None:  # top-k keys: only those read, any T
         return listed
     if t <= MAX_QUERIES:  # (every decode step: one kernel call, views only)
-        return _chunk_runner(library, inputs.scale, inputs.q.shape, kv_heads, dv, resume, *decode_rows(inputs))
+        return _chunk_runner(library, inputs.scale, inputs.q.shape, kv_heads, dv, resume, *decode_rows(inputs),
+                             softcap=inputs.softcap)
     # batch-invariant mode: MAX_QUERIES queries at a time, each chunk its own span and visibility
     runs = [(i0, i1, _chunk_runner(library, inputs.scale, (batch, q_heads, i1 - i0, d), kv_heads, dv, resume,
-                                   *chunk_rows(inputs, i0, i1)))
+                                   *chunk_rows(inputs, i0, i1), softcap=inputs.softcap))
             for i0, i1 in ((i0, min(t, i0 + MAX_QUERIES)) for i0 in range(0, t, MAX_QUERIES))]
 
     def run(q, k, v, return_lse: bool):
@@ -120,7 +123,7 @@ def _runner(inputs: AttentionInputs):
 
 
 def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int, resume: str, j0: int, j1: int,
-                  visible):
+                  visible, softcap: float | None = None):
     """``run(q, k, v, return_lse)`` for queries ``q`` of shape ``q_shape`` (at most MAX_QUERIES) seeing keys j0 .. j1-1
     as ``visible`` says: one kernel call, its shapes read once off fold_groups / unfold_groups (the fold's one
     definition) applied to the plan's shapes, not per run; q and out fp32 or bf16 (IO_KINDS), others converted."""
@@ -139,7 +142,7 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
             if not planned:
                 q_rows = _rows(q_in.reshape(*folded))
                 viewed = q_rows.data_ptr() == q_in.data_ptr()  # (else a copy: every run folds its q)
-                planned.extend((_template(scale, q_rows, keys, values, visible, key_offset=j0),
+                planned.extend((_template(scale, q_rows, keys, values, visible, key_offset=j0, softcap=softcap),
                                 q_in.stride() if viewed else None, q_rows.stride()))
             q_strides = q_in.stride()
             if q_strides == planned[1]:  # (the fold of this layout is a view with these strides)
@@ -181,7 +184,8 @@ def _keys(x: torch.Tensor | QuantizedKV, j0: int, j1: int) -> tuple[torch.Tensor
     return data, scale
 
 
-def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0) -> tuple[DecodeCall, tuple]:
+def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0,
+              softcap: float | None = None) -> tuple[DecodeCall, tuple]:
     """The plan's ``DecodeCall``: every field but the tensors' addresses, and the strides it was filled for;
     ``key_offset``: the index of the first key read in its row of the cache (the span's start), so the kernel cuts
     its work where it would for the whole row (batch invariance)."""
@@ -191,7 +195,7 @@ def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0) 
     batch, kv_heads, rows, d = q_rows.shape
     call = DecodeCall(kind=KINDS[k_data.dtype], B=batch, H=kv_heads, R=rows, S=k_data.shape[2], D=d,
                       Dv=v_data.shape[3], scale=scale, key_offset=key_offset, io_kind=IO_KINDS[q_rows.dtype],
-                      rows_alone=is_batch_invariant())
+                      rows_alone=is_batch_invariant(), softcap=softcap or 0.0)
     strides = _fill_strides(call, q_rows.stride(), keys, values)
     _set_visible(call, visible)  # (the visibility tensor is the plan's: it outlives every run)
     return call, strides
@@ -251,13 +255,15 @@ def _run_at(library, template, q_ptr: int, q_strides: tuple, keys, values, out, 
     return _decode(library, call)
 
 
-def _call(library, q_rows, scale, keys, values, visible, out, lse) -> int:
+def _call(library, q_rows, scale, keys, values, visible, out, lse, softcap: float | None = None) -> int:
     """One call with nothing planned (the tests build other vector paths and call them through this)."""
-    return _run(library, _template(scale, q_rows, keys, values, visible), q_rows, keys, values, out, lse)
+    return _run(library, _template(scale, q_rows, keys, values, visible, softcap=softcap), q_rows, keys, values, out,
+                lse)
 
 
 def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pages: torch.Tensor,
-                   lengths: torch.Tensor, page_size: int, visible: torch.Tensor | None) -> DecodeCall:
+                   lengths: torch.Tensor, page_size: int, visible: torch.Tensor | None,
+                   softcap: float | None = None) -> DecodeCall:
     """The ``DecodeCall`` of a paged decode step with everything but the tensors' addresses filled (made once per
     step: engine.kernels.decode.native_paged): q rows ``[B, Hkv, R, D]`` of shape ``q_shape``, pools of element
     dtype ``kind``, pages int64 ``[B, max_pages]`` and lengths int64 ``[B]`` (contiguous, on the CPU; they must
@@ -268,7 +274,7 @@ def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pag
     (batch, kv_heads, rows, d), longest = q_shape, (int(lengths.max()) if lengths.numel() else 0)
     call = DecodeCall(kind=KINDS[kind], B=batch, H=kv_heads, R=rows, S=longest, D=d, Dv=dv, scale=scale,
                       pages=pages.data_ptr(), pages_stride=pages.stride(0), page_size=page_size,
-                      lengths=lengths.data_ptr(), rows_alone=is_batch_invariant())
+                      lengths=lengths.data_ptr(), rows_alone=is_batch_invariant(), softcap=softcap or 0.0)
     _set_visible(call, visible)
     return call
 

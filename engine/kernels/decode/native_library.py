@@ -28,6 +28,7 @@ class DecodeCall(ctypes.Structure):
         ("pages", _PTR), ("pages_stride", _I64), ("page_size", _I64), ("lengths", _PTR), ("key_offset", _I64),
         ("io_kind", _I64),  # q's and out's: 0 fp32, 1 bf16 (decode_native.IO_KINDS)
         ("rows_alone", _I64),  # 1: each row as alone (batch-invariant mode): no AMX-BF16 tiles
+        ("softcap", ctypes.c_double),  # > 0: scores capped, softcap * tanh(score / softcap); 0: none
     ]
 
 
@@ -62,6 +63,9 @@ class NativeLibrary:
         self.decode.argtypes = [ctypes.POINTER(DecodeCall)]
         self.lib.decode_native_lanes.restype = ctypes.c_int
         self.lanes = int(self.lib.decode_native_lanes())
+        # whether it reads DecodeCall.softcap (a library built from an older source, as run.py bench builds times,
+        # would ignore the field: a capped call is not given to it)
+        self.softcap = hasattr(self.lib, "decode_native_softcap") and bool(self.lib.decode_native_softcap())
         # the runs on OpenMP's workers (torch's), or on the library's own threads (NO_OPENMP_FLAGS)
         self.openmp = not hasattr(self.lib, "decode_native_openmp") or bool(self.lib.decode_native_openmp())
         self.lib.decode_native_amx.restype = ctypes.c_int

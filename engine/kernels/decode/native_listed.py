@@ -146,7 +146,8 @@ def listed_runner(library: NativeLibrary, inputs: AttentionInputs, resume: str, 
     if not (0 <= bounds[0] and bounds[1] < count):  # (never: a guard on the layout)
         return None
     kind = data_of(inputs.k).dtype
-    call = template(kind, (pages.shape[0], pool_heads, group, d), dv, inputs.scale, pages, lengths, 1, None)
+    call = template(kind, (pages.shape[0], pool_heads, group, d), dv, inputs.scale, pages, lengths, 1, None,
+                    inputs.softcap)
     shape = (batch, lists, pool_heads, group, t)
 
     def run(q, k, v, return_lse: bool, tables=(pages, lengths)):  # (the tables outlive every run: the call's)

@@ -51,7 +51,8 @@ def native_decode_notes(inputs: AttentionInputs) -> list[str]:
     keys = k.data.dtype if isinstance(k, QuantizedKV) else k.dtype  # (a tensor K shares q's dtype)
     listed = listed_fits(inputs) is None
     rows = q.shape[1] // k.shape[1] * (1 if listed else q.shape[2])  # query rows per KV head (G, or G * T)
-    note = bf16_tiles_note(KINDS.get(keys), rows, q.shape[3], v.shape[3]) if q.dtype == torch.bfloat16 else None
+    note = bf16_tiles_note(KINDS.get(keys), rows, q.shape[3], v.shape[3]) \
+        if q.dtype == torch.bfloat16 and inputs.softcap is None else None  # (a softcap: not on the AMX-BF16 tiles)
     tiles = [note] if note else []
     if listed:
         return ["key_indices: read in place, only each query's listed keys (native_listed)", *tiles]

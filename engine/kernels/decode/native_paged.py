@@ -3,8 +3,8 @@
 It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
 plain decoding; with key_indices any number, each query row its own list: engine.kernels.decode.native_paged_listed),
 on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in registers), without
-gradients, softcap or ALiBi (sinks act on its out and lse afterwards, engine.paged.attention); a call's ``allowed``
-joins each row's visibility.
+gradients or ALiBi (a softcap caps the scores in C++; sinks act on its out and lse afterwards,
+engine.paged.attention); a call's ``allowed`` joins each row's visibility.
 The kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
 the sequence's own length, and takes each query row's visibility from positions (and the window) unless every
 key up to that length is visible (one query per sequence at its default position, no window)::
@@ -34,7 +34,7 @@ __all__ = ["NativeStep", "native_paged_fits", "native_pass_fits"]
 
 def native_paged_fits(inputs: PagedInputs) -> str | None:
     """Why the native kernel cannot read this paged decode step in place (None: it can). Builds nothing. Options it
-    does not compute (softcap, ALiBi) are the kernel table's business (``Kernel.takes``)."""
+    does not compute (ALiBi, a bias, score_mod) are the kernel table's business (``Kernel.takes``)."""
     why_not = native_pass_fits(inputs)
     if why_not is not None:
         return why_not
@@ -97,7 +97,7 @@ class NativeStep:
         self.folded = tuple(fold_groups(torch.empty(batch, q_heads, 1, d, device="meta"), kv_heads).shape) \
             if t == 1 else None
         self.template = paged_template(data_of(inputs.k_pages).dtype, rows, dv, inputs.scale, self.pages, self.lengths,
-                                       tables.page_size, self.visible)
+                                       tables.page_size, self.visible, inputs.softcap)
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
         """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32; None without return_lse)``, or None when q holds

@@ -102,7 +102,7 @@ class ListedStep:
         self.count = (inputs.k_pages.shape[0] - 1) * page_step + (size - 1) * slot_step + \
             ((kv_heads - 1) * head_step if self.per_head else 0) + 1  # the highest id + 1
         self.template = paged_template(data_of(inputs.k_pages).dtype, (idx.shape[0], self.heads, self.group, d), dv,
-                                       inputs.scale, self.pages, self.lengths, 1, None)
+                                       inputs.scale, self.pages, self.lengths, 1, None, inputs.softcap)
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
         """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32; None without return_lse)``, or None (see the

@@ -1,0 +1,172 @@
+"""A softcap (``softcap * tanh(score / softcap)``, Gemma 2's attention) on the native decode kernel: every kind of K/V,
+masks, contiguous and paged, each vector path, against the float64 oracle; non-finite keys as the torch kernels treat
+them; the kernel chosen for it, and refused by a library that would ignore the field."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import engine
+from engine import causal_attention, paged_attention, window_mask
+from engine.kernels.decode.native_build import native_unavailable
+from engine.quantized import quantize
+from tests.modifier_oracle import oracle
+from tests.paged_cases import oracle as paged_oracle
+
+needs_native = pytest.mark.skipif(native_unavailable() is not None, reason="no native decode kernel here")
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def case(b, hq, hkv, t, s, d, dtype, seed, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(b, hq, t, d, generator=g) * spread).to(dtype)  # [B, Hq, T, D]: scores of a few caps
+    k = (torch.randn(b, hkv, s, d, generator=g) * spread).to(dtype)  # [B, Hkv, S, D]
+    v = torch.randn(b, hkv, s, d, generator=g).to(dtype)  # [B, Hkv, S, D]
+    return q, k, v
+
+
+@needs_native
+@settings(deadline=None, max_examples=30)
+@given(st.integers(1, 3), st.sampled_from([(2, 1), (8, 2), (6, 3)]), st.integers(1, 16), st.integers(1, 600),
+       st.sampled_from([32, 64, 36]), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       st.sampled_from([0.5, 5.0, 50.0]), st.sampled_from(["none", "window", "rows"]), st.integers(0, 10**6))
+def test_property_a_capped_decode_matches_the_oracle(b, heads, t, s, d, dtype, cap, mask, seed):
+    hq, hkv = heads
+    q, k, v = case(b, hq, hkv, t, s, d, dtype, seed)
+    qpos = kpos = allowed = None
+    if mask == "window":
+        qpos, kpos = torch.arange(s - t, s), torch.arange(s)
+        allowed = window_mask(qpos, kpos, max(1, s // 3))
+    elif mask == "rows":  # each row its own length: row b's last b * 7 keys past its queries
+        kpos = torch.arange(s).expand(b, s).clone()
+        qpos = torch.stack([torch.arange(s - t, s) - 7 * i for i in range(b)])
+    plan = engine.plan(q, k, v, qpos, kpos, allowed, softcap=cap)
+    assert plan.kernel == "decode_native", plan
+    out, lse = plan.run(q, k, v, return_lse=True)
+    want, want_lse = oracle(q, k, v, qpos, kpos, allowed, softcap=cap)
+    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    seen = ~torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_capped_decode_over_a_quantized_cache_matches_the_oracle_of_its_values(kind):
+    if kind == "fp8" and not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this torch has no float8_e4m3fn")
+    q, k, v = case(2, 8, 2, 3, 700, 64, torch.float32, 1)
+    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    kq, vq = quantize(k, dtype), quantize(v, dtype)
+    plan = engine.plan(q, kq, vq, softcap=5.0)
+    assert plan.kernel == "decode_native", plan
+    out, lse = plan.run(q, kq, vq, return_lse=True)
+    want, want_lse = oracle(q, kq.dequantize(), vq.dequantize(), softcap=5.0)  # the cache's own values, capped
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_visible_non_finite_key_makes_its_rows_nan_under_a_cap_too(dtype):
+    # the rule of every kernel (docs/CONVENTIONS.md, non-finite values), a softcap or not: not capped to +-cap
+    q, k, v = case(1, 6, 3, 1, 300, 64, dtype, 2)
+    k[0, 0, 100, 0] = float("inf")  # KV head 0
+    k[0, 1, 40, 5] = float("nan")  # KV head 1; head 2 clean
+    k[0, 2, 200, :] = float("nan")
+    allowed = torch.ones(1, 1, 1, 300, dtype=torch.bool)
+    allowed[..., 200] = False  # (hidden: never read into a result)
+    out, lse = causal_attention(q, k, v, allowed=allowed, softcap=4.0, return_lse=True)
+    want, want_lse = causal_attention(q, k, v, allowed=allowed, softcap=4.0, return_lse=True, kernel="tiled")
+    assert engine.explain(q, k, v, allowed=allowed, softcap=4.0).kernel == "decode_native"
+    assert torch.isnan(out[0, :4]).all() and torch.isfinite(out[0, 4:]).all()
+    assert torch.isneginf(lse[0, :4]).all() and torch.isneginf(want_lse[0, :4]).all()
+    torch.testing.assert_close(out, want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype], equal_nan=True)
+    torch.testing.assert_close(lse[0, 4:], want_lse[0, 4:], rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_paged_capped_step_reads_in_place_and_matches_the_oracle(dtype):
+    g = torch.Generator().manual_seed(3)
+    page, hkv, d = 16, 2, 64
+    lens = torch.tensor([37, 100, 5])
+    table = torch.randperm(21, generator=g).reshape(3, 7)  # [B, max_pages]: pages anywhere in the pool
+    k_pool = (torch.randn(21, page, hkv, d, generator=g) * 3).to(dtype)
+    v_pool = torch.randn(21, page, hkv, d, generator=g).to(dtype)
+    q = (torch.randn(3, 8, d, generator=g) * 3).to(dtype)
+    indptr = torch.arange(4)
+    text = engine.explain_paged(q, k_pool, v_pool, table, lens, indptr, softcap=5.0)
+    assert "decode_native reads K/V in place" in text, text
+    out = paged_attention(q, k_pool, v_pool, table, lens, indptr, softcap=5.0)
+    want = paged_oracle(q, k_pool, v_pool, table, lens, indptr, softcap=5.0)[0]
+    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("variant", ["native", "avx512", "avx2", "plain_cpp"])
+def test_each_vector_path_caps_the_scores(variant, variant_library):
+    from engine.kernels.decode.decode_native import OK, _call
+
+    library = variant_library(variant)
+    q, k, v = case(2, 8, 2, 1, 333, 64, torch.float32, 4)
+    k[1, 0, 7, 0] = float("inf")  # batch row 1, KV head 0: its 4 rows NaN, lse -inf
+    q_rows = q.reshape(2, 2, 4, 64)  # [B, Hkv, G*T, D]
+    out, lse = torch.empty(2, 2, 4, 64), torch.empty(2, 2, 4)
+    assert _call(library, q_rows, 0.125, (k, None), (v, None), None, out, lse, softcap=3.0) == OK
+    want, want_lse = oracle(q, k, v, scale=0.125, softcap=3.0)
+    assert torch.isnan(out[1, 0]).all() and torch.isneginf(lse[1, 0]).all()
+    out[1, 0], lse[1, 0] = 0.0, 0.0
+    want[1, :4], want_lse[1, :4] = 0.0, 0.0
+    torch.testing.assert_close(out.reshape(2, 8, 1, 64).double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.reshape(2, 8, 1).double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_a_library_that_would_ignore_the_cap_is_not_given_it(monkeypatch):
+    from engine.kernels.decode import decode_native
+    from engine.kernels.decode.native_build import load_native
+
+    library = load_native()
+    q, k, v = case(1, 4, 2, 1, 64, 32, torch.float32, 5)
+    monkeypatch.setattr(library, "softcap", False)  # as a build from a source before the field
+    plan = engine.plan(q, k, v, softcap=2.0)
+    assert plan.kernel == "decode_native"  # (chosen before the library is asked)
+    with pytest.raises(decode_native.DoesNotFit, match="without the softcap"):
+        decode_native.native_decode_runner(plan.inputs)
+    torch.testing.assert_close(plan.run(q, k, v).double(), oracle(q, k, v, softcap=2.0)[0], rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("t", [1, 5, 40])
+def test_a_capped_call_with_key_indices_reads_its_lists_in_place_and_matches_the_torch_kernel(t):
+    q, k, v = case(2, 8, 2, t, 300, 64, torch.float32, 6)
+    g = torch.Generator().manual_seed(7)
+    listed = torch.randint(-1, 300, (2, 2, t, 24), generator=g)  # [B, Hkv, T, K]: each query's keys (-1: none)
+    plan = engine.plan(q, k, v, torch.arange(300 - t, 300), None, key_indices=listed, softcap=3.0)
+    assert plan.kernel == "decode_native" and "key_indices: read in place" in str(plan), plan
+    out, lse = plan.run(q, k, v, return_lse=True)
+    want, want_lse = causal_attention(q, k, v, torch.arange(300 - t, 300), None, key_indices=listed, softcap=3.0,
+                                      return_lse=True, kernel="tiled")
+    torch.testing.assert_close(out, want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_in_batch_invariant_mode_a_capped_prefill_runs_natively_chunk_by_chunk_and_matches_the_oracle():
+    q, k, v = case(2, 4, 2, 40, 90, 32, torch.float32, 8)  # T 40: three chunks of at most 16 queries
+    previous = engine.set_batch_invariant(True)
+    try:
+        plan = engine.plan(q, k, v, softcap=6.0)
+        out, lse = plan.run(q, k, v, return_lse=True)
+        alone = engine.plan(q[:1], k[:1], v[:1], softcap=6.0).run(q[:1], k[:1], v[:1])
+    finally:
+        engine.set_batch_invariant(previous)
+    assert plan.kernel == "decode_native", plan
+    want, want_lse = oracle(q, k, v, softcap=6.0)
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(alone, out[:1])  # a row alone or batched: bitwise the same, capped too

@@ -101,6 +101,20 @@ def test_the_quick_decode_run_writes_json_and_plots(tmp_path, capsys):
     assert "5 decode vs sdpa enable_gqa" in capsys.readouterr().out
 
 
+def test_the_quick_softcap_run_times_the_native_kernel_beside_tiled_and_eager_and_plots_them(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench_kernels.add_arguments(parser)
+    args = parser.parse_args(["--quick", "--groups", "softcap", "--out", str(tmp_path), "--quiet"])
+    assert bench_kernels.main(args) == 0
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert {r["group"] for r in rows} == {"softcap"}
+    impls = {r["impl"] for r in rows}
+    assert {"engine:tiled", "engine, no softcap", "eager softcap"} <= impls
+    assert any(i in impls for i in ("engine (decode_native)", "engine (tiled)"))  # (tiled where no compiler)
+    assert all(r["ms"] > 0 for r in rows)
+    assert (tmp_path / "kernels_softcap.png").stat().st_size > 0
+
+
 def test_device_cuda_without_a_gpu_says_so_and_exits_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     parser = argparse.ArgumentParser()

@@ -38,6 +38,35 @@ def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch
                 kv_bytes)
 
 
+def decode_softcap(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype,
+                   cap: float = 50.0) -> Case:
+    """A decode step with a softcap (group "softcap", outside the targets; Gemma 2's attention, its 2B model's
+    heads by default): the engine (the native kernel caps the scores), the tiled kernel forced (where softcap
+    decodes ran before the native kernel took them), the engine without a softcap (the floor), and transformers'
+    eager way (scores, tanh, softmax, values; K/V repeated for the group) as the peer."""
+    def build() -> list[Impl]:
+        from engine.planning import explain
+
+        q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d, dtype)
+        group = q_heads // kv_heads
+
+        def eager():
+            keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, S, D]
+            scores = torch.matmul(q, keys.transpose(2, 3)) * d ** -0.5
+            scores = torch.tanh(scores / cap) * cap
+            return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)
+        auto = explain(q, k, v, softcap=cap).kernel
+        return [Impl(f"engine ({auto})", lambda: causal_attention(q, k, v, softcap=cap)),
+                Impl("engine:tiled", lambda: causal_attention(q, k, v, softcap=cap, kernel="tiled"),
+                     note="the kernel softcap decodes ran on before"),
+                Impl("engine, no softcap", lambda: causal_attention(q, k, v), note="the same decode uncapped"),
+                Impl("eager softcap", eager, "peer", note="transformers' eager attention's steps")]
+    kv_bytes = 2.0 * batch * kv_heads * s * d * (torch.finfo(dtype).bits // 8)
+    name = f"softcap {cap:g}, B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
+    return Case("softcap", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
+                kv_bytes)
+
+
 def decode_cache_view(batch: int, q_heads: int, kv_heads: int, s: int, capacity: int, d: int) -> Case:
     """Decode against a KV-cache view (group "cache", outside the targets): the cache's filled slots
     ``[B, Hkv, S, D]`` are a strided slice of its ``capacity``-long buffer."""

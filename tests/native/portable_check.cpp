@@ -2,7 +2,7 @@
 // path (DN_PORTABLE), run under qemu; x86-64 without -march: the portable path in SSE2) against a float64 oracle
 // written here: every fp16 and e4m3 code as the kernel reads it, then decodes over each kind, head dims no vector
 // width divides, 1-6 rows, masks, 1 and 2 threads, contiguous and paged (pages of 16, shuffled); NaN / inf keys in
-// full blocks and fp8 NaN codes; batch invariance, bitwise; tanh_lane and a softcap's decode. Prints one line per failure and a summary; exits 1 on any
+// full blocks and fp8 NaN codes; batch invariance, bitwise; tanh_lane, a softcap's decode and ALiBi's. Prints one line per failure and a summary; exits 1 on any
 // failure.
 #include "../../engine/kernels/decode/decode_native.cpp"
 
@@ -348,6 +348,51 @@ int softcap_rows(std::mt19937& g, int64_t D) {
     return wrong;
 }
 
+// ALiBi against a float64 oracle: fp32 K/V, D 36 and 64, 2 KV heads of 2 query heads of 2 queries (row r: query head
+// r / 2, query r % 2), keys at positions 3 j + 1, every key visible (no causal rule here: |key - query| both ways).
+// The rows wrong.
+int alibi_rows(std::mt19937& g, int64_t D) {
+    const int64_t H = 2, R = 4, S = 150, T = 2;
+    const std::vector<uint8_t> k = random_bytes(F32, H * S * D, g), v = random_bytes(F32, H * S * D, g);
+    std::vector<float> q(H * R * D), out(H * R * D), lse(H * R), slopes = {0.5f, 0.25f, 0.125f, 0.0625f};
+    std::vector<float> key_pos(S), query_pos = {440.0f, 452.0f};
+    for (int64_t j = 0; j < S; ++j) key_pos[j] = (float)(3 * j + 1);
+    for (auto& x : q) x = (float)((int)(g() % 2001) - 1000) / 1000.0f;
+    DecodeCall c{};
+    c.kind = F32, c.threads = 1, c.B = 1, c.H = H, c.R = R, c.S = S, c.D = D, c.Dv = D, c.scale = 0.125;
+    c.q = q.data(), c.q_strides[0] = H * R * D, c.q_strides[1] = R * D, c.q_strides[2] = D;
+    c.k = k.data(), c.k_strides[0] = H * S * D, c.k_strides[1] = S * D, c.k_strides[2] = D;
+    c.v = v.data(), c.v_strides[0] = H * S * D, c.v_strides[1] = S * D, c.v_strides[2] = D;
+    c.out = out.data(), c.lse = lse.data(), c.io_kind = F32;
+    c.alibi = slopes.data(), c.queries = T, c.query_pos = query_pos.data(), c.key_pos = key_pos.data();
+    if (decode_native(&c) != 0) return (int)(H * R);
+    auto at = [](const std::vector<uint8_t>& raw, int64_t i) { float x; std::memcpy(&x, &raw[4 * i], 4); return x; };
+    int wrong = 0;
+    for (int64_t h = 0; h < H; ++h)
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t row = h * R + r;
+            const double slope = slopes[h * (R / T) + r / T], here = query_pos[r % T];
+            std::vector<double> score(S);
+            double top = -INFINITY, l = 0;
+            for (int64_t j = 0; j < S; ++j) {
+                double dot = 0;
+                for (int64_t d = 0; d < D; ++d) dot += (double)q[row * D + d] * at(k, (h * S + j) * D + d);
+                score[j] = dot * 0.125 - slope * std::fabs(key_pos[j] - here);
+                top = std::max(top, score[j]);
+            }
+            std::vector<double> o(D, 0.0);
+            for (int64_t j = 0; j < S; ++j) {
+                const double p = std::exp(score[j] - top);
+                l += p;
+                for (int64_t d = 0; d < D; ++d) o[d] += p * at(v, (h * S + j) * D + d);
+            }
+            bool right = std::fabs(lse[row] - (top + std::log(l))) <= 1e-5 * (1 + std::fabs(lse[row]));
+            for (int64_t d = 0; d < D; ++d) right &= std::fabs(out[row * D + d] - o[d] / l) <= 3e-5;
+            wrong += !right;
+        }
+    return wrong;
+}
+
 }  // namespace check
 
 // "quick" as the argument: of the four variants of each case (masked or not, paged or not, 1 or 2 threads) the first
@@ -396,9 +441,10 @@ int main(int argc, char** argv) {
     if (tanh_wrong) printf("tanh_lane: %d values wrong\n", tanh_wrong);
     wrong += tanh_wrong;
     for (int64_t D : {36, 64}) {
-        const int bad = check::softcap_rows(g, D);
+        const int bad = check::softcap_rows(g, D), off = check::alibi_rows(g, D);
         if (bad) printf("softcap, D %ld: %d rows wrong\n", (long)D, bad);
-        wrong += bad;
+        if (off) printf("ALiBi, D %ld: %d rows wrong\n", (long)D, off);
+        wrong += bad + off;
     }
     printf("lanes %d; %d cases, worst %.3f of tolerance; %d wrong\n", decode_native_lanes(), cases, worst, wrong);
     return wrong != 0;

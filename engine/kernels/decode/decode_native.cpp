@@ -1101,6 +1101,17 @@ struct DecodeCall {
     // > 0: every score capped, softcap * tanh(score / softcap) (Gemma 2's attention), before the softmax; not on the
     // AMX-BF16 tiles (their softmax reads the sums as they come)
     double softcap;
+    // ALiBi (null: none): score += -alibi[b, head] * |key_pos - query_pos| after the softcap, each row's slope its
+    // query head's (row r of KV head h: query head h * R / queries + r / queries, query r % queries); slopes fp32
+    // [B|1, Hq] (batch stride alibi_stride), query_pos fp32 [B|1, queries] and key_pos fp32 [B|1, S] (batch strides
+    // alongside), positions below 2^24 (exact in fp32); a contiguous call's (Python does not pass a paged one)
+    const float* alibi;
+    int64_t alibi_stride;
+    int64_t queries;
+    const float* query_pos;
+    int64_t query_pos_stride;
+    const float* key_pos;
+    int64_t key_pos_stride;
 };
 
 }  // extern "C"
@@ -1131,6 +1142,8 @@ struct Operands {
     int64_t p_pieces;               // bf16 pieces of each weight on the tiles (P_PIECES, or 2 for a bf16 output)
     bool scores_only;               // the tiles take the scores alone (score_tiles), the vectors the rest
     float softcap;                  // > 0: scores capped at +-softcap by tanh (softmax_step), else 0
+    const float *alibi, *query_pos, *key_pos;  // ALiBi (DecodeCall's), or alibi null
+    int64_t alibi_stride, queries, query_pos_stride, key_pos_stride;
 };
 
 #if DN_AMX
@@ -1171,6 +1184,8 @@ struct Item {
     bool first_asked = false;       // this item's first block was asked for by the item before it
     float kunit[BLOCK] = {};        // each key's dequantisation factor (1 for fp32 / bf16 / fp16), from block_rows
     const uint8_t* visb;
+    const float* slopes = nullptr;  // ALiBi: this KV head's query heads' slopes, or null; its queries' and keys'
+    const float *qpos = nullptr, *kpos = nullptr;  // positions
     const float* qb;
     const uint16_t* qh;             // (o.q_bf16's rows of this item's KV head, or null)
     bool nan_codes = false;         // (fp8) the block's rows hold an e4m3 NaN code: read with vload_e4m3_nan (the
@@ -1211,6 +1226,11 @@ struct Item {
         end = o.lengths ? std::min<int64_t>(p_.j1, std::max<int64_t>(p_.j0, o.lengths[b])) : p_.j1;
         seq_end = o.lengths ? std::min<int64_t>(o.S, o.lengths[b]) : o.S;
         visb = o.visible ? o.visible + b * o.vis[0] + h * o.vis[1] : nullptr;
+        if (o.alibi) {  // this (b, h)'s slopes (its G query heads'), its queries' and keys' positions
+            slopes = o.alibi + b * o.alibi_stride + h * (o.R / o.queries);
+            qpos = o.query_pos + b * o.query_pos_stride;
+            kpos = o.key_pos + b * o.key_pos_stride;
+        }
         qb = o.q + p_.bh * o.R * o.D;
         qh = o.q_bf16 ? o.q_bf16 + p_.bh * o.R * o.D : nullptr;
         // value tiles ask for a decode's rows (one pass of rows: many passes' scores already span the block), every
@@ -1953,6 +1973,12 @@ struct Item {
                 const float cap = o.softcap;
 #pragma omp simd
                 for (int jj = 0; jj < BLOCK; ++jj) sr[jj] = capped(sr[jj], cap);
+            }
+            if (slopes) {  // ALiBi: - slope * |key_pos - query_pos|, as the torch kernels add it (keys past n: -inf below)
+                const float slope = slopes[r / o.queries], at = qpos[r % o.queries];
+                const float* kp = kpos + j0;
+#pragma omp simd
+                for (int jj = 0; jj < n; ++jj) sr[jj] += slope * -std::fabs(kp[jj] - at);
             }
             for (int jj = n; jj < BLOCK; ++jj) sr[jj] = NEG_INF;
             float block_max = NEG_INF;
@@ -2748,8 +2774,10 @@ int decode_native_lanes() {
 #endif
 }
 
-// 1: DecodeCall.softcap is read (a library built from an older source ignores it: Python checks this first)
+// 1: DecodeCall.softcap is read (a library built from an older source ignores it: Python checks this first); and
+// DecodeCall's ALiBi fields
 int decode_native_softcap() { return 1; }
+int decode_native_alibi() { return 1; }
 
 // 1 when the runs go to OpenMP's workers (torch's), 0 when to threads of the library's own (a build without OpenMP)
 int decode_native_openmp() {
@@ -2840,7 +2868,11 @@ int decode_native_layout(int64_t* offsets, int capacity) {
         (int64_t)offsetof(DecodeCall, pages_stride), (int64_t)offsetof(DecodeCall, page_size),
         (int64_t)offsetof(DecodeCall, lengths), (int64_t)offsetof(DecodeCall, key_offset),
         (int64_t)offsetof(DecodeCall, io_kind), (int64_t)offsetof(DecodeCall, rows_alone),
-        (int64_t)offsetof(DecodeCall, softcap), (int64_t)sizeof(DecodeCall)};
+        (int64_t)offsetof(DecodeCall, softcap), (int64_t)offsetof(DecodeCall, alibi),
+        (int64_t)offsetof(DecodeCall, alibi_stride), (int64_t)offsetof(DecodeCall, queries),
+        (int64_t)offsetof(DecodeCall, query_pos), (int64_t)offsetof(DecodeCall, query_pos_stride),
+        (int64_t)offsetof(DecodeCall, key_pos), (int64_t)offsetof(DecodeCall, key_pos_stride),
+        (int64_t)sizeof(DecodeCall)};
     const int n = (int)(sizeof(all) / sizeof(all[0]));
     for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
     return n;
@@ -2873,7 +2905,7 @@ int decode_native(const DecodeCall* call) {
 #if DN_AMX_BF16
     // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below; a bf16 q's are); of
     // 8-15 rows (or 16 of Dv up to SCORE_TILE_DV) the scores alone (score_tiles), the values on the vectors
-    const bool tiled = simd && D % 32 == 0 && Dv % 32 == 0 && !c.rows_alone && !(c.softcap > 0) &&
+    const bool tiled = simd && D % 32 == 0 && Dv % 32 == 0 && !c.rows_alone && !(c.softcap > 0) && !c.alibi &&
                        decode_native_bf16_tiles();
 #if DN_F8_WORDS
     // fp8 e4m3 K/V read as F8_WORDS, of fewer rows than the whole tiles take: the scores alone on the tiles too
@@ -2952,6 +2984,9 @@ int decode_native(const DecodeCall* call) {
 #endif
     o.pages = c.pages, o.pages_stride = c.pages_stride, o.page_size = c.page_size, o.lengths = c.lengths;
     o.softcap = c.softcap > 0 ? (float)c.softcap : 0.0f;
+    o.alibi = c.alibi, o.alibi_stride = c.alibi_stride, o.queries = c.queries > 0 ? c.queries : 1;
+    o.query_pos = c.query_pos, o.query_pos_stride = c.query_pos_stride;
+    o.key_pos = c.key_pos, o.key_pos_stride = c.key_pos_stride;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AMX_BF16

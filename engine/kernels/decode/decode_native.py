@@ -33,6 +33,7 @@ from engine.kernels.common import MAX_DECODE_QUERIES, DoesNotFit, fold_groups, n
 from engine.kernels.decode.native_build import load_native, native_unavailable
 from engine.kernels.decode.native_library import NON_FINITE_Q, OK, DecodeCall
 from engine.kernels.decode.native_listed import listed_fits, listed_runner
+from engine.kernels.decode.native_scores import ScoreOps, scores_fit, scores_unread
 from engine.kernels.visibility import chunk_rows, decode_rows
 from engine.masks.key_indices import split_listed
 from engine.quantized import QuantizedKV
@@ -63,7 +64,7 @@ def native_decode_fits(inputs: AttentionInputs) -> str | None:
         return "gradients are needed: training runs the tiled kernels"
     if isinstance(k, QuantizedKV) != isinstance(inputs.v, QuantizedKV):
         return "k and v must both be QuantizedKV or both tensors"
-    return None
+    return scores_fit(inputs)  # (ALiBi: where it can add it)
 
 
 def native_decode_pays_off(inputs: AttentionInputs) -> str | None:
@@ -99,19 +100,18 @@ def _runner(inputs: AttentionInputs):
     library = load_native()
     if isinstance(library, str):
         raise DoesNotFit(library)
-    if inputs.softcap is not None and not library.softcap:
-        raise DoesNotFit(f"{library.path.name} was built from a source without the softcap: it would ignore it")
+    if (why_not := scores_unread(library, inputs)) is not None:
+        raise DoesNotFit(why_not)
     (batch, q_heads, t, d), kv_heads, dv = inputs.q.shape, inputs.k.shape[1], inputs.v.shape[3]
     resume = "dequantized" if isinstance(inputs.k, QuantizedKV) else "tiled"  # the kernel that handles NaN in q
     listed = listed_runner(library, inputs, resume, paged_template, paged_run)
     if listed is not None:  # top-k keys: only those read, any T
         return listed
     if t <= MAX_QUERIES:  # (every decode step: one kernel call, views only)
-        return _chunk_runner(library, inputs.scale, inputs.q.shape, kv_heads, dv, resume, *decode_rows(inputs),
-                             softcap=inputs.softcap)
+        return _chunk_runner(library, inputs, inputs.q.shape, kv_heads, dv, resume, *decode_rows(inputs))
     # batch-invariant mode: MAX_QUERIES queries at a time, each chunk its own span and visibility
-    runs = [(i0, i1, _chunk_runner(library, inputs.scale, (batch, q_heads, i1 - i0, d), kv_heads, dv, resume,
-                                   *chunk_rows(inputs, i0, i1), softcap=inputs.softcap))
+    runs = [(i0, i1, _chunk_runner(library, inputs, (batch, q_heads, i1 - i0, d), kv_heads, dv, resume,
+                                   *chunk_rows(inputs, i0, i1), i0=i0))
             for i0, i1 in ((i0, min(t, i0 + MAX_QUERIES)) for i0 in range(0, t, MAX_QUERIES))]
 
     def run(q, k, v, return_lse: bool):
@@ -122,15 +122,16 @@ def _runner(inputs: AttentionInputs):
     return run
 
 
-def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int, resume: str, j0: int, j1: int,
-                  visible, softcap: float | None = None):
-    """``run(q, k, v, return_lse)`` for queries ``q`` of shape ``q_shape`` (at most MAX_QUERIES) seeing keys j0 .. j1-1
-    as ``visible`` says: one kernel call, its shapes read once off fold_groups / unfold_groups (the fold's one
-    definition) applied to the plan's shapes, not per run; q and out fp32 or bf16 (IO_KINDS), others converted."""
+def _chunk_runner(library, inputs: AttentionInputs, q_shape: tuple, kv_heads: int, dv: int, resume: str, j0: int,
+                  j1: int, visible, i0: int = 0):
+    """``run(q, k, v, return_lse)`` for queries ``q`` of shape ``q_shape`` (at most MAX_QUERIES, the call's from i0)
+    seeing keys j0 .. j1-1 as ``visible`` says, its softcap and ALiBi (``ScoreOps``): one kernel call, shapes read
+    once (``_fold_shapes``); q and out fp32 or bf16 (IO_KINDS), others converted."""
     folded, unfolded = _fold_shapes(tuple(q_shape), kv_heads, dv)
+    scale, scores = inputs.scale, ScoreOps(inputs, i0, i0 + q_shape[2], j0, j1)
     planned = []  # the DecodeCall, made by the first run (from its strides), and that run's q layout: its strides
     # unfolded and folded (a q laid out as it was is read through the folded strides, no view made: a view costs
-    # about 65 us of a call that finds the CPU's caches cold, as after a layer's weights went through them)
+    # about 65 us of a call that finds the CPU's caches cold)
 
     def run(q, k, v, return_lse: bool):
         io = q.dtype if q.dtype in IO_KINDS else torch.float32
@@ -142,7 +143,7 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
             if not planned:
                 q_rows = _rows(q_in.reshape(*folded))
                 viewed = q_rows.data_ptr() == q_in.data_ptr()  # (else a copy: every run folds its q)
-                planned.extend((_template(scale, q_rows, keys, values, visible, key_offset=j0, softcap=softcap),
+                planned.extend((_template(scale, q_rows, keys, values, visible, key_offset=j0, scores=scores),
                                 q_in.stride() if viewed else None, q_rows.stride()))
             q_strides = q_in.stride()
             if q_strides == planned[1]:  # (the fold of this layout is a view with these strides)
@@ -163,10 +164,9 @@ def _chunk_runner(library, scale: float, q_shape: tuple, kv_heads: int, dv: int,
 
 @functools.lru_cache(maxsize=256)
 def _fold_shapes(q_shape: tuple, kv_heads: int, dv: int) -> tuple[tuple, tuple]:
-    """``(folded, unfolded)``: q's rows ``[B, Hkv, G*T, D]`` and the output's ``[B, Hq, T, Dv]``, read off
-    fold_groups / unfold_groups (the fold's one definition) on meta tensors once per shape. The kernel writes out
-    ``[B, Hkv, G*T, Dv]`` and lse ``[B, Hkv, G*T]`` contiguous: the bytes of unfold_groups' ``[B, Hq, T, Dv]`` /
-    ``[B, Hq, T]`` (a view of the same memory), so they are allocated in those shapes, no view per run."""
+    """``(folded, unfolded)``: q's rows ``[B, Hkv, G*T, D]``, out ``[B, Hq, T, Dv]``, read off fold_groups /
+    unfold_groups (the fold's one definition) once per shape. The kernel's out ``[B, Hkv, G*T, Dv]`` and lse are the
+    bytes of unfold_groups' ``[B, Hq, T, Dv]`` / ``[B, Hq, T]``: allocated in those shapes, no view per run."""
     folded = tuple(fold_groups(torch.empty(q_shape, device="meta"), kv_heads).shape)  # [B, Hkv, G*T, D]
     return folded, tuple(unfold_groups(torch.empty((*folded[:3], dv), device="meta"), q_shape[1]).shape)
 
@@ -185,20 +185,21 @@ def _keys(x: torch.Tensor | QuantizedKV, j0: int, j1: int) -> tuple[torch.Tensor
 
 
 def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0,
-              softcap: float | None = None) -> tuple[DecodeCall, tuple]:
-    """The plan's ``DecodeCall``: every field but the tensors' addresses, and the strides it was filled for;
-    ``key_offset``: the index of the first key read in its row of the cache (the span's start), so the kernel cuts
-    its work where it would for the whole row (batch invariance)."""
+              scores: ScoreOps | None = None) -> tuple[DecodeCall, tuple, ScoreOps | None]:
+    """The plan's ``DecodeCall`` (every field but the addresses), the strides it was filled for and ``scores``;
+    ``key_offset``: the span's first key in its row, so the kernel cuts its work as for the whole row (invariance)."""
     k_data, v_data = keys[0], values[0]
     if k_data.dtype not in KINDS or v_data.dtype != k_data.dtype:
         raise DoesNotFit(f"K/V dtypes {k_data.dtype}, {v_data.dtype}: not read by the native kernel")
     batch, kv_heads, rows, d = q_rows.shape
     call = DecodeCall(kind=KINDS[k_data.dtype], B=batch, H=kv_heads, R=rows, S=k_data.shape[2], D=d,
                       Dv=v_data.shape[3], scale=scale, key_offset=key_offset, io_kind=IO_KINDS[q_rows.dtype],
-                      rows_alone=is_batch_invariant(), softcap=softcap or 0.0)
+                      rows_alone=is_batch_invariant())
     strides = _fill_strides(call, q_rows.stride(), keys, values)
     _set_visible(call, visible)  # (the visibility tensor is the plan's: it outlives every run)
-    return call, strides
+    if scores is not None:
+        scores.fill(call)
+    return call, strides, scores
 
 
 def _set_visible(call: DecodeCall, visible: torch.Tensor | None) -> None:
@@ -242,8 +243,9 @@ def _run(library, template, q_rows, keys, values, out, lse) -> int:
 def _run_at(library, template, q_ptr: int, q_strides: tuple, keys, values, out, lse) -> int:
     """``_run`` with q's rows given as their address and strides (``[B, Hkv, R, D]``, a unit stride on D)."""
     (k_data, k_scale), (v_data, v_scale) = keys, values
-    planned, strides = template
+    planned, strides, scores = template
     call = DecodeCall.from_buffer_copy(planned)
+    slopes = None if scores is None else scores.slopes(call)  # noqa: F841  (ALiBi's, read now; kept through the call)
     if (q_strides != strides[0] or k_data.stride() != strides[1] or v_data.stride() != strides[2]
             or (k_scale is not None and _strides_of(q_strides, keys, values) != strides)):
         _fill_strides(call, q_strides, keys, values)
@@ -255,20 +257,18 @@ def _run_at(library, template, q_ptr: int, q_strides: tuple, keys, values, out, 
     return _decode(library, call)
 
 
-def _call(library, q_rows, scale, keys, values, visible, out, lse, softcap: float | None = None) -> int:
+def _call(library, q_rows, scale, keys, values, visible, out, lse, scores: ScoreOps | None = None) -> int:
     """One call with nothing planned (the tests build other vector paths and call them through this)."""
-    return _run(library, _template(scale, q_rows, keys, values, visible, softcap=softcap), q_rows, keys, values, out,
-                lse)
+    return _run(library, _template(scale, q_rows, keys, values, visible, scores=scores), q_rows, keys, values, out, lse)
 
 
 def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pages: torch.Tensor,
                    lengths: torch.Tensor, page_size: int, visible: torch.Tensor | None,
                    softcap: float | None = None) -> DecodeCall:
-    """The ``DecodeCall`` of a paged decode step with everything but the tensors' addresses filled (made once per
-    step: engine.kernels.decode.native_paged): q rows ``[B, Hkv, R, D]`` of shape ``q_shape``, pools of element
-    dtype ``kind``, pages int64 ``[B, max_pages]`` and lengths int64 ``[B]`` (contiguous, on the CPU; they must
-    outlive every run), visible bool ``[B, Hkv|1, R, S]`` or None (every key up to each sequence's length).
-    DoesNotFit for a dtype the kernel does not read."""
+    """The ``DecodeCall`` of a paged decode step, all but the tensors' addresses (once per step: native_paged): q rows
+    ``[B, Hkv, R, D]`` of shape ``q_shape``, pools of dtype ``kind``, pages int64 ``[B, max_pages]`` and lengths int64
+    ``[B]`` (contiguous, on the CPU, outliving every run), visible bool ``[B, Hkv|1, R, S]`` or None (every key up to
+    each sequence's length). DoesNotFit for a dtype the kernel does not read."""
     if kind not in KINDS:
         raise DoesNotFit(f"page dtype {kind}: not read in place by the native kernel")
     (batch, kv_heads, rows, d), longest = q_shape, (int(lengths.max()) if lengths.numel() else 0)

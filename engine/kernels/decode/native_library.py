@@ -29,6 +29,9 @@ class DecodeCall(ctypes.Structure):
         ("io_kind", _I64),  # q's and out's: 0 fp32, 1 bf16 (decode_native.IO_KINDS)
         ("rows_alone", _I64),  # 1: each row as alone (batch-invariant mode): no AMX-BF16 tiles
         ("softcap", ctypes.c_double),  # > 0: scores capped, softcap * tanh(score / softcap); 0: none
+        # ALiBi (engine.kernels.decode.native_scores): slopes fp32 [B|1, Hq] or null, query / key positions fp32
+        ("alibi", _PTR), ("alibi_stride", _I64), ("queries", _I64), ("query_pos", _PTR), ("query_pos_stride", _I64),
+        ("key_pos", _PTR), ("key_pos_stride", _I64),
     ]
 
 
@@ -66,6 +69,7 @@ class NativeLibrary:
         # whether it reads DecodeCall.softcap (a library built from an older source, as run.py bench builds times,
         # would ignore the field: a capped call is not given to it)
         self.softcap = hasattr(self.lib, "decode_native_softcap") and bool(self.lib.decode_native_softcap())
+        self.alibi = hasattr(self.lib, "decode_native_alibi") and bool(self.lib.decode_native_alibi())
         # the runs on OpenMP's workers (torch's), or on the library's own threads (NO_OPENMP_FLAGS)
         self.openmp = not hasattr(self.lib, "decode_native_openmp") or bool(self.lib.decode_native_openmp())
         self.lib.decode_native_amx.restype = ctypes.c_int

@@ -3,8 +3,8 @@
 It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
 plain decoding; with key_indices any number, each query row its own list: engine.kernels.decode.native_paged_listed),
 on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in registers), without
-gradients or ALiBi (a softcap caps the scores in C++; sinks act on its out and lse afterwards,
-engine.paged.attention); a call's ``allowed`` joins each row's visibility.
+gradients or ALiBi (contiguous calls only: native_scores; a softcap caps the scores in C++; sinks act on its out
+and lse afterwards, engine.paged.attention); a call's ``allowed`` joins each row's visibility.
 The kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
 the sequence's own length, and takes each query row's visibility from positions (and the window) unless every
 key up to that length is visible (one query per sequence at its default position, no window)::
@@ -34,10 +34,13 @@ __all__ = ["NativeStep", "native_paged_fits", "native_pass_fits"]
 
 def native_paged_fits(inputs: PagedInputs) -> str | None:
     """Why the native kernel cannot read this paged decode step in place (None: it can). Builds nothing. Options it
-    does not compute (ALiBi, a bias, score_mod) are the kernel table's business (``Kernel.takes``)."""
+    does not compute (a bias, score_mod) are the kernel table's business (``Kernel.takes``); ALiBi, which the
+    contiguous calls take, is not added to a paged step in place (native_scores)."""
     why_not = native_pass_fits(inputs)
     if why_not is not None:
         return why_not
+    if inputs.alibi_slopes is not None:
+        return "ALiBi: added by the native kernel to contiguous calls, not yet to a paged step read in place"
     if inputs.key_indices is not None:  # every query row its own sequence of its listed keys (native_paged_listed)
         return listed_layout(inputs.k_pages, inputs.v_pages, per_head_lists(inputs))[0]
     counts = inputs.queries_per_sequence()

@@ -1,6 +1,7 @@
-"""A softcap (``softcap * tanh(score / softcap)``, Gemma 2's attention) on the native decode kernel: every kind of K/V,
-masks, contiguous and paged, each vector path, against the float64 oracle; non-finite keys as the torch kernels treat
-them; the kernel chosen for it, and refused by a library that would ignore the field."""
+"""What the native decode kernel adds to the scores: a softcap (``softcap * tanh(score / softcap)``, Gemma 2's) and
+ALiBi (``- slope * |key_pos - query_pos|``, BLOOM's and MPT's). Every kind of K/V, masks, contiguous and paged (the
+softcap), each vector path, against the float64 oracle; non-finite keys as the torch kernels treat them; where the
+kernel declines (ALiBi with key_indices, paged, positions past 2^24) and a library that would ignore the fields."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 import engine
 from engine import causal_attention, paged_attention, window_mask
 from engine.kernels.decode.native_build import native_unavailable
+from engine.kernels.decode.native_scores import ScoreOps
 from engine.quantized import quantize
 from tests.modifier_oracle import oracle
 from tests.paged_cases import oracle as paged_oracle
@@ -116,7 +118,8 @@ def test_each_vector_path_caps_the_scores(variant, variant_library):
     k[1, 0, 7, 0] = float("inf")  # batch row 1, KV head 0: its 4 rows NaN, lse -inf
     q_rows = q.reshape(2, 2, 4, 64)  # [B, Hkv, G*T, D]
     out, lse = torch.empty(2, 2, 4, 64), torch.empty(2, 2, 4)
-    assert _call(library, q_rows, 0.125, (k, None), (v, None), None, out, lse, softcap=3.0) == OK
+    scores = ScoreOps(engine.plan(q, k, v, softcap=3.0).inputs, 0, 1, 0, 333)
+    assert _call(library, q_rows, 0.125, (k, None), (v, None), None, out, lse, scores=scores) == OK
     want, want_lse = oracle(q, k, v, scale=0.125, softcap=3.0)
     assert torch.isnan(out[1, 0]).all() and torch.isneginf(lse[1, 0]).all()
     out[1, 0], lse[1, 0] = 0.0, 0.0
@@ -132,12 +135,17 @@ def test_a_library_that_would_ignore_the_cap_is_not_given_it(monkeypatch):
 
     library = load_native()
     q, k, v = case(1, 4, 2, 1, 64, 32, torch.float32, 5)
-    monkeypatch.setattr(library, "softcap", False)  # as a build from a source before the field
-    plan = engine.plan(q, k, v, softcap=2.0)
-    assert plan.kernel == "decode_native"  # (chosen before the library is asked)
-    with pytest.raises(decode_native.DoesNotFit, match="without the softcap"):
-        decode_native.native_decode_runner(plan.inputs)
-    torch.testing.assert_close(plan.run(q, k, v).double(), oracle(q, k, v, softcap=2.0)[0], rtol=2e-5, atol=2e-5)
+    slopes = torch.rand(4)
+    for name, field, options in (("softcap", "softcap", {"softcap": 2.0}),
+                                 ("ALiBi", "alibi", {"alibi_slopes": slopes})):
+        monkeypatch.setattr(library, field, False)  # as a build from a source before the field
+        plan = engine.plan(q, k, v, **options)
+        assert plan.kernel == "decode_native"  # (chosen before the library is asked)
+        with pytest.raises(decode_native.DoesNotFit, match=f"without the {name}"):
+            decode_native.native_decode_runner(plan.inputs)
+        want = oracle(q, k, v, softcap=options.get("softcap"), alibi=options.get("alibi_slopes"))[0]
+        torch.testing.assert_close(plan.run(q, k, v).double(), want, rtol=2e-5, atol=2e-5)
+        monkeypatch.undo()
 
 
 @needs_native
@@ -170,3 +178,94 @@ def test_in_batch_invariant_mode_a_capped_prefill_runs_natively_chunk_by_chunk_a
     torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
     assert torch.equal(alone, out[:1])  # a row alone or batched: bitwise the same, capped too
+
+
+@needs_native
+@settings(deadline=None, max_examples=40)
+@given(st.integers(1, 3), st.sampled_from([(1, 1), (4, 4), (8, 2), (6, 3)]), st.integers(1, 16),
+       st.integers(1, 600), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       st.sampled_from(["none", "window", "rows"]), st.booleans(), st.booleans(), st.booleans(), st.integers(0, 10**6))
+def test_property_alibi_on_the_native_kernel_matches_the_oracle(b, heads, t, s, dtype, mask, per_row_slopes,
+                                                                causal, capped, seed):
+    hq, hkv = heads
+    q, k, v = case(b, hq, hkv, t, s, 32, dtype, seed, spread=1.0)
+    g = torch.Generator().manual_seed(seed)
+    slopes = torch.rand(b, hq, generator=g) if per_row_slopes else torch.rand(hq, generator=g)
+    qpos = kpos = allowed = None
+    if mask == "window":
+        qpos, kpos = torch.arange(s - t, s), torch.arange(s)
+        allowed = window_mask(qpos, kpos, max(1, s // 3))
+    elif mask == "rows":  # each sequence its own positions: keys b + 1 apart from 5 b, queries about the last one
+        kpos = torch.stack([torch.arange(s) * (i + 1) + 5 * i for i in range(b)])
+        qpos = kpos[:, -1:] + torch.arange(t) - t // 2
+    options = {"alibi_slopes": slopes, "softcap": 5.0 if capped else None, "causal": causal}
+    plan = engine.plan(q, k, v, qpos, kpos, allowed, **options)
+    assert plan.kernel == "decode_native", plan
+    out, lse = plan.run(q, k, v, return_lse=True)
+    want, want_lse = oracle(q, k, v, qpos, kpos, allowed, causal=causal, softcap=options["softcap"], alibi=slopes)
+    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    seen = ~torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_alibi_slopes_are_read_at_each_run_of_a_plan():
+    q, k, v = case(1, 4, 4, 1, 200, 32, torch.float32, 9, spread=1.0)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    plan = engine.plan(q, k, v, alibi_slopes=slopes)
+    torch.testing.assert_close(plan.run(q, k, v).double(), oracle(q, k, v, alibi=slopes)[0], rtol=2e-5, atol=2e-5)
+    slopes.mul_(4)  # (an optimizer's step: the plan reads the tensor, not a copy made when planning)
+    torch.testing.assert_close(plan.run(q, k, v).double(), oracle(q, k, v, alibi=slopes)[0], rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_in_batch_invariant_mode_alibi_chunks_use_their_own_queries_positions():
+    q, k, v = case(2, 4, 2, 40, 90, 32, torch.float32, 10, spread=1.0)  # T 40: chunks of 16, 16, 8 queries
+    slopes = torch.tensor([0.5, 0.3, 0.2, 0.1])
+    previous = engine.set_batch_invariant(True)
+    try:
+        plan = engine.plan(q, k, v, alibi_slopes=slopes)
+        out = plan.run(q, k, v)
+    finally:
+        engine.set_batch_invariant(previous)
+    assert plan.kernel == "decode_native", plan
+    torch.testing.assert_close(out.double(), oracle(q, k, v, alibi=slopes)[0], rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_where_the_native_kernel_does_not_add_alibi_it_says_why_and_the_result_holds():
+    q, k, v = case(1, 4, 2, 1, 300, 32, torch.float32, 11, spread=1.0)
+    slopes = torch.rand(4)
+    listed = torch.randint(0, 300, (1, 2, 1, 16))
+    choice = engine.explain(q, k, v, alibi_slopes=slopes, key_indices=listed)
+    assert "ALiBi with key_indices" in choice.passed_over["decode_native"], choice
+    far = torch.arange(300) + (1 << 24)  # positions past 2^24: not exact in fp32
+    choice = engine.explain(q, k, v, far[-1:], far, alibi_slopes=slopes)
+    assert "exact below 2^24" in choice.passed_over["decode_native"], choice
+    out = causal_attention(q, k, v, far[-1:], far, alibi_slopes=slopes)
+    torch.testing.assert_close(out.double(), oracle(q, k, v, far[-1:], far, alibi=slopes)[0], rtol=2e-5, atol=2e-5)
+    pool, table = k[0].transpose(0, 1).reshape(300, 1, 2, 32), torch.arange(300)[None]  # pages of one key
+    text = engine.explain_paged(q[0, :, 0][None], pool, pool, table, torch.tensor([300]), torch.tensor([0, 1]),
+                                alibi_slopes=slopes)
+    assert "ALiBi: added by the native kernel to contiguous calls" in text or "runs of" in text, text
+
+
+@pytest.mark.parametrize("variant", ["native", "avx512", "avx2", "plain_cpp"])
+def test_each_vector_path_adds_alibi(variant, variant_library):
+    from engine.kernels.decode.decode_native import OK, _call
+
+    library = variant_library(variant)
+    q, k, v = case(2, 8, 2, 3, 333, 64, torch.float32, 12, spread=1.0)  # T 3: rows of three queries a head
+    kpos = torch.stack([torch.arange(333) * 2, torch.arange(333)])  # [B, S]: each sequence its own
+    qpos = kpos[:, -3:] + 1
+    slopes = torch.rand(2, 8, generator=torch.Generator().manual_seed(1))
+    plan = engine.plan(q, k, v, qpos, kpos, torch.ones(1, 1, 3, 333, dtype=torch.bool), causal=False,
+                       alibi_slopes=slopes)
+    scores = ScoreOps(plan.inputs, 0, 3, 0, 333)
+    q_rows = q.reshape(2, 2, 12, 64)  # [B, Hkv, G*T, D]
+    out, lse = torch.empty(2, 2, 12, 64), torch.empty(2, 2, 12)
+    assert _call(library, q_rows, 0.125, (k, None), (v, None), None, out, lse, scores=scores) == OK
+    want, want_lse = oracle(q, k, v, qpos, kpos, scale=0.125, causal=False, alibi=slopes)
+    torch.testing.assert_close(out.reshape(2, 8, 3, 64).double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.reshape(2, 8, 3).double(), want_lse, rtol=1e-5, atol=1e-5)

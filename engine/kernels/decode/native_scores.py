@@ -1,0 +1,76 @@
+"""What the native decode kernel does to the scores beside the dot products: a softcap and ALiBi.
+
+Both act on each score in C++ before the softmax (``DecodeCall``'s softcap; alibi, queries, query_pos, key_pos), in
+the order of engine.modifiers: ``s = q.k * scale`` -> ``softcap * tanh(s / softcap)`` -> ``- slope * |key_pos -
+query_pos|``. The kernel computes the distance in fp32, so ALiBi takes positions below 2^24 in magnitude (exact in
+fp32: the same distances the torch kernels compute in int64); its slopes are read at each run, as every kernel reads
+the modifiers' tensors, and its positions, the plan's own, are made fp32 once per plan (``ScoreOps``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.inputs import AttentionInputs
+from engine.masks.key_indices import split_listed
+
+__all__ = ["MAX_POSITION", "ScoreOps", "scores_fit", "scores_unread"]
+
+MAX_POSITION = 1 << 24  # |positions| below this are exact in fp32
+
+
+def scores_fit(inputs: AttentionInputs) -> str | None:
+    """Why the native kernel cannot add this call's ALiBi (None: it can, or there is none). Reads the positions once
+    (a plan's choice)."""
+    if inputs.modifiers.alibi_slopes is None:
+        return None
+    if split_listed(inputs.allowed)[0] is not None:
+        return "ALiBi with key_indices: the listed keys' positions are not read in place (the sparse kernel adds it)"
+    largest = max(int(x.abs().max()) if x.numel() else 0 for x in (inputs.query_positions, inputs.key_positions))
+    if largest >= MAX_POSITION:
+        return f"ALiBi at position {largest}: the native kernel's fp32 distances are exact below 2^24"
+    return None
+
+
+def scores_unread(library, inputs: AttentionInputs) -> str | None:
+    """Why ``library`` would ignore this call's softcap or ALiBi (a build from a source before them, as run.py bench
+    builds times): None where it reads them or the call has neither."""
+    for name, given, read in (("softcap", inputs.softcap is not None, library.softcap),
+                              ("ALiBi", inputs.modifiers.alibi_slopes is not None, library.alibi)):
+        if given and not read:
+            return f"{library.path.name} was built from a source without the {name}: it would ignore it"
+    return None
+
+
+class ScoreOps:
+    """A chunk's softcap and ALiBi as the kernel reads them: queries ``i0 .. i1-1`` against keys ``j0 .. j1-1``.
+    ``fill(call)`` at planning; ``slopes(call)`` at each run (the slopes' fp32 copy, to keep while the call runs)."""
+
+    def __init__(self, inputs: AttentionInputs, i0: int, i1: int, j0: int, j1: int) -> None:
+        self.softcap = inputs.softcap
+        self.alibi = inputs.modifiers.alibi_slopes  # [B|1, Hq], the caller's (read at each run)
+        self.queries = i1 - i0
+        if self.alibi is not None:  # fp32 [B|1, n] and their batch strides (0: one row for every sequence)
+            self.query_pos = _rows(inputs.query_positions[:, i0:i1])
+            self.key_pos = _rows(inputs.key_positions[:, j0:j1])
+
+    def fill(self, call) -> None:
+        call.softcap = self.softcap or 0.0
+        if self.alibi is not None:
+            call.queries = self.queries
+            call.query_pos, call.query_pos_stride = self.query_pos[0].data_ptr(), self.query_pos[1]
+            call.key_pos, call.key_pos_stride = self.key_pos[0].data_ptr(), self.key_pos[1]
+
+    def slopes(self, call) -> torch.Tensor | None:
+        if self.alibi is None:
+            return None
+        slopes = self.alibi.to(torch.float32).contiguous()  # [B|1, Hq]: a copy only where not fp32 already
+        call.alibi, call.alibi_stride = slopes.data_ptr(), (slopes.shape[1] if slopes.shape[0] > 1 else 0)
+        return slopes
+
+
+def _rows(positions: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``[B, n]`` int64 positions as fp32, one row where every sequence has the same ones; and the batch stride."""
+    shared = positions.shape[0] == 1 or positions.stride(0) == 0 or bool((positions == positions[:1]).all())
+    rows = (positions[:1] if shared else positions).to(torch.float32).contiguous()
+    return rows, 0 if shared else rows.shape[1]

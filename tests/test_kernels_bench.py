@@ -101,18 +101,19 @@ def test_the_quick_decode_run_writes_json_and_plots(tmp_path, capsys):
     assert "5 decode vs sdpa enable_gqa" in capsys.readouterr().out
 
 
-def test_the_quick_softcap_run_times_the_native_kernel_beside_tiled_and_eager_and_plots_them(tmp_path):
+def test_the_quick_scores_run_times_the_native_kernel_beside_the_paths_before_and_the_peers_and_plots_them(tmp_path):
     parser = argparse.ArgumentParser()
     bench_kernels.add_arguments(parser)
-    args = parser.parse_args(["--quick", "--groups", "softcap", "--out", str(tmp_path), "--quiet"])
+    args = parser.parse_args(["--quick", "--groups", "scores", "--out", str(tmp_path), "--quiet"])
     assert bench_kernels.main(args) == 0
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
-    assert {r["group"] for r in rows} == {"softcap"}
+    assert {r["group"] for r in rows} == {"scores"}
     impls = {r["impl"] for r in rows}
-    assert {"engine:tiled", "engine, no softcap", "eager softcap"} <= impls
+    assert {"engine:tiled", "engine, no softcap", "eager softcap", "engine:decode", "engine, no alibi",
+            "eager alibi", "sdpa alibi mask"} <= impls
     assert any(i in impls for i in ("engine (decode_native)", "engine (tiled)"))  # (tiled where no compiler)
     assert all(r["ms"] > 0 for r in rows)
-    assert (tmp_path / "kernels_softcap.png").stat().st_size > 0
+    assert (tmp_path / "kernels_scores.png").stat().st_size > 0
 
 
 def test_device_cuda_without_a_gpu_says_so_and_exits_2(tmp_path, capsys, monkeypatch):

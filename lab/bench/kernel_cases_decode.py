@@ -38,32 +38,41 @@ def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch
                 kv_bytes)
 
 
-def decode_softcap(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype,
-                   cap: float = 50.0) -> Case:
-    """A decode step with a softcap (group "softcap", outside the targets; Gemma 2's attention, its 2B model's
-    heads by default): the engine (the native kernel caps the scores), the tiled kernel forced (where softcap
-    decodes ran before the native kernel took them), the engine without a softcap (the floor), and transformers'
-    eager way (scores, tanh, softmax, values; K/V repeated for the group) as the peer."""
+def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype) -> Case:
+    """A decode step whose scores a model modifies (group "scores", outside the targets): ``kind`` "softcap" (Gemma
+    2's cap of 50) or "alibi" (BLOOM's / MPT's slopes, 2^(-8 h / Hq)). The engine (the native kernel adds either in
+    C++), the kernel such decodes ran on before it did (tiled / the torch decode), the engine without the modifier
+    (the floor), and as peers transformers' eager steps (scores, the modifier, softmax, values; K/V repeated for the
+    group) and, for ALiBi, SDPA given the slopes' biases as its float mask ``[1, Hq, 1, S]`` (transformers' sdpa
+    attention for BLOOM)."""
     def build() -> list[Impl]:
         from engine.planning import explain
 
         q, k, v = _qkv(batch, q_heads, kv_heads, 1, s, d, dtype)
         group = q_heads // kv_heads
+        slopes = torch.tensor([2.0 ** (-8 * (h + 1) / q_heads) for h in range(q_heads)])
+        bias = (slopes[:, None] * (torch.arange(s) - (s - 1)).float())[None, :, None, :].to(dtype)  # [1, Hq, 1, S]
+        options = {"softcap": 50.0} if kind == "softcap" else {"alibi_slopes": slopes}
+        before = "tiled" if kind == "softcap" else "decode"
 
         def eager():
             keys, values = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, S, D]
             scores = torch.matmul(q, keys.transpose(2, 3)) * d ** -0.5
-            scores = torch.tanh(scores / cap) * cap
+            scores = torch.tanh(scores / 50.0) * 50.0 if kind == "softcap" else scores + bias
             return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), values)
-        auto = explain(q, k, v, softcap=cap).kernel
-        return [Impl(f"engine ({auto})", lambda: causal_attention(q, k, v, softcap=cap)),
-                Impl("engine:tiled", lambda: causal_attention(q, k, v, softcap=cap, kernel="tiled"),
-                     note="the kernel softcap decodes ran on before"),
-                Impl("engine, no softcap", lambda: causal_attention(q, k, v), note="the same decode uncapped"),
-                Impl("eager softcap", eager, "peer", note="transformers' eager attention's steps")]
+        impls = [Impl(f"engine ({explain(q, k, v, **options).kernel})", lambda: causal_attention(q, k, v, **options)),
+                 Impl(f"engine:{before}", lambda: causal_attention(q, k, v, kernel=before, **options),
+                      note=f"the kernel {kind} decodes ran on before"),
+                 Impl(f"engine, no {kind}", lambda: causal_attention(q, k, v), note="the same decode without it"),
+                 Impl(f"eager {kind}", eager, "peer", note="transformers' eager attention's steps")]
+        if kind == "alibi":
+            impls.append(Impl("sdpa alibi mask", lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, enable_gqa=True), "peer", note="the slopes' biases as a float mask"))
+        return impls
     kv_bytes = 2.0 * batch * kv_heads * s * d * (torch.finfo(dtype).bits // 8)
-    name = f"softcap {cap:g}, B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
-    return Case("softcap", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
+    what = "softcap 50" if kind == "softcap" else "ALiBi"
+    name = f"{what}, B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
+    return Case("scores", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
                 kv_bytes)
 
 

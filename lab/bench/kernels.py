@@ -11,7 +11,7 @@ closing table checks issue 4's seven targets and issue 13's decode targets. Resu
     python run.py bench kernels --threads 2        # the full run of docs/BENCHMARKS.md
     python run.py bench kernels --device cuda      # the GPU cases (lab.bench.kernel_cases_cuda)
     python run.py bench kernels --groups modifiers # sinks, ALiBi, relative bias (lab.bench.modifier_cases)
-    python run.py bench kernels --groups softcap   # a decode step with Gemma 2's softcap (its 2B model's heads)
+    python run.py bench kernels --groups scores    # decode steps with Gemma 2's softcap, with ALiBi (MPT's heads)
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", default="all",
                         help="comma-separated case groups: prefill, chunked, window, documents, decode, bandwidth "
                         "(decode's K/V bytes per second: cache buffers, 2 threads, int8/fp8), memory, "
-                        "bf16, cache, softcap (a decode with Gemma 2's softcap), training, modifiers (default all; "
-                        "bf16, cache, softcap and modifiers are outside the targets); on CUDA: prefill, chunked, "
-                        "window, documents, ragged, decode, training")
+                        "bf16, cache, scores (a decode with Gemma 2's softcap, with ALiBi), training, modifiers "
+                        "(default all; bf16, cache, scores and modifiers are outside the targets); on CUDA: prefill, "
+                        "chunked, window, documents, ragged, decode, training")
     parser.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                         help="start no new case after this many seconds; the cases run so far are saved (for a "
                         "device lease of fixed length)")
@@ -210,6 +210,16 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
             r.update({column: ms / r["ms"] if ms else None for column, ms in peers.items()})
 
 
+def _role(impl: str) -> str:
+    """A scores case's implementation, named alike across modifiers (``engine:tiled`` / ``engine:decode``: the
+    kernel such decodes ran on before; ``eager softcap`` / ``eager alibi``: eager)."""
+    for prefix, role in (("engine:", "engine, the kernel before"), ("engine, no", "engine, unmodified"),
+                         ("eager", "eager"), ("engine (", "engine")):
+        if impl.startswith(prefix):
+            return role
+    return impl
+
+
 def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Path]:
     from lab import plots
 
@@ -244,23 +254,25 @@ def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Pat
         ax.set_title("decode, Hq=32 Hkv=8 D=128: bytes per second")
         ax.legend(fontsize=7)
         paths.append(plots.save(fig, out / "kernels_decode.png"))
-    capped = [r for r in rows if r["group"] == "softcap" and "ms" in r]
-    if capped:  # ms per call of each implementation, case by case (log scale: the tiled path is 10-40x)
+    capped = [r for r in rows if r["group"] == "scores" and "ms" in r]
+    if capped:  # ms per call of each implementation, case by case (log scale: the paths before were 3-40x)
         fig, axes = plots.figure(width=7.5, height=4.5)
         ax = axes[0]
         cases = list(dict.fromkeys(r["case"] for r in capped))
-        labels = list(dict.fromkeys(r["impl"] for r in capped))
+        labels = list(dict.fromkeys(_role(r["impl"]) for r in capped))
         width = 0.8 / len(labels)
         for index, label in enumerate(labels):
-            values = [next((r["ms"] for r in capped if r["case"] == c and r["impl"] == label), 0) for c in cases]
+            values = [next((r["ms"] for r in capped if r["case"] == c and _role(r["impl"]) == label), 0)
+                      for c in cases]
             ax.bar([i + index * width for i in range(len(cases))], values, width, label=label)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))],
-                      [c.split(", ", 1)[1].replace(" Hq=8 Hkv=4 D=256", "") for c in cases], fontsize=7, rotation=30)
+                      [c.replace(" Hq=8 Hkv=4 D=256", "").replace(" Hq=32 Hkv=32 D=128", "") for c in cases],
+                      fontsize=6, rotation=30, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("median ms per call")
-        ax.set_title("decode with a softcap of 50, Hq=8 Hkv=4 D=256 (Gemma 2 2B's heads)")
-        ax.legend(fontsize=7)
-        paths.append(plots.save(fig, out / "kernels_softcap.png"))
+        ax.set_title("decode with a softcap (Hq=8 Hkv=4 D=256) or ALiBi (Hq=Hkv=32 D=128)", fontsize=9)
+        ax.legend(fontsize=6)
+        paths.append(plots.save(fig, out / "kernels_scores.png"))
     targets = check_targets(rows)
     if targets:
         fig, axes = plots.figure(width=7.5, height=4.5)

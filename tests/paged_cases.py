@@ -90,7 +90,7 @@ def stored(pool: torch.Tensor, layout: str) -> torch.Tensor:
 @st.composite
 def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float64):
     """A pool of shuffled pages, some shared between sequences, NaN in every slot no sequence owns; ``uniform``:
-    every sequence the same 1..4 queries (a decode step, as the in-place kernel takes it), no ALiBi."""
+    every sequence the same 1..4 queries (a decode step, as the in-place kernel takes it)."""
     page_size = draw(st.sampled_from([1, 2, 3, 16, 256]))
     hkv, group, d = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([4, 8]))
     batch = draw(st.integers(1, 5))
@@ -139,7 +139,7 @@ def paged_batches(draw, uniform: bool = False, dtype: torch.dtype = torch.float6
         options["softcap"] = 4.0
     if draw(st.booleans()):
         options["sinks"] = torch.randn(hkv * group, generator=g, dtype=dtype)
-    if not uniform and draw(st.booleans()):
+    if draw(st.booleans()):
         options["alibi"] = torch.rand(hkv * group, generator=g, dtype=dtype)
     positions = None
     if per_token and q.shape[0]:  # per-token positions: anywhere in the sequence (or before it)

@@ -1,7 +1,7 @@
 """What the native decode kernel adds to the scores: a softcap (``softcap * tanh(score / softcap)``, Gemma 2's) and
-ALiBi (``- slope * |key_pos - query_pos|``, BLOOM's and MPT's). Every kind of K/V, masks, contiguous and paged (the
-softcap), each vector path, against the float64 oracle; non-finite keys as the torch kernels treat them; where the
-kernel declines (ALiBi with key_indices, paged, positions past 2^24) and a library that would ignore the fields."""
+ALiBi (``- slope * |key_pos - query_pos|``, BLOOM's and MPT's). Every kind of K/V, masks, contiguous and paged, each
+vector path, against the float64 oracle; non-finite keys as the torch kernels treat them; where the
+kernel declines (ALiBi with key_indices, positions past 2^24) and a library that would ignore the fields."""
 
 from __future__ import annotations
 
@@ -245,10 +245,27 @@ def test_where_the_native_kernel_does_not_add_alibi_it_says_why_and_the_result_h
     assert "exact below 2^24" in choice.passed_over["decode_native"], choice
     out = causal_attention(q, k, v, far[-1:], far, alibi_slopes=slopes)
     torch.testing.assert_close(out.double(), oracle(q, k, v, far[-1:], far, alibi=slopes)[0], rtol=2e-5, atol=2e-5)
+    listed_paged = torch.randint(0, 300, (1, 2, 16))  # [Nq, Hkv, K]
     pool, table = k[0].transpose(0, 1).reshape(300, 1, 2, 32), torch.arange(300)[None]  # pages of one key
     text = engine.explain_paged(q[0, :, 0][None], pool, pool, table, torch.tensor([300]), torch.tensor([0, 1]),
-                                alibi_slopes=slopes)
-    assert "ALiBi: added by the native kernel to contiguous calls" in text or "runs of" in text, text
+                                alibi_slopes=slopes, key_indices=listed_paged)
+    assert "ALiBi with key_indices" in text, text
+
+
+@needs_native
+@pytest.mark.parametrize("t", [1, 3])
+def test_a_paged_step_with_alibi_reads_in_place_and_matches_the_oracle(t):
+    g = torch.Generator().manual_seed(13)
+    page, hkv, d, lens = 16, 2, 64, torch.tensor([37, 100, 5])
+    table = torch.randperm(21, generator=g).reshape(3, 7)  # [B, max_pages]
+    k_pool, v_pool = torch.randn(21, page, hkv, d, generator=g), torch.randn(21, page, hkv, d, generator=g)
+    q = torch.randn(3 * t, 8, d, generator=g)
+    indptr, slopes = torch.arange(4) * t, torch.rand(8, generator=g)
+    text = engine.explain_paged(q, k_pool, v_pool, table, lens, indptr, alibi_slopes=slopes, softcap=6.0)
+    assert "decode_native reads K/V in place" in text, text
+    out = paged_attention(q, k_pool, v_pool, table, lens, indptr, alibi_slopes=slopes, softcap=6.0)
+    want = paged_oracle(q, k_pool, v_pool, table, lens, indptr, alibi=slopes, softcap=6.0)[0]
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("variant", ["native", "avx512", "avx2", "plain_cpp"])
@@ -269,3 +286,16 @@ def test_each_vector_path_adds_alibi(variant, variant_library):
     want, want_lse = oracle(q, k, v, qpos, kpos, scale=0.125, causal=False, alibi=slopes)
     torch.testing.assert_close(out.reshape(2, 8, 3, 64).double(), want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse.reshape(2, 8, 3).double(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_the_kernel_refuses_alibi_without_its_positions_rather_than_read_nothing():
+    from engine.kernels.decode.decode_native import DoesNotFit, _call
+    from engine.kernels.decode.native_build import load_native
+
+    q, k, v = case(1, 4, 2, 1, 64, 32, torch.float32, 14, spread=1.0)
+    scores = ScoreOps(engine.plan(q, k, v, alibi_slopes=torch.rand(4)).inputs, 0, 1, 0, 64)
+    scores.key_pos = (torch.zeros(0), 0)  # (a null address: as a call filled wrongly would pass)
+    out, lse = torch.empty(1, 2, 2, 32), torch.empty(1, 2, 2)
+    with pytest.raises(DoesNotFit, match="refused the call"):
+        _call(load_native(), q.reshape(1, 2, 2, 32), 0.1, (k, None), (v, None), None, out, lse, scores=scores)

@@ -46,10 +46,10 @@ def test_a_decode_step_read_in_place_through_the_page_table_equals_the_oracle(pr
     args, options = problem
     if native_unavailable() is not None:
         pytest.skip(native_unavailable())
-    text = engine.explain_paged(*args, window=options.get("window"), softcap=options.get("softcap"))
+    ours = {"window": options.get("window"), "softcap": options.get("softcap"), "alibi_slopes": options.get("alibi")}
+    text = engine.explain_paged(*args, **ours)
     assert "decode_native reads K/V in place" in text, text
-    out, lse = paged_attention(*args, return_lse=True, window=options.get("window"), sinks=options.get("sinks"),
-                               softcap=options.get("softcap"))
+    out, lse = paged_attention(*args, return_lse=True, sinks=options.get("sinks"), **ours)
     want, want_lse = oracle(*args, **options)
     assert not bool(out.isnan().any())  # the NaN in unowned slots (and past each sequence's length) never leak
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
@@ -262,20 +262,23 @@ def test_explain_names_the_shared_prefix_pass_and_the_runs_of_pages():
     table = torch.tensor([[0, 1, 2, 3], [0, 1, 4, 5], [6, 7, 8, 9]])  # sequences 0 and 1 share 8 keys
     lens, q, indptr = torch.tensor([14, 16, 13]), torch.randn(3, 4, 8, generator=g), torch.arange(4)
     slopes = torch.rand(4, generator=g)
-    with small_runs(8):  # ALiBi: not the native kernel's, so the prefix and the suffixes go by runs of pages
-        text = engine.explain_paged(q, pool, pool, table, lens, indptr, alibi_slopes=slopes)
-        out = paged_attention(q, pool, pool, table, lens, indptr, alibi_slopes=slopes)
+    with small_runs(8):  # tiled forced: the prefix and the suffixes go by runs of pages
+        text = engine.explain_paged(q, pool, pool, table, lens, indptr, alibi_slopes=slopes, kernel="tiled")
+        out = paged_attention(q, pool, pool, table, lens, indptr, alibi_slopes=slopes, kernel="tiled")
     assert "sequences [0, 1] share their first 8 keys: read once for their 2 queries" in text, text
-    assert "(ALiBi: not computed by the native kernel)" in text, text
+    assert "(kernel='tiled' forced)" in text, text
     assert "sequence 2 (1 queries, 13 keys): by runs of 8 keys" in text, text
     torch.testing.assert_close(out.double(), oracle(q, pool, pool, table, lens, indptr, alibi=slopes)[0], rtol=1e-5,
                                atol=1e-5)
-    if native_unavailable() is None:  # a softcap: the native kernel caps the scores itself, prefix and suffixes alike
-        with small_runs(8):
-            text = engine.explain_paged(q, pool, pool, table, lens, indptr, softcap=5.0)
-            out = paged_attention(q, pool, pool, table, lens, indptr, softcap=5.0)
+    for options, oracle_options in (({"softcap": 5.0}, {"softcap": 5.0}), ({"alibi_slopes": slopes}, {"alibi": slopes}),
+                                    ({"softcap": 5.0, "alibi_slopes": slopes}, {"softcap": 5.0, "alibi": slopes})):
+        if native_unavailable() is not None:
+            break
+        with small_runs(8):  # the native kernel adds them itself: the prefix's pass and the suffixes alike
+            text = engine.explain_paged(q, pool, pool, table, lens, indptr, **options)
+            out = paged_attention(q, pool, pool, table, lens, indptr, **options)
         assert "for their 2 queries (decode_native in place)" in text and "runs of" not in text, text
-        torch.testing.assert_close(out.double(), oracle(q, pool, pool, table, lens, indptr, softcap=5.0)[0],
+        torch.testing.assert_close(out.double(), oracle(q, pool, pool, table, lens, indptr, **oracle_options)[0],
                                    rtol=1e-5, atol=1e-5)
     assert "share" not in engine.explain_paged(q, pool, pool, table, lens, indptr, cascade=False)
 

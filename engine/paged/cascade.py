@@ -113,7 +113,7 @@ def plan_prefix(inputs: PagedInputs, members: list[int], pages: int, kernel: str
     """The pass of one shared prefix: in place by the native kernel where it reads it, else by runs of pages."""
     rows, prefix = prefix_inputs(inputs, members, pages)
     why_not = (None if kernel in ("auto", "decode_native") else f"kernel={kernel!r} forced") or \
-        ("ALiBi: not computed by the native kernel" if inputs.alibi_slopes is not None else native_pass_fits(prefix))
+        native_pass_fits(prefix)
     native = None
     if why_not is None:
         try:

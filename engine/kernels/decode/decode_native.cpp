@@ -2884,6 +2884,7 @@ int decode_native(const DecodeCall* call) {
     const DecodeCall& c = *call;
     const int kind = (int)c.kind;
     if (kind < F32 || kind > F8E4M3 || (c.io_kind != F32 && c.io_kind != BF16)) return 1;
+    if (c.alibi && (!c.query_pos || !c.key_pos || c.queries < 1 || c.R % c.queries)) return 1;  // (ALiBi's operands)
     const int64_t B = c.B, H = c.H, R = c.R, S = c.S, D = c.D, Dv = c.Dv;
     // q's rows are read one at a time (q_row): a bf16 q's widened (exactly) into row_wide, an fp32 q's where they lie;
     // a bf16 output is computed in fp32 and rounded once at the end (round_bf16)

@@ -172,8 +172,7 @@ def _fold_shapes(q_shape: tuple, kv_heads: int, dv: int) -> tuple[tuple, tuple]:
 
 
 def _keys(x: torch.Tensor | QuantizedKV, j0: int, j1: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(entries [B, Hkv, n, E] with a contiguous last axis, scales [B, Hkv, n] or None)`` of keys j0 .. j1-1
-    (only their memory is read: no autograd)."""
+    """``(entries [B, Hkv, n, E] (a contiguous last axis), scales [B, Hkv, n] or None)`` of keys j0 .. j1-1."""
     whole = j0 == 0 and j1 == x.shape[2]
     if isinstance(x, QuantizedKV):
         data, scale = (x.data, x.scale) if whole else (x.data[:, :, j0:j1], x.scale[:, :, j0:j1])
@@ -280,13 +279,14 @@ def paged_template(kind: torch.dtype, q_shape: tuple, dv: int, scale: float, pag
 
 
 def paged_run(library, template: DecodeCall, q_rows: torch.Tensor, k_pages, v_pages, out: torch.Tensor,
-              lse: torch.Tensor | None) -> int:
+              lse: torch.Tensor | None, scores: ScoreOps | None = None) -> int:
     """One layer of a planned paged step: ``template`` (``paged_template``) with this layer's addresses and strides:
-    q_rows ``[B, Hkv, R, D]`` and out ``[B, Hkv, R, Dv]`` both fp32 or both bf16 (IO_KINDS; q_rows unit stride on
-    the last axis), pools ``[num_pages, page_size, Hkv, D | Dv]`` (fp32 / bf16 / fp16, or QuantizedKV pools: int8 /
-    fp8 data with scales ``[num_pages, page_size, Hkv]``; unit stride on the last axis), lse fp32 ``[B, Hkv, R]``
-    (or None): written whole. Returns the kernel's status (OK, or NON_FINITE_Q: nothing written)."""
+    q_rows ``[B, Hkv, R, D]`` and out ``[B, Hkv, R, Dv]`` both fp32 or both bf16 (IO_KINDS), pools ``[num_pages,
+    page_size, Hkv, D | Dv]`` (fp32 / bf16 / fp16, or QuantizedKV: int8 / fp8 with scales ``[num_pages, page_size,
+    Hkv]``; unit stride on the last axis), lse fp32 ``[B, Hkv, R]`` or None; ``scores``: ALiBi's slopes read now.
+    Returns the kernel's status (OK, or NON_FINITE_Q: nothing written)."""
     call = DecodeCall.from_buffer_copy(template)
+    slopes = None if scores is None else scores.slopes(call)  # noqa: F841  (kept through the call)
     call.threads = torch.get_num_threads()
     if type(k_pages) is QuantizedKV:  # the pools' scales [num_pages, page_size, Hkv]: (page, slot, head)
         call.k_scale, call.k_scale_strides[:] = k_pages.scale.data_ptr(), k_pages.scale.stride()

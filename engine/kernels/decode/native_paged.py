@@ -3,8 +3,8 @@
 It serves the decode step of a batch: every sequence with the same number of new queries ``T <= 16`` (one, for
 plain decoding; with key_indices any number, each query row its own list: engine.kernels.decode.native_paged_listed),
 on the CPU, pages in fp32 / bf16 / fp16 or int8 / fp8 with per-token scales (dequantised in registers), without
-gradients or ALiBi (contiguous calls only: native_scores; a softcap caps the scores in C++; sinks act on its out
-and lse afterwards, engine.paged.attention); a call's ``allowed`` joins each row's visibility.
+gradients (a softcap and ALiBi are added to the scores in C++: native_scores; sinks act on its out and lse
+afterwards, engine.paged.attention); a call's ``allowed`` joins each row's visibility.
 The kernel reads key j of sequence b from slot ``j % page_size`` of page ``page_table[b, j // page_size]``, stops at
 the sequence's own length, and takes each query row's visibility from positions (and the window) unless every
 key up to that length is visible (one query per sequence at its default position, no window)::
@@ -24,6 +24,7 @@ from engine.kernels.decode.decode_native import IO_KINDS, MAX_QUERIES, NON_FINIT
 from engine.kernels.decode.native_build import load_native, native_unavailable
 from engine.kernels.decode.native_listed import data_of
 from engine.kernels.decode.native_paged_listed import listed_layout, per_head_lists
+from engine.kernels.decode.native_scores import MAX_POSITION, ScoreOps
 from engine.masks.window import sees
 
 if TYPE_CHECKING:
@@ -34,13 +35,17 @@ __all__ = ["NativeStep", "native_paged_fits", "native_pass_fits"]
 
 def native_paged_fits(inputs: PagedInputs) -> str | None:
     """Why the native kernel cannot read this paged decode step in place (None: it can). Builds nothing. Options it
-    does not compute (a bias, score_mod) are the kernel table's business (``Kernel.takes``); ALiBi, which the
-    contiguous calls take, is not added to a paged step in place (native_scores)."""
+    does not compute (a bias, score_mod) are the kernel table's business (``Kernel.takes``)."""
     why_not = native_pass_fits(inputs)
     if why_not is not None:
         return why_not
     if inputs.alibi_slopes is not None:
-        return "ALiBi: added by the native kernel to contiguous calls, not yet to a paged step read in place"
+        if inputs.key_indices is not None:
+            return "ALiBi with key_indices: the listed keys' positions are not read in place"
+        largest = max([abs(int(x)) for x in (inputs.positions.min(), inputs.positions.max())] + inputs.tables.kv_lens) \
+            if inputs.positions.numel() else 0
+        if largest >= MAX_POSITION:
+            return f"ALiBi at position {largest}: the native kernel's fp32 distances are exact below 2^24"
     if inputs.key_indices is not None:  # every query row its own sequence of its listed keys (native_paged_listed)
         return listed_layout(inputs.k_pages, inputs.v_pages, per_head_lists(inputs))[0]
     counts = inputs.queries_per_sequence()
@@ -101,6 +106,9 @@ class NativeStep:
             if t == 1 else None
         self.template = paged_template(data_of(inputs.k_pages).dtype, rows, dv, inputs.scale, self.pages, self.lengths,
                                        tables.page_size, self.visible, inputs.softcap)
+        # ALiBi: each query's position and key j's, j (the slopes, the caller's, read at each run)
+        self.scores = ScoreOps.paged(inputs.softcap, inputs.alibi_slopes, per_row, int(self.lengths.max()))
+        self.scores.fill(self.template)
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
         """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32; None without return_lse)``, or None when q holds
@@ -122,7 +130,7 @@ class NativeStep:
             lse = torch.empty(batch, kv_heads, group * t) if return_lse else None  # [B, Hkv, G*T]
         if q_rows.stride(-1) != 1 and d > 1:
             q_rows = q_rows.contiguous()
-        if paged_run(self.library, self.template, q_rows, k_pages, v_pages, out, lse) == NON_FINITE_Q:
+        if paged_run(self.library, self.template, q_rows, k_pages, v_pages, out, lse, self.scores) == NON_FINITE_Q:
             return None
         if self.folded is None:
             out = unfold_groups(out, heads).transpose(1, 2).reshape(batch * t, heads, self.dv)  # [Nq, Hq, Dv]

@@ -47,12 +47,23 @@ class ScoreOps:
     ``fill(call)`` at planning; ``slopes(call)`` at each run (the slopes' fp32 copy, to keep while the call runs)."""
 
     def __init__(self, inputs: AttentionInputs, i0: int, i1: int, j0: int, j1: int) -> None:
-        self.softcap = inputs.softcap
-        self.alibi = inputs.modifiers.alibi_slopes  # [B|1, Hq], the caller's (read at each run)
-        self.queries = i1 - i0
-        if self.alibi is not None:  # fp32 [B|1, n] and their batch strides (0: one row for every sequence)
-            self.query_pos = _rows(inputs.query_positions[:, i0:i1])
-            self.key_pos = _rows(inputs.key_positions[:, j0:j1])
+        self.rows(inputs.softcap, inputs.modifiers.alibi_slopes, inputs.query_positions[:, i0:i1],
+                  inputs.key_positions[:, j0:j1])
+
+    @classmethod
+    def paged(cls, softcap: float | None, alibi: torch.Tensor | None, query_positions: torch.Tensor,
+              keys: int) -> ScoreOps:
+        """A paged step's: ``query_positions [B, T]``, each sequence's key j at position j (``keys``: the longest)."""
+        ops = cls.__new__(cls)
+        ops.rows(softcap, alibi, query_positions, torch.arange(keys)[None])
+        return ops
+
+    def rows(self, softcap, alibi, query_positions: torch.Tensor, key_positions: torch.Tensor) -> None:
+        self.softcap = softcap
+        self.alibi = alibi  # [B|1, Hq] or [Hq], the caller's (read at each run)
+        self.queries = query_positions.shape[1]
+        if alibi is not None:  # fp32 [B|1, n] and their batch strides (0: one row for every sequence)
+            self.query_pos, self.key_pos = _rows(query_positions), _rows(key_positions)
 
     def fill(self, call) -> None:
         call.softcap = self.softcap or 0.0
@@ -64,8 +75,9 @@ class ScoreOps:
     def slopes(self, call) -> torch.Tensor | None:
         if self.alibi is None:
             return None
-        slopes = self.alibi.to(torch.float32).contiguous()  # [B|1, Hq]: a copy only where not fp32 already
-        call.alibi, call.alibi_stride = slopes.data_ptr(), (slopes.shape[1] if slopes.shape[0] > 1 else 0)
+        slopes = self.alibi.to(torch.float32).contiguous()  # [B|1, Hq] or [Hq]: a copy only where not fp32 already
+        call.alibi, call.alibi_stride = slopes.data_ptr(), (slopes.shape[1] if slopes.dim() > 1 and
+                                                            slopes.shape[0] > 1 else 0)
         return slopes
 
 

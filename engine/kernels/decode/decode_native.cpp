@@ -1104,7 +1104,7 @@ struct DecodeCall {
     // ALiBi (null: none): score += -alibi[b, head] * |key_pos - query_pos| after the softcap, each row's slope its
     // query head's (row r of KV head h: query head h * R / queries + r / queries, query r % queries); slopes fp32
     // [B|1, Hq] (batch stride alibi_stride), query_pos fp32 [B|1, queries] and key_pos fp32 [B|1, S] (batch strides
-    // alongside), positions below 2^24 (exact in fp32); a contiguous call's (Python does not pass a paged one)
+    // alongside; a paged step's keys: 0 .. S-1 shared), positions below 2^24 (exact in fp32)
     const float* alibi;
     int64_t alibi_stride;
     int64_t queries;

@@ -351,8 +351,9 @@ def test_auto_takes_the_native_kernel_for_decode_and_the_torch_kernels_otherwise
     assert engine.explain(q.double(), k.double(), k.double()).kernel == "decode"  # fp64: the torch kernel
     assert engine.explain(q, k, k, softcap=3.0).kernel == "decode_native"  # a softcap: capped in C++
     assert engine.explain(q, k, k, alibi_slopes=torch.rand(8)).kernel == "decode_native"  # ALiBi: added in C++
-    choice = engine.explain(q, k, k, bias=torch.zeros(1, 8, 1, 4096), kernel="decode_native")
-    assert choice.passed_over["decode_native"] == "bias: not computed by this kernel"
+    assert engine.explain(q, k, k, bias=torch.zeros(1, 8, 1, 4096)).kernel == "decode_native"  # a bias: added in C++
+    choice = engine.explain(q, k, k, score_mod=lambda s, b, h, i, j: s, kernel="decode_native")
+    assert choice.passed_over["decode_native"] == "score_mod: not computed by this kernel"
 
 
 def test_without_the_native_kernel_the_same_calls_run_the_torch_kernels(no_native):

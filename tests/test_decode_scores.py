@@ -1,7 +1,8 @@
-"""What the native decode kernel adds to the scores: a softcap (``softcap * tanh(score / softcap)``, Gemma 2's) and
-ALiBi (``- slope * |key_pos - query_pos|``, BLOOM's and MPT's). Every kind of K/V, masks, contiguous and paged, each
-vector path, against the float64 oracle; non-finite keys as the torch kernels treat them; where the
-kernel declines (ALiBi with key_indices, positions past 2^24) and a library that would ignore the fields."""
+"""What the native decode kernel adds to the scores: a softcap (``softcap * tanh(score / softcap)``, Gemma 2's), ALiBi
+(``- slope * |key_pos - query_pos|``, BLOOM's and MPT's) and a bias (a dense tensor, T5's relative bias). Every kind
+of K/V, masks, contiguous and paged, each vector path, against the float64 oracle; non-finite keys as the torch
+kernels treat them; where the kernel declines (ALiBi or a bias with key_indices, positions past 2^24) and a library
+that would ignore the fields."""
 
 from __future__ import annotations
 
@@ -135,15 +136,16 @@ def test_a_library_that_would_ignore_the_cap_is_not_given_it(monkeypatch):
 
     library = load_native()
     q, k, v = case(1, 4, 2, 1, 64, 32, torch.float32, 5)
-    slopes = torch.rand(4)
+    slopes, bias = torch.rand(4), torch.randn(1, 4, 1, 64)
     for name, field, options in (("softcap", "softcap", {"softcap": 2.0}),
-                                 ("ALiBi", "alibi", {"alibi_slopes": slopes})):
+                                 ("ALiBi", "alibi", {"alibi_slopes": slopes}), ("bias", "bias", {"bias": bias})):
         monkeypatch.setattr(library, field, False)  # as a build from a source before the field
         plan = engine.plan(q, k, v, **options)
         assert plan.kernel == "decode_native"  # (chosen before the library is asked)
         with pytest.raises(decode_native.DoesNotFit, match=f"without the {name}"):
             decode_native.native_decode_runner(plan.inputs)
-        want = oracle(q, k, v, softcap=options.get("softcap"), alibi=options.get("alibi_slopes"))[0]
+        want = oracle(q, k, v, softcap=options.get("softcap"), alibi=options.get("alibi_slopes"),
+                      bias=options.get("bias"))[0]
         torch.testing.assert_close(plan.run(q, k, v).double(), want, rtol=2e-5, atol=2e-5)
         monkeypatch.undo()
 
@@ -269,7 +271,7 @@ def test_a_paged_step_with_alibi_reads_in_place_and_matches_the_oracle(t):
 
 
 @pytest.mark.parametrize("variant", ["native", "avx512", "avx2", "plain_cpp"])
-def test_each_vector_path_adds_alibi(variant, variant_library):
+def test_each_vector_path_adds_alibi_and_a_bias(variant, variant_library):
     from engine.kernels.decode.decode_native import OK, _call
 
     library = variant_library(variant)
@@ -277,13 +279,14 @@ def test_each_vector_path_adds_alibi(variant, variant_library):
     kpos = torch.stack([torch.arange(333) * 2, torch.arange(333)])  # [B, S]: each sequence its own
     qpos = kpos[:, -3:] + 1
     slopes = torch.rand(2, 8, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(1, 8, 3, 333, generator=torch.Generator().manual_seed(2))  # and a bias per head and query
     plan = engine.plan(q, k, v, qpos, kpos, torch.ones(1, 1, 3, 333, dtype=torch.bool), causal=False,
-                       alibi_slopes=slopes)
+                       alibi_slopes=slopes, bias=bias)
     scores = ScoreOps(plan.inputs, 0, 3, 0, 333)
     q_rows = q.reshape(2, 2, 12, 64)  # [B, Hkv, G*T, D]
     out, lse = torch.empty(2, 2, 12, 64), torch.empty(2, 2, 12)
     assert _call(library, q_rows, 0.125, (k, None), (v, None), None, out, lse, scores=scores) == OK
-    want, want_lse = oracle(q, k, v, qpos, kpos, scale=0.125, causal=False, alibi=slopes)
+    want, want_lse = oracle(q, k, v, qpos, kpos, scale=0.125, causal=False, alibi=slopes, bias=bias)
     torch.testing.assert_close(out.reshape(2, 8, 3, 64).double(), want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(lse.reshape(2, 8, 3).double(), want_lse, rtol=1e-5, atol=1e-5)
 
@@ -299,3 +302,68 @@ def test_the_kernel_refuses_alibi_without_its_positions_rather_than_read_nothing
     out, lse = torch.empty(1, 2, 2, 32), torch.empty(1, 2, 2)
     with pytest.raises(DoesNotFit, match="refused the call"):
         _call(load_native(), q.reshape(1, 2, 2, 32), 0.1, (k, None), (v, None), None, out, lse, scores=scores)
+
+
+@needs_native
+@settings(deadline=None, max_examples=40)
+@given(st.integers(1, 3), st.sampled_from([(4, 4), (8, 2), (6, 3)]), st.integers(1, 16), st.integers(1, 500),
+       st.sampled_from([torch.float32, torch.bfloat16]), st.tuples(*[st.booleans()] * 4), st.booleans(),
+       st.booleans(), st.sampled_from(["none", "window"]), st.integers(0, 10**6))
+def test_property_a_bias_on_the_native_kernel_matches_the_oracle(b, heads, t, s, dtype, full, alibi, capped, mask,
+                                                                 seed):
+    hq, hkv = heads
+    q, k, v = case(b, hq, hkv, t, s, 32, dtype, seed, spread=1.0)
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(n if whole else 1 for n, whole in zip((b, hq, t, s), full))  # [B|1, Hq|1, T|1, S|1]
+    bias = torch.randn(*shape, generator=g).to(torch.float64 if seed % 3 == 0 else torch.float32)  # (any float)
+    slopes = torch.rand(hq, generator=g) if alibi else None
+    qpos = kpos = allowed = None
+    if mask == "window":
+        qpos, kpos = torch.arange(s - t, s), torch.arange(s)
+        allowed = window_mask(qpos, kpos, max(1, s // 3))
+    options = {"bias": bias, "alibi_slopes": slopes, "softcap": 4.0 if capped else None}
+    plan = engine.plan(q, k, v, qpos, kpos, allowed, **options)
+    assert plan.kernel == "decode_native", plan
+    out, lse = plan.run(q, k, v, return_lse=True)
+    want, want_lse = oracle(q, k, v, qpos, kpos, allowed, softcap=options["softcap"], alibi=slopes, bias=bias)
+    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    seen = ~torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_t5s_relative_bias_on_the_native_kernel_is_its_block_of_the_calls_positions_read_at_each_run():
+    from engine.relative_bias import RelativePositionBias
+
+    q, k, v = case(2, 8, 2, 3, 300, 32, torch.float32, 15, spread=1.0)
+    table = torch.randn(8, 32, generator=torch.Generator().manual_seed(2))
+    bias = RelativePositionBias(table, bidirectional=False, max_distance=128)
+    plan = engine.plan(q, k, v, bias=bias)
+    assert plan.kernel == "decode_native", plan
+    pos = torch.arange(300)
+    for _ in range(2):  # the table changed in place between runs (an optimizer's step): read at each run
+        dense = bias.block(pos[-3:][None], pos[None])  # [1, Hq, T, S]
+        torch.testing.assert_close(plan.run(q, k, v).double(), oracle(q, k, v, bias=dense)[0], rtol=2e-5, atol=2e-5)
+        table.mul_(-2)
+
+
+@needs_native
+def test_in_batch_invariant_mode_a_biased_prefill_takes_each_chunks_own_queries():
+    q, k, v = case(1, 4, 2, 40, 90, 32, torch.float32, 16, spread=1.0)  # chunks of 16, 16, 8 queries
+    bias = torch.randn(1, 4, 40, 90, generator=torch.Generator().manual_seed(3))
+    previous = engine.set_batch_invariant(True)
+    try:
+        plan = engine.plan(q, k, v, bias=bias)
+        out = plan.run(q, k, v)
+    finally:
+        engine.set_batch_invariant(previous)
+    assert plan.kernel == "decode_native", plan
+    torch.testing.assert_close(out.double(), oracle(q, k, v, bias=bias)[0], rtol=2e-5, atol=2e-5)
+
+
+@needs_native
+def test_a_bias_with_key_indices_is_left_to_the_sparse_kernel():
+    q, k, v = case(1, 4, 2, 1, 300, 32, torch.float32, 17, spread=1.0)
+    choice = engine.explain(q, k, v, bias=torch.randn(1, 4, 1, 300), key_indices=torch.randint(0, 300, (1, 2, 1, 8)))
+    assert "a bias with key_indices" in choice.passed_over["decode_native"], choice

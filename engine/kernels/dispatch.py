@@ -7,7 +7,7 @@ inputs exactly, and through ``pays_off`` whether ``auto`` should take it when it
 | kernel       | what it is                                                  | fits                            |
 |--------------|-------------------------------------------------------------|---------------------------------|
 | decode_native| few queries against a cache in C++: each K/V row read once, | T <= 16, no gradients, CPU, a   |
-|              | converted in registers; int8 / fp8 caches, softcap, ALiBi;  | compiler (built on first run);  |
+|              | converted in registers; int8 / fp8; softcap, ALiBi, a bias; | compiler (built on first run);  |
 |              | with key_indices only the listed keys (a page table)        | any T with key_indices          |
 | sparse       | top-k sparse: each query's listed keys gathered, O(T K D)   | key_indices; S >= K(10 + 27/G)  |
 | decode       | split-KV over a long cache, merged by lse (ALiBi, biases)   | T <= 16, no grad, S >= 512      |
@@ -109,7 +109,7 @@ KERNELS: dict[str, Kernel] = {
     "decode_native": Kernel(native_decode_attention, native_decode_fits, native_decode_pays_off,
                             "few queries against a long cache, in C++: each K/V row read once for its query group, "
                             "converted in registers",
-                            takes=frozenset({"quantized_kv", "paged", "allowed", "key_indices", "softcap", "alibi"}),
+                            takes=frozenset("quantized_kv paged allowed key_indices softcap alibi bias".split()),
                             prepare=native_decode_runner, paged=NATIVE_PAGED),
     "sparse": Kernel(sparse_attention, sparse_fits, sparse_pays_off,
                      "top-k sparse attention: only each query's listed keys gathered and read (O(T K D))",

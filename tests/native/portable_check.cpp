@@ -348,9 +348,9 @@ int softcap_rows(std::mt19937& g, int64_t D) {
     return wrong;
 }
 
-// ALiBi against a float64 oracle: fp32 K/V, D 36 and 64, 2 KV heads of 2 query heads of 2 queries (row r: query head
-// r / 2, query r % 2), keys at positions 3 j + 1, every key visible (no causal rule here: |key - query| both ways).
-// The rows wrong.
+// ALiBi and a bias against a float64 oracle: fp32 K/V, D 36 and 64, 2 KV heads of 2 query heads of 2 queries (row r:
+// query head r / 2, query r % 2), keys at positions 3 j + 1, every key visible (no causal rule here: |key - query|
+// both ways), a bias [4 heads, 2 queries, S]. The rows wrong.
 int alibi_rows(std::mt19937& g, int64_t D) {
     const int64_t H = 2, R = 4, S = 150, T = 2;
     const std::vector<uint8_t> k = random_bytes(F32, H * S * D, g), v = random_bytes(F32, H * S * D, g);
@@ -365,6 +365,9 @@ int alibi_rows(std::mt19937& g, int64_t D) {
     c.v = v.data(), c.v_strides[0] = H * S * D, c.v_strides[1] = S * D, c.v_strides[2] = D;
     c.out = out.data(), c.lse = lse.data(), c.io_kind = F32;
     c.alibi = slopes.data(), c.queries = T, c.query_pos = query_pos.data(), c.key_pos = key_pos.data();
+    std::vector<float> bias(H * (R / T) * T * S);
+    for (auto& x : bias) x = (float)((int)(g() % 2001) - 1000) / 500.0f;
+    c.bias = bias.data(), c.bias_strides[0] = 0, c.bias_strides[1] = T * S, c.bias_strides[2] = S, c.bias_strides[3] = 1;
     if (decode_native(&c) != 0) return (int)(H * R);
     auto at = [](const std::vector<uint8_t>& raw, int64_t i) { float x; std::memcpy(&x, &raw[4 * i], 4); return x; };
     int wrong = 0;
@@ -377,7 +380,8 @@ int alibi_rows(std::mt19937& g, int64_t D) {
             for (int64_t j = 0; j < S; ++j) {
                 double dot = 0;
                 for (int64_t d = 0; d < D; ++d) dot += (double)q[row * D + d] * at(k, (h * S + j) * D + d);
-                score[j] = dot * 0.125 - slope * std::fabs(key_pos[j] - here);
+                score[j] = dot * 0.125 - slope * std::fabs(key_pos[j] - here) +
+                           bias[((h * (R / T) + r / T) * T + r % T) * S + j];
                 top = std::max(top, score[j]);
             }
             std::vector<double> o(D, 0.0);

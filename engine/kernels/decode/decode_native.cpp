@@ -1112,6 +1112,10 @@ struct DecodeCall {
     int64_t query_pos_stride;
     const float* key_pos;
     int64_t key_pos_stride;
+    // a bias (null: none): score += bias[b, head, query, key] after the softcap and ALiBi, fp32 with element strides
+    // (0 where broadcast; heads and queries as ALiBi's: queries rows a query head)
+    const float* bias;
+    int64_t bias_strides[4];
 };
 
 }  // extern "C"
@@ -1144,6 +1148,8 @@ struct Operands {
     float softcap;                  // > 0: scores capped at +-softcap by tanh (softmax_step), else 0
     const float *alibi, *query_pos, *key_pos;  // ALiBi (DecodeCall's), or alibi null
     int64_t alibi_stride, queries, query_pos_stride, key_pos_stride;
+    const float* bias;              // a bias (DecodeCall's), or null
+    int64_t bias_strides[4];
 };
 
 #if DN_AMX
@@ -1186,6 +1192,7 @@ struct Item {
     const uint8_t* visb;
     const float* slopes = nullptr;  // ALiBi: this KV head's query heads' slopes, or null; its queries' and keys'
     const float *qpos = nullptr, *kpos = nullptr;  // positions
+    const float* biasb = nullptr;   // a bias: this (b, KV head)'s first query head's
     const float* qb;
     const uint16_t* qh;             // (o.q_bf16's rows of this item's KV head, or null)
     bool nan_codes = false;         // (fp8) the block's rows hold an e4m3 NaN code: read with vload_e4m3_nan (the
@@ -1231,6 +1238,7 @@ struct Item {
             qpos = o.query_pos + b * o.query_pos_stride;
             kpos = o.key_pos + b * o.key_pos_stride;
         }
+        if (o.bias) biasb = o.bias + b * o.bias_strides[0] + h * (o.R / o.queries) * o.bias_strides[1];
         qb = o.q + p_.bh * o.R * o.D;
         qh = o.q_bf16 ? o.q_bf16 + p_.bh * o.R * o.D : nullptr;
         // value tiles ask for a decode's rows (one pass of rows: many passes' scores already span the block), every
@@ -1979,6 +1987,17 @@ struct Item {
                 const float* kp = kpos + j0;
 #pragma omp simd
                 for (int jj = 0; jj < n; ++jj) sr[jj] += slope * -std::fabs(kp[jj] - at);
+            }
+            if (biasb) {  // a bias: its row (query head r / queries, query r % queries) from key j0 on
+                const int64_t step = o.bias_strides[3];
+                const float* br = biasb + (r / o.queries) * o.bias_strides[1] + (r % o.queries) * o.bias_strides[2] +
+                                  j0 * step;
+                if (step == 1) {
+#pragma omp simd
+                    for (int jj = 0; jj < n; ++jj) sr[jj] += br[jj];
+                } else {
+                    for (int jj = 0; jj < n; ++jj) sr[jj] += br[jj * step];
+                }
             }
             for (int jj = n; jj < BLOCK; ++jj) sr[jj] = NEG_INF;
             float block_max = NEG_INF;
@@ -2778,6 +2797,7 @@ int decode_native_lanes() {
 // DecodeCall's ALiBi fields
 int decode_native_softcap() { return 1; }
 int decode_native_alibi() { return 1; }
+int decode_native_bias() { return 1; }
 
 // 1 when the runs go to OpenMP's workers (torch's), 0 when to threads of the library's own (a build without OpenMP)
 int decode_native_openmp() {
@@ -2872,7 +2892,7 @@ int decode_native_layout(int64_t* offsets, int capacity) {
         (int64_t)offsetof(DecodeCall, alibi_stride), (int64_t)offsetof(DecodeCall, queries),
         (int64_t)offsetof(DecodeCall, query_pos), (int64_t)offsetof(DecodeCall, query_pos_stride),
         (int64_t)offsetof(DecodeCall, key_pos), (int64_t)offsetof(DecodeCall, key_pos_stride),
-        (int64_t)sizeof(DecodeCall)};
+        (int64_t)offsetof(DecodeCall, bias), (int64_t)offsetof(DecodeCall, bias_strides), (int64_t)sizeof(DecodeCall)};
     const int n = (int)(sizeof(all) / sizeof(all[0]));
     for (int i = 0; i < n && i < capacity; ++i) offsets[i] = all[i];
     return n;
@@ -2885,6 +2905,7 @@ int decode_native(const DecodeCall* call) {
     const int kind = (int)c.kind;
     if (kind < F32 || kind > F8E4M3 || (c.io_kind != F32 && c.io_kind != BF16)) return 1;
     if (c.alibi && (!c.query_pos || !c.key_pos || c.queries < 1 || c.R % c.queries)) return 1;  // (ALiBi's operands)
+    if (c.bias && (c.queries < 1 || c.R % c.queries)) return 1;
     const int64_t B = c.B, H = c.H, R = c.R, S = c.S, D = c.D, Dv = c.Dv;
     // q's rows are read one at a time (q_row): a bf16 q's widened (exactly) into row_wide, an fp32 q's where they lie;
     // a bf16 output is computed in fp32 and rounded once at the end (round_bf16)
@@ -2907,7 +2928,7 @@ int decode_native(const DecodeCall* call) {
     // bf16 K/V of many rows on AMX tiles: where q's values are all bf16 numbers (checked below; a bf16 q's are); of
     // 8-15 rows (or 16 of Dv up to SCORE_TILE_DV) the scores alone (score_tiles), the values on the vectors
     const bool tiled = simd && D % 32 == 0 && Dv % 32 == 0 && !c.rows_alone && !(c.softcap > 0) && !c.alibi &&
-                       decode_native_bf16_tiles();
+                       !c.bias && decode_native_bf16_tiles();
 #if DN_F8_WORDS
     // fp8 e4m3 K/V read as F8_WORDS, of fewer rows than the whole tiles take: the scores alone on the tiles too
     const bool f8_score_tiles = kind == F8E4M3 && D % 64 == 0 && Dv % 64 == 0 && R >= F8_SCORE_TILE_ROWS &&
@@ -2988,6 +3009,8 @@ int decode_native(const DecodeCall* call) {
     o.alibi = c.alibi, o.alibi_stride = c.alibi_stride, o.queries = c.queries > 0 ? c.queries : 1;
     o.query_pos = c.query_pos, o.query_pos_stride = c.query_pos_stride;
     o.key_pos = c.key_pos, o.key_pos_stride = c.key_pos_stride;
+    o.bias = c.bias;
+    for (int i = 0; i < 4; ++i) o.bias_strides[i] = c.bias ? c.bias_strides[i] : 0;
     o.shared = o.v == o.k && Dv <= D && o.v_scale == o.k_scale;
     for (int i = 0; i < 3; ++i) o.shared = o.shared && o.vs[i] == o.ks[i] && o.vss[i] == o.kss[i];
 #if DN_AMX_BF16

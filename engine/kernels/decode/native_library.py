@@ -32,6 +32,7 @@ class DecodeCall(ctypes.Structure):
         # ALiBi (engine.kernels.decode.native_scores): slopes fp32 [B|1, Hq] or null, query / key positions fp32
         ("alibi", _PTR), ("alibi_stride", _I64), ("queries", _I64), ("query_pos", _PTR), ("query_pos_stride", _I64),
         ("key_pos", _PTR), ("key_pos_stride", _I64),
+        ("bias", _PTR), ("bias_strides", _I64 * 4),  # a bias fp32 [B, Hq, T, S] (element strides, 0: broadcast)
     ]
 
 
@@ -70,6 +71,7 @@ class NativeLibrary:
         # would ignore the field: a capped call is not given to it)
         self.softcap = hasattr(self.lib, "decode_native_softcap") and bool(self.lib.decode_native_softcap())
         self.alibi = hasattr(self.lib, "decode_native_alibi") and bool(self.lib.decode_native_alibi())
+        self.bias = hasattr(self.lib, "decode_native_bias") and bool(self.lib.decode_native_bias())
         # the runs on OpenMP's workers (torch's), or on the library's own threads (NO_OPENMP_FLAGS)
         self.openmp = not hasattr(self.lib, "decode_native_openmp") or bool(self.lib.decode_native_openmp())
         self.lib.decode_native_amx.restype = ctypes.c_int

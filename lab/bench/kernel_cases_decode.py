@@ -40,11 +40,11 @@ def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch
 
 def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype) -> Case:
     """A decode step whose scores a model modifies (group "scores", outside the targets): ``kind`` "softcap" (Gemma
-    2's cap of 50) or "alibi" (BLOOM's / MPT's slopes, 2^(-8 h / Hq)). The engine (the native kernel adds either in
-    C++), the kernel such decodes ran on before it did (tiled / the torch decode), the engine without the modifier
-    (the floor), and as peers transformers' eager steps (scores, the modifier, softmax, values; K/V repeated for the
-    group) and, for ALiBi, SDPA given the slopes' biases as its float mask ``[1, Hq, 1, S]`` (transformers' sdpa
-    attention for BLOOM)."""
+    2's cap of 50), "alibi" (BLOOM's / MPT's slopes, 2^(-8 h / Hq)) or "bias" (a dense ``[1, Hq, 1, S]`` tensor, as
+    T5's relative bias reaches attention through transformers). The engine (the native kernel adds each in C++), the
+    kernel such decodes ran on before it did (tiled / the torch decode), the engine without the modifier (the
+    floor), and as peers transformers' eager steps (scores, the modifier, softmax, values; K/V repeated for the group)
+    and, for ALiBi and a bias, SDPA given the biases as its float mask ``[1, Hq, 1, S]``."""
     def build() -> list[Impl]:
         from engine.planning import explain
 
@@ -52,7 +52,9 @@ def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d:
         group = q_heads // kv_heads
         slopes = torch.tensor([2.0 ** (-8 * (h + 1) / q_heads) for h in range(q_heads)])
         bias = (slopes[:, None] * (torch.arange(s) - (s - 1)).float())[None, :, None, :].to(dtype)  # [1, Hq, 1, S]
-        options = {"softcap": 50.0} if kind == "softcap" else {"alibi_slopes": slopes}
+        if kind == "bias":
+            bias = torch.randn(1, q_heads, 1, s, generator=torch.Generator().manual_seed(1)).to(dtype)
+        options = {"softcap": {"softcap": 50.0}, "alibi": {"alibi_slopes": slopes}, "bias": {"bias": bias}}[kind]
         before = "tiled" if kind == "softcap" else "decode"
 
         def eager():
@@ -65,12 +67,12 @@ def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d:
                       note=f"the kernel {kind} decodes ran on before"),
                  Impl(f"engine, no {kind}", lambda: causal_attention(q, k, v), note="the same decode without it"),
                  Impl(f"eager {kind}", eager, "peer", note="transformers' eager attention's steps")]
-        if kind == "alibi":
-            impls.append(Impl("sdpa alibi mask", lambda: torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=bias, enable_gqa=True), "peer", note="the slopes' biases as a float mask"))
+        if kind != "softcap":
+            impls.append(Impl(f"sdpa {kind} mask", lambda: torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=bias, enable_gqa=True), "peer", note="the biases as a float mask"))
         return impls
     kv_bytes = 2.0 * batch * kv_heads * s * d * (torch.finfo(dtype).bits // 8)
-    what = "softcap 50" if kind == "softcap" else "ALiBi"
+    what = {"softcap": "softcap 50", "alibi": "ALiBi", "bias": "a bias"}[kind]
     name = f"{what}, B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
     return Case("scores", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
                 kv_bytes)

@@ -39,8 +39,8 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
         cases += [memory(4096, h, d)]
         cases += [chunked_bf16(256, 2048, h, d), chunked_bf16(256, 1024, h, d, train=True)]
         cases += [decode_cache_view(1, 32, 8, 4096, 8192, 128)]
-        cases += [decode_scores("softcap", 1, 8, 4, 4096, 256, torch.bfloat16),
-                  decode_scores("alibi", 1, 32, 32, 2048, 128, torch.bfloat16)]
+        cases += [decode_scores(kind, 1, 8, 4, 4096, 256, torch.bfloat16) if kind == "softcap" else
+                  decode_scores(kind, 1, 32, 32, 2048, 128, torch.bfloat16) for kind in ("softcap", "alibi", "bias")]
         return cases + training_cases(True, h, d, flex)
     cases = [prefill(t, h, d, flex and t == 4096, t <= 2048) for t in (1024, 2048, 4096, 8192)]
     cases += [chunked(512, c, h, d, flex and c == 8192) for c in (4096, 8192, 16384)]
@@ -56,6 +56,6 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
     cases += [decode_cache_view(1, 32, 8, 32768, 65536, 128)]
     cases += [decode_scores("softcap", b, 8, 4, s, 256, dt) for b, s in ((1, 4096), (1, 32768), (8, 4096))
               for dt in (torch.float32, torch.bfloat16)]  # Gemma 2 2B's heads
-    cases += [decode_scores("alibi", b, 32, 32, s, 128, dt) for b, s in ((1, 4096), (1, 16384), (8, 2048))
-              for dt in (torch.float32, torch.bfloat16)]  # MPT-7B's heads
+    cases += [decode_scores(kind, b, 32, 32, s, 128, dt) for kind in ("alibi", "bias")
+              for b, s in ((1, 4096), (1, 16384), (8, 2048)) for dt in (torch.float32, torch.bfloat16)]  # MPT-7B's
     return cases + training_cases(False, h, d, flex)

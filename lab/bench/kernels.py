@@ -11,7 +11,7 @@ closing table checks issue 4's seven targets and issue 13's decode targets. Resu
     python run.py bench kernels --threads 2        # the full run of docs/BENCHMARKS.md
     python run.py bench kernels --device cuda      # the GPU cases (lab.bench.kernel_cases_cuda)
     python run.py bench kernels --groups modifiers # sinks, ALiBi, relative bias (lab.bench.modifier_cases)
-    python run.py bench kernels --groups scores    # decode steps with Gemma 2's softcap, with ALiBi (MPT's heads)
+    python run.py bench kernels --groups scores    # decode steps with Gemma 2's softcap, ALiBi, a bias
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", default="all",
                         help="comma-separated case groups: prefill, chunked, window, documents, decode, bandwidth "
                         "(decode's K/V bytes per second: cache buffers, 2 threads, int8/fp8), memory, "
-                        "bf16, cache, scores (a decode with Gemma 2's softcap, with ALiBi), training, modifiers "
+                        "bf16, cache, scores (a decode with Gemma 2's softcap, ALiBi, a bias), training, modifiers "
                         "(default all; bf16, cache, scores and modifiers are outside the targets); on CUDA: prefill, "
                         "chunked, window, documents, ragged, decode, training")
     parser.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
@@ -270,7 +270,7 @@ def plot(rows: list[dict[str, Any]], out: Path, device: str = "cpu") -> list[Pat
                       fontsize=6, rotation=30, ha="right")
         ax.set_yscale("log")
         ax.set_ylabel("median ms per call")
-        ax.set_title("decode with a softcap (Hq=8 Hkv=4 D=256) or ALiBi (Hq=Hkv=32 D=128)", fontsize=9)
+        ax.set_title("decode with a softcap (Hq=8 Hkv=4 D=256), ALiBi or a bias (Hq=Hkv=32 D=128)", fontsize=9)
         ax.legend(fontsize=6)
         paths.append(plots.save(fig, out / "kernels_scores.png"))
     targets = check_targets(rows)

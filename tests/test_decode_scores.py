@@ -32,6 +32,14 @@ def case(b, hq, hkv, t, s, d, dtype, seed, spread=3.0):
     return q, k, v
 
 
+def assert_matches(out, lse, want, want_lse, dtype) -> None:
+    """out within the dtype's tolerance of the oracle's; the rows that see nothing (lse -inf) the same; lse close."""
+    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    seen = ~torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+
+
 @needs_native
 @settings(deadline=None, max_examples=30)
 @given(st.integers(1, 3), st.sampled_from([(2, 1), (8, 2), (6, 3)]), st.integers(1, 16), st.integers(1, 600),
@@ -51,10 +59,7 @@ def test_property_a_capped_decode_matches_the_oracle(b, heads, t, s, d, dtype, c
     assert plan.kernel == "decode_native", plan
     out, lse = plan.run(q, k, v, return_lse=True)
     want, want_lse = oracle(q, k, v, qpos, kpos, allowed, softcap=cap)
-    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-    seen = ~torch.isneginf(want_lse)
-    assert torch.equal(torch.isneginf(lse), ~seen)
-    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+    assert_matches(out, lse, want, want_lse, dtype)
 
 
 @needs_native
@@ -166,23 +171,6 @@ def test_a_capped_call_with_key_indices_reads_its_lists_in_place_and_matches_the
 
 
 @needs_native
-def test_in_batch_invariant_mode_a_capped_prefill_runs_natively_chunk_by_chunk_and_matches_the_oracle():
-    q, k, v = case(2, 4, 2, 40, 90, 32, torch.float32, 8)  # T 40: three chunks of at most 16 queries
-    previous = engine.set_batch_invariant(True)
-    try:
-        plan = engine.plan(q, k, v, softcap=6.0)
-        out, lse = plan.run(q, k, v, return_lse=True)
-        alone = engine.plan(q[:1], k[:1], v[:1], softcap=6.0).run(q[:1], k[:1], v[:1])
-    finally:
-        engine.set_batch_invariant(previous)
-    assert plan.kernel == "decode_native", plan
-    want, want_lse = oracle(q, k, v, softcap=6.0)
-    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
-    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
-    assert torch.equal(alone, out[:1])  # a row alone or batched: bitwise the same, capped too
-
-
-@needs_native
 @settings(deadline=None, max_examples=40)
 @given(st.integers(1, 3), st.sampled_from([(1, 1), (4, 4), (8, 2), (6, 3)]), st.integers(1, 16),
        st.integers(1, 600), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
@@ -205,10 +193,7 @@ def test_property_alibi_on_the_native_kernel_matches_the_oracle(b, heads, t, s, 
     assert plan.kernel == "decode_native", plan
     out, lse = plan.run(q, k, v, return_lse=True)
     want, want_lse = oracle(q, k, v, qpos, kpos, allowed, causal=causal, softcap=options["softcap"], alibi=slopes)
-    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-    seen = ~torch.isneginf(want_lse)
-    assert torch.equal(torch.isneginf(lse), ~seen)
-    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+    assert_matches(out, lse, want, want_lse, dtype)
 
 
 @needs_native
@@ -219,20 +204,6 @@ def test_alibi_slopes_are_read_at_each_run_of_a_plan():
     torch.testing.assert_close(plan.run(q, k, v).double(), oracle(q, k, v, alibi=slopes)[0], rtol=2e-5, atol=2e-5)
     slopes.mul_(4)  # (an optimizer's step: the plan reads the tensor, not a copy made when planning)
     torch.testing.assert_close(plan.run(q, k, v).double(), oracle(q, k, v, alibi=slopes)[0], rtol=2e-5, atol=2e-5)
-
-
-@needs_native
-def test_in_batch_invariant_mode_alibi_chunks_use_their_own_queries_positions():
-    q, k, v = case(2, 4, 2, 40, 90, 32, torch.float32, 10, spread=1.0)  # T 40: chunks of 16, 16, 8 queries
-    slopes = torch.tensor([0.5, 0.3, 0.2, 0.1])
-    previous = engine.set_batch_invariant(True)
-    try:
-        plan = engine.plan(q, k, v, alibi_slopes=slopes)
-        out = plan.run(q, k, v)
-    finally:
-        engine.set_batch_invariant(previous)
-    assert plan.kernel == "decode_native", plan
-    torch.testing.assert_close(out.double(), oracle(q, k, v, alibi=slopes)[0], rtol=2e-5, atol=2e-5)
 
 
 @needs_native
@@ -326,10 +297,7 @@ def test_property_a_bias_on_the_native_kernel_matches_the_oracle(b, heads, t, s,
     assert plan.kernel == "decode_native", plan
     out, lse = plan.run(q, k, v, return_lse=True)
     want, want_lse = oracle(q, k, v, qpos, kpos, allowed, softcap=options["softcap"], alibi=slopes, bias=bias)
-    torch.testing.assert_close(out.double(), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
-    seen = ~torch.isneginf(want_lse)
-    assert torch.equal(torch.isneginf(lse), ~seen)
-    torch.testing.assert_close(lse.double()[seen], want_lse[seen], rtol=1e-5, atol=1e-5)
+    assert_matches(out, lse, want, want_lse, dtype)
 
 
 @needs_native
@@ -349,21 +317,29 @@ def test_t5s_relative_bias_on_the_native_kernel_is_its_block_of_the_calls_positi
 
 
 @needs_native
-def test_in_batch_invariant_mode_a_biased_prefill_takes_each_chunks_own_queries():
-    q, k, v = case(1, 4, 2, 40, 90, 32, torch.float32, 16, spread=1.0)  # chunks of 16, 16, 8 queries
-    bias = torch.randn(1, 4, 40, 90, generator=torch.Generator().manual_seed(3))
-    previous = engine.set_batch_invariant(True)
-    try:
-        plan = engine.plan(q, k, v, bias=bias)
-        out = plan.run(q, k, v)
-    finally:
-        engine.set_batch_invariant(previous)
-    assert plan.kernel == "decode_native", plan
-    torch.testing.assert_close(out.double(), oracle(q, k, v, bias=bias)[0], rtol=2e-5, atol=2e-5)
-
-
-@needs_native
 def test_a_bias_with_key_indices_is_left_to_the_sparse_kernel():
     q, k, v = case(1, 4, 2, 1, 300, 32, torch.float32, 17, spread=1.0)
     choice = engine.explain(q, k, v, bias=torch.randn(1, 4, 1, 300), key_indices=torch.randint(0, 300, (1, 2, 1, 8)))
     assert "a bias with key_indices" in choice.passed_over["decode_native"], choice
+
+
+@needs_native
+@pytest.mark.parametrize("modifier", ["softcap", "alibi", "bias"])
+def test_in_batch_invariant_mode_a_modified_prefill_runs_natively_chunk_by_chunk(modifier):
+    # T 40: chunks of 16, 16, 8 queries, each with its own queries' positions (ALiBi) and rows (a bias)
+    q, k, v = case(2, 4, 2, 40, 90, 32, torch.float32, 8)
+    options = {"softcap": {"softcap": 6.0}, "alibi": {"alibi_slopes": torch.tensor([0.5, 0.3, 0.2, 0.1])},
+               "bias": {"bias": torch.randn(1, 4, 40, 90, generator=torch.Generator().manual_seed(3))}}[modifier]
+    previous = engine.set_batch_invariant(True)
+    try:
+        plan = engine.plan(q, k, v, **options)
+        out, lse = plan.run(q, k, v, return_lse=True)
+        alone = engine.plan(q[:1], k[:1], v[:1], **options).run(q[:1], k[:1], v[:1])
+    finally:
+        engine.set_batch_invariant(previous)
+    assert plan.kernel == "decode_native", plan
+    want, want_lse = oracle(q, k, v, softcap=options.get("softcap"), alibi=options.get("alibi_slopes"),
+                            bias=options.get("bias"))
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(alone, out[:1])  # a row alone or batched: bitwise the same

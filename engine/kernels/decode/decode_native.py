@@ -198,7 +198,7 @@ def _template(scale: float, q_rows, keys, values, visible, key_offset: int = 0,
     _set_visible(call, visible)  # (the visibility tensor is the plan's: it outlives every run)
     if scores is not None:
         scores.fill(call)
-    return call, strides, scores
+    return call, strides, (scores if scores is not None and scores.per_run else None)
 
 
 def _set_visible(call: DecodeCall, visible: torch.Tensor | None) -> None:
@@ -244,7 +244,7 @@ def _run_at(library, template, q_ptr: int, q_strides: tuple, keys, values, out, 
     (k_data, k_scale), (v_data, v_scale) = keys, values
     planned, strides, scores = template
     call = DecodeCall.from_buffer_copy(planned)
-    slopes = None if scores is None else scores.slopes(call)  # noqa: F841  (ALiBi's, read now; kept through the call)
+    held = None if scores is None else scores.read(call)  # noqa: F841  (slopes, a bias: read now, kept through the call)
     if (q_strides != strides[0] or k_data.stride() != strides[1] or v_data.stride() != strides[2]
             or (k_scale is not None and _strides_of(q_strides, keys, values) != strides)):
         _fill_strides(call, q_strides, keys, values)
@@ -286,7 +286,7 @@ def paged_run(library, template: DecodeCall, q_rows: torch.Tensor, k_pages, v_pa
     Hkv]``; unit stride on the last axis), lse fp32 ``[B, Hkv, R]`` or None; ``scores``: ALiBi's slopes read now.
     Returns the kernel's status (OK, or NON_FINITE_Q: nothing written)."""
     call = DecodeCall.from_buffer_copy(template)
-    slopes = None if scores is None else scores.slopes(call)  # noqa: F841  (kept through the call)
+    held = None if scores is None else scores.read(call)  # noqa: F841  (kept through the call)
     call.threads = torch.get_num_threads()
     if type(k_pages) is QuantizedKV:  # the pools' scales [num_pages, page_size, Hkv]: (page, slot, head)
         call.k_scale, call.k_scale_strides[:] = k_pages.scale.data_ptr(), k_pages.scale.stride()

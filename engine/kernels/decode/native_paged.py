@@ -105,10 +105,11 @@ class NativeStep:
         self.folded = tuple(fold_groups(torch.empty(batch, q_heads, 1, d, device="meta"), kv_heads).shape) \
             if t == 1 else None
         self.template = paged_template(data_of(inputs.k_pages).dtype, rows, dv, inputs.scale, self.pages, self.lengths,
-                                       tables.page_size, self.visible, inputs.softcap)
-        # ALiBi: each query's position and key j's, j (the slopes, the caller's, read at each run)
-        self.scores = ScoreOps.paged(inputs.softcap, inputs.alibi_slopes, per_row, int(self.lengths.max()))
-        self.scores.fill(self.template)
+                                       tables.page_size, self.visible)
+        # the softcap; ALiBi: each query's position and key j's, j (the slopes, the caller's, read at each run)
+        scores = ScoreOps.paged(inputs.softcap, inputs.alibi_slopes, per_row, int(self.lengths.max()))
+        scores.fill(self.template)
+        self.scores = scores if scores.per_run else None
 
     def run(self, q: torch.Tensor, k_pages, v_pages, return_lse: bool = True):
         """``(out [Nq, Hq, Dv] in q's dtype, lse [Nq, Hq] fp32; None without return_lse)``, or None when q holds

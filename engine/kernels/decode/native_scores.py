@@ -21,8 +21,8 @@ MAX_POSITION = 1 << 24  # |positions| below this are exact in fp32
 
 
 def scores_fit(inputs: AttentionInputs) -> str | None:
-    """Why the native kernel cannot add this call's ALiBi (None: it can, or there is none). Reads the positions once
-    (a plan's choice)."""
+    """Why the native kernel cannot add this call's ALiBi or bias (None: it can, or there is none). Reads the
+    positions once (a plan's choice)."""
     mods = inputs.modifiers
     if mods.bias is not None and split_listed(inputs.allowed)[0] is not None:
         return "a bias with key_indices: the listed keys' biases are not read in place (the sparse kernel adds it)"
@@ -37,8 +37,8 @@ def scores_fit(inputs: AttentionInputs) -> str | None:
 
 
 def scores_unread(library, inputs: AttentionInputs) -> str | None:
-    """Why ``library`` would ignore this call's softcap or ALiBi (a build from a source before them, as run.py bench
-    builds times): None where it reads them or the call has neither."""
+    """Why ``library`` would ignore this call's softcap, ALiBi or bias (a build from a source before them, as run.py
+    bench builds times): None where it reads them or the call has none."""
     for name, given, read in (("softcap", inputs.softcap is not None, library.softcap),
                               ("ALiBi", inputs.modifiers.alibi_slopes is not None, library.alibi),
                               ("bias", inputs.modifiers.bias is not None, library.bias)):
@@ -49,41 +49,42 @@ def scores_unread(library, inputs: AttentionInputs) -> str | None:
 
 class ScoreOps:
     """A chunk's softcap, ALiBi and bias as the kernel reads them: queries ``i0 .. i1-1`` against keys ``j0 .. j1-1``.
-    ``fill(call)`` at planning; ``slopes(call)`` at each run (the slopes' and the bias's fp32 tensors, to keep while
-    the call runs)."""
+    ``fill(call)`` at planning; where ``per_run``, ``read(call)`` at each run (the slopes' and the bias's fp32
+    tensors, to keep while the call runs)."""
 
     def __init__(self, inputs: AttentionInputs, i0: int, i1: int, j0: int, j1: int) -> None:
-        self.rows(inputs.softcap, inputs.modifiers.alibi_slopes, inputs.query_positions[:, i0:i1],
-                  inputs.key_positions[:, j0:j1])
-        self.bias = inputs.modifiers.bias  # [B|1, Hq|1, T|1, S|1] or a RelativePositionBias (read at each run)
-        if self.bias is not None:
-            self.block, self.full = (i0, i1, j0, j1), (inputs.q.shape[0], inputs.q.shape[1])
+        mods = inputs.modifiers
+        self.softcap, self.queries = inputs.softcap, i1 - i0
+        self.alibi, self.bias = mods.alibi_slopes, mods.bias  # [B|1, Hq]; [B|1, Hq|1, T|1, S|1] or a relative bias
+        if self.alibi is not None or self.bias is not None:  # (the caller's tensors, read at each run)
             self.positions = (inputs.query_positions[:, i0:i1], inputs.key_positions[:, j0:j1])  # int64 [B, n]
+            self.block, self.full = (i0, i1, j0, j1), (inputs.q.shape[0], inputs.q.shape[1])
+            if self.alibi is not None:  # fp32 [B|1, n] and their batch strides (0: one row for every sequence)
+                self.query_pos, self.key_pos = _rows(self.positions[0]), _rows(self.positions[1])
 
     @classmethod
     def paged(cls, softcap: float | None, alibi: torch.Tensor | None, query_positions: torch.Tensor,
               keys: int) -> ScoreOps:
-        """A paged step's: ``query_positions [B, T]``, each sequence's key j at position j (``keys``: the longest)."""
+        """A paged step's: ``query_positions [B, T]``, each sequence's key j at position j (``keys``: the longest); a
+        paged call takes no dense bias."""
         ops = cls.__new__(cls)
-        ops.rows(softcap, alibi, query_positions, torch.arange(keys)[None])
-        ops.bias = None  # (a paged call takes no dense bias)
+        ops.softcap, ops.queries, ops.alibi, ops.bias = softcap, query_positions.shape[1], alibi, None
+        if alibi is not None:
+            ops.query_pos, ops.key_pos = _rows(query_positions), _rows(torch.arange(keys)[None])
         return ops
 
-    def rows(self, softcap, alibi, query_positions: torch.Tensor, key_positions: torch.Tensor) -> None:
-        self.softcap = softcap
-        self.alibi = alibi  # [B|1, Hq] or [Hq], the caller's (read at each run)
-        self.queries = query_positions.shape[1]
-        if alibi is not None:  # fp32 [B|1, n] and their batch strides (0: one row for every sequence)
-            self.query_pos, self.key_pos = _rows(query_positions), _rows(key_positions)
+    @property
+    def per_run(self) -> bool:
+        """Whether each run reads something (ALiBi's slopes, a bias): else the plan's call holds all."""
+        return self.alibi is not None or self.bias is not None
 
     def fill(self, call) -> None:
-        call.softcap = self.softcap or 0.0
+        call.softcap, call.queries = self.softcap or 0.0, self.queries
         if self.alibi is not None:
-            call.queries = self.queries
             call.query_pos, call.query_pos_stride = self.query_pos[0].data_ptr(), self.query_pos[1]
             call.key_pos, call.key_pos_stride = self.key_pos[0].data_ptr(), self.key_pos[1]
 
-    def slopes(self, call) -> tuple:
+    def read(self, call) -> tuple:
         held = ()
         if self.alibi is not None:
             slopes = self.alibi.to(torch.float32).contiguous()  # [B|1, Hq] or [Hq]: a copy only where not fp32
@@ -92,8 +93,7 @@ class ScoreOps:
             held = (slopes,)
         if self.bias is not None:
             bias = self._bias()  # [B|1, Hq|1, t|1, n|1] fp32
-            i0, i1, j0, j1 = self.block
-            call.queries = i1 - i0  # (strides of the broadcast axes 0: every query head, query and key its row's)
+            i0, i1, j0, j1 = self.block  # (strides of the broadcast axes 0: every query head, query and key its row's)
             call.bias, call.bias_strides[:] = bias.data_ptr(), bias.expand(*self.full, i1 - i0, j1 - j0).stride()
             held += (bias,)
         return held

@@ -26,6 +26,7 @@ import torch
 from engine.inputs import check_positions
 from engine.masks.window import window_mask
 from engine.modifiers import ScoreMod
+from engine.object_plans import plan_for_objects
 from engine.planning import plan_for_call, plan_for_shapes
 from engine.quantized import QuantizedKV
 from engine.relative_bias import RelativePositionBias
@@ -99,12 +100,15 @@ def causal_attention(
     """
     plain = (query_positions is None and key_positions is None and allowed is None and sinks is None
              and alibi_slopes is None and bias is None and score_mod is None and not dropout_p and key_indices is None)
+    unmodified = (sinks is None and alibi_slopes is None and bias is None and score_mod is None and not dropout_p
+                  and key_indices is None)
     if plain:  # only shapes decide: the plan made for the first call of these shapes serves this one
         call_plan = plan_for_shapes(q, k, v, scale, causal, softcap, kernel)
-    elif (allowed is None and sinks is None and alibi_slopes is None and bias is None and score_mod is None
-          and not dropout_p and key_indices is None and causal is True
+    elif (unmodified and allowed is None and causal is True
           and hides_no_key(q, k, query_positions, key_positions)):  # positions that decide nothing: shapes decide
         call_plan = plan_for_shapes(q, k, v, scale, False, softcap, kernel)
+    elif unmodified:  # positions and a mask decide: a plan kept for these objects (a model's later layers) serves
+        call_plan = plan_for_objects(q, k, v, query_positions, key_positions, allowed, scale, causal, softcap, kernel)
     else:
         call_plan = plan_for_call(q, k, v, query_positions, key_positions, allowed, scale, causal=causal,
                                   softcap=softcap, kernel=kernel, sinks=sinks, alibi_slopes=alibi_slopes, bias=bias,

@@ -223,7 +223,7 @@ def plan_for_shapes(q, k, v, scale=None, causal: bool = True, softcap: float | N
                     kernel: str = "auto") -> AttentionPlan:
     """The plan of a call with default positions and no mask or modifier, where shapes decide everything: made on
     the first call with this signature, kept (at most PLAN_CACHE_SIZE of them) and reused."""
-    if not (_plain_number(scale) and _plain_number(softcap) and isinstance(causal, bool) and isinstance(kernel, str)
+    if not (plain_number(scale) and plain_number(softcap) and isinstance(causal, bool) and isinstance(kernel, str)
             and isinstance(q, torch.Tensor) and isinstance(k, TENSORS) and isinstance(v, TENSORS)):
         return plan_for_call(q, k, v, None, None, None, scale, causal=causal, softcap=softcap,
                              kernel=kernel)  # validates
@@ -253,7 +253,7 @@ def explain(q, k, v, query_positions=None, key_positions=None, allowed=None, sca
                 kernel=kernel, **modifiers)
 
 
-def _plain_number(x) -> bool:
+def plain_number(x) -> bool:
     """None or a finite Python int/float (not a bool, not a tensor whose value may change): a cache key part."""
     return x is None or (type(x) in (int, float) and x == x and abs(x) != float("inf"))
 

@@ -33,7 +33,8 @@ def test_bench_overhead_calls_quick_times_three_implementations_per_shape(tmp_pa
     position_cases = [(*case[:6], torch.float32) for case in overhead.POSITION_CASES]
     for case, batch, q_heads, kv_heads, keys, head_dim, dtype in overhead.CALL_SHAPES + position_cases:
         mine = {r["impl"]: r for r in rows if r["case"] == case}
-        assert set(mine) == IMPLS, case
+        assert set(mine) == IMPLS | ({overhead.NEW_OBJECTS} if dtype == torch.float32 and case in dict(
+            (c[0], c) for c in overhead.POSITION_CASES) else set()), case
         assert all(r["us/call"] > 0 and r["rounds"] == 3 for r in mine.values()), case
         assert mine["sdpa"]["time/sdpa"] == 1.0
         assert mine["sdpa"]["shape"] == f"q [{batch}, {q_heads}, 1, {head_dim}], k/v [{batch}, {kv_heads}, {keys}, " \

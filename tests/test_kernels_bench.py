@@ -110,7 +110,8 @@ def test_the_quick_scores_run_times_the_native_kernel_beside_the_paths_before_an
     assert {r["group"] for r in rows} == {"scores"}
     impls = {r["impl"] for r in rows}
     assert {"engine:tiled", "engine, no softcap", "eager softcap", "engine:decode", "engine, no alibi",
-            "eager alibi", "sdpa alibi mask", "engine, no bias", "eager bias", "sdpa bias mask"} <= impls
+            "eager alibi", "sdpa alibi mask", "engine, no bias", "eager bias", "sdpa bias mask",
+            "engine paged, pages of 16", "engine paged, no softcap", "engine paged, no alibi"} <= impls
     assert any(i in impls for i in ("engine (decode_native)", "engine (tiled)"))  # (tiled where no compiler)
     assert all(r["ms"] > 0 for r in rows)
     assert (tmp_path / "kernels_scores.png").stat().st_size > 0

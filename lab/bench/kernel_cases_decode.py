@@ -70,12 +70,40 @@ def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d:
         if kind != "softcap":
             impls.append(Impl(f"sdpa {kind} mask", lambda: torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=bias, enable_gqa=True), "peer", note="the biases as a float mask"))
+        if kind != "bias":  # (a paged step takes no dense bias)
+            impls += _paged_step(q, k, v, kind, options)
         return impls
     kv_bytes = 2.0 * batch * kv_heads * s * d * (torch.finfo(dtype).bits // 8)
     what = {"softcap": "softcap 50", "alibi": "ALiBi", "bias": "a bias"}[kind]
     name = f"{what}, B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
     return Case("scores", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
                 kv_bytes)
+
+
+def _paged_step(q, k, v, kind: str, options: dict, page: int = 16) -> list[Impl]:
+    """The same decode as a paged step (``plan_paged`` once, ``run`` timed): K/V in pools of ``page``-key pages in
+    shuffled order, with the modifier and without it."""
+    from engine.paged import plan_paged
+
+    batch, kv_heads, s, d = k.shape
+    per = -(-s // page)
+    table = torch.randperm(batch * per, generator=torch.Generator().manual_seed(2)).reshape(batch, per)  # [B, pages]
+    pools = []
+    for x in (k, v):
+        pool = x.new_zeros(batch * per, page, kv_heads, x.shape[3])  # [pages, page, Hkv, D]
+        rows = torch.nn.functional.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, per * page - s))  # [B, per * page, Hkv, D]
+        pool[table.reshape(-1)] = rows.reshape(batch * per, page, kv_heads, x.shape[3])
+        pools.append(pool)
+    packed = q[:, :, 0].contiguous()  # [B, Hq, D]: one query a sequence
+    lens, indptr = torch.full((batch,), s), torch.arange(batch + 1)
+    plans = {}
+    for name, given in ((f"engine paged, pages of {page}", options), (f"engine paged, no {kind}", {})):
+        plans[name] = plan_paged(packed, *pools, table, lens, indptr, **given)
+        want = causal_attention(q, k, v, **given)[:, :, 0].float()  # [B, Hq, Dv]: the contiguous call's
+        if (plans[name].run(packed, *pools).float() - want).abs().max().item() > 1e-2 * (1 + want.abs().max().item()):
+            raise RuntimeError(f"{name}: the paged step differs from the same decode on contiguous K/V")
+    return [Impl(name, lambda made=made: made.run(packed, *pools), note="plan_paged once, its run timed"
+                 if not name.endswith(kind) else "the same paged step without it") for name, made in plans.items()]
 
 
 def decode_cache_view(batch: int, q_heads: int, kv_heads: int, s: int, capacity: int, d: int) -> Case:

@@ -214,6 +214,7 @@ def _role(impl: str) -> str:
     """A scores case's implementation, named alike across modifiers (``engine:tiled`` / ``engine:decode``: the
     kernel such decodes ran on before; ``eager softcap`` / ``eager alibi``: eager)."""
     for prefix, role in (("engine:", "engine, the kernel before"), ("engine, no", "engine, unmodified"),
+                         ("engine paged, no", "engine paged, unmodified"), ("engine paged", "engine paged"),
                          ("eager", "eager"), ("engine (", "engine")):
         if impl.startswith(prefix):
             return role

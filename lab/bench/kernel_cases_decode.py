@@ -44,7 +44,8 @@ def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d:
     T5's relative bias reaches attention through transformers). The engine (the native kernel adds each in C++), the
     kernel such decodes ran on before it did (tiled / the torch decode), the engine without the modifier (the
     floor), and as peers transformers' eager steps (scores, the modifier, softmax, values; K/V repeated for the group)
-    and, for ALiBi and a bias, SDPA given the biases as its float mask ``[1, Hq, 1, S]``."""
+    and, for ALiBi and a bias, SDPA given the biases as its float mask ``[1, Hq, 1, S]``; the softcap and ALiBi also as a
+    paged step (``_paged_step``). Each call after the caches are cleared (``cold``)."""
     def build() -> list[Impl]:
         from engine.planning import explain
 
@@ -77,7 +78,7 @@ def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d:
     what = {"softcap": "softcap 50", "alibi": "ALiBi", "bias": "a bias"}[kind]
     name = f"{what}, B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
     return Case("scores", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
-                kv_bytes)
+                kv_bytes, cold=True)  # (each call from memory: warm, a row's time hung on the rows run before it)
 
 
 def _paged_step(q, k, v, kind: str, options: dict, page: int = 16) -> list[Impl]:

@@ -141,3 +141,21 @@ def test_bad_positions_are_named_and_nothing_is_kept(plans_made):
     with pytest.raises(ValueError, match="allowed"):
         causal_attention(q, k, v, qpos, kpos, torch.ones(3, 1, 1, 5, dtype=torch.bool))
     assert object_plans._kept == {}
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_a_part_of_a_combined_mask_written_in_place_is_planned_again(plans_made, part):
+    from engine import window_mask
+
+    q, k, v, qpos, kpos, padding = padded_step([9, 6, 2], 12, t=2)
+    window_qpos, window_kpos = qpos.clone(), kpos.clone()
+    allowed = window_mask(window_qpos, window_kpos, 4) & padding  # (its parts hold their own tensors)
+    assert_oracle(q, k, v, qpos, kpos, allowed)
+    assert_oracle(q, k, v, qpos, kpos, allowed)
+    assert len(plans_made) == 1
+    if part == 0:
+        allowed.parts[0].key_values[:, -3:] -= 3  # the window's keys, three positions nearer the queries
+    else:
+        allowed.parts[1].key_values[:, 4] = False
+    assert_oracle(q, k, v, qpos, kpos, allowed)
+    assert len(plans_made) == 2

@@ -7,7 +7,8 @@ plan, so no other object takes their ids), its scalars and the tensors' signatur
 while every tensor those objects hold is unwritten since it was planned (``unwritten``): a tensor's version counter
 says so, or, for an inference tensor, which has none, its values against a copy. Only small calls are kept, at most
 B * T * S = SMALL_CALL entries (every decode step of up to 128k keys at B 8; a prefill's plan is cheap beside its
-work), and at most KEPT plans at once, so what they keep alive stays small."""
+work) whose objects' tensors hold at most KEEP_BYTES of storage (a view of a larger buffer counts the buffer), and
+at most KEPT plans at once, so what they keep alive stays small."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ __all__ = ["plan_for_objects", "snapshot", "unwritten"]
 
 KEPT = 8  # plans kept at once (the store is emptied when full)
 SMALL_CALL = 1 << 20  # B * T * S at most, for a call's plan to be kept
+KEEP_BYTES = 4 << 20  # the storage its positions' and mask's tensors hold at most, for a call's plan to be kept
 
 _kept: dict = {}
 
@@ -55,9 +57,28 @@ def plan_for_objects(q, k, v, query_positions, key_positions, allowed, scale, ca
                                    and isinstance(kernel, str)):
         return make()  # (validates)
     objects = (query_positions, key_positions, allowed)
-    kept = reuse(_kept, (*(Same(x) for x in objects), scale, causal, softcap, kernel, environment()), (q, k, v),
-                 lambda: KeptPlan(make(), snapshot(objects)), size=KEPT, current=lambda made: unwritten(made.state))
+
+    def keep() -> KeptPlan:
+        plan, state = make(), snapshot(objects)
+        storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x, _ in state}
+        if sum(storages.values()) > KEEP_BYTES:
+            raise _NotKept(plan)  # (out of reuse, which keeps nothing a maker raised from)
+        return KeptPlan(plan, state)
+
+    try:
+        kept = reuse(_kept, (*(Same(x) for x in objects), scale, causal, softcap, kernel, environment()), (q, k, v),
+                     keep, size=KEPT, current=lambda made: unwritten(made.state))
+    except _NotKept as too_large:
+        return too_large.plan
     return kept.plan
+
+
+class _NotKept(Exception):
+    """A plan made for objects too large to keep alive: used for its call, not kept."""
+
+    def __init__(self, plan: AttentionPlan) -> None:
+        super().__init__("not kept")
+        self.plan = plan
 
 
 def _small(q, k, v) -> bool:

@@ -159,3 +159,18 @@ def test_a_part_of_a_combined_mask_written_in_place_is_planned_again(plans_made,
         allowed.parts[1].key_values[:, 4] = False
     assert_oracle(q, k, v, qpos, kpos, allowed)
     assert len(plans_made) == 2
+
+
+def test_objects_holding_more_storage_than_kept_are_not_kept_alive(plans_made):
+    import weakref
+
+    q, k, v, qpos, kpos, allowed = padded_step([9, 6, 2], 12)
+    base = torch.zeros(object_plans.KEEP_BYTES // 8 + 1, dtype=torch.long)  # a buffer past KEEP_BYTES
+    held = base[: qpos.numel()].view_as(qpos).copy_(qpos)  # positions in a view of it
+    assert_oracle(q, k, v, held, kpos, allowed)
+    assert object_plans._kept == {}
+    gone = weakref.ref(base)
+    del base, held
+    assert gone() is None  # nothing kept the buffer alive
+    assert_oracle(q, k, v, qpos, kpos, allowed)  # small ones are kept
+    assert len(object_plans._kept) == 1

@@ -44,8 +44,8 @@ def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d:
     T5's relative bias reaches attention through transformers). The engine (the native kernel adds each in C++), the
     kernel such decodes ran on before it did (tiled / the torch decode), the engine without the modifier (the
     floor), and as peers transformers' eager steps (scores, the modifier, softmax, values; K/V repeated for the group)
-    and, for ALiBi and a bias, SDPA given the biases as its float mask ``[1, Hq, 1, S]``; the softcap and ALiBi also as a
-    paged step (``_paged_step``). Each call after the caches are cleared (``cold``)."""
+    and, for ALiBi and a bias, SDPA given the biases as its float mask ``[1, Hq, 1, S]``; the softcap and ALiBi also
+    as a paged step (``_paged_step``). Each call after the caches are cleared (``cold``)."""
     def build() -> list[Impl]:
         from engine.planning import explain
 

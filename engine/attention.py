@@ -98,10 +98,9 @@ def causal_attention(
 
         out = causal_attention(q1, k58, v58)              # default positions: query at 57
     """
-    plain = (query_positions is None and key_positions is None and allowed is None and sinks is None
-             and alibi_slopes is None and bias is None and score_mod is None and not dropout_p and key_indices is None)
     unmodified = (sinks is None and alibi_slopes is None and bias is None and score_mod is None and not dropout_p
                   and key_indices is None)
+    plain = unmodified and query_positions is None and key_positions is None and allowed is None
     if plain:  # only shapes decide: the plan made for the first call of these shapes serves this one
         call_plan = plan_for_shapes(q, k, v, scale, causal, softcap, kernel)
     elif (unmodified and allowed is None and causal is True

@@ -4,11 +4,10 @@ run many times) instead of deciding again from the same positions and mask.
 
 A kept plan is found by identity: the call's positions and mask objects themselves (``Same``: kept alive with the
 plan, so no other object takes their ids), its scalars and the tensors' signature (``planning.reuse``). It serves
-while every tensor those objects hold is unwritten since it was planned (``unwritten``): a tensor's version counter
-says so, or, for an inference tensor, which has none, its values against a copy. Only small calls are kept, at most
-B * T * S = SMALL_CALL entries (every decode step of up to 128k keys at B 8; a prefill's plan is cheap beside its
-work) whose objects' tensors hold at most KEEP_BYTES of storage (a view of a larger buffer counts the buffer), and
-at most KEPT plans at once, so what they keep alive stays small."""
+while every tensor those objects hold has the values it had when planned (``unwritten``: compared with a copy). Only
+small calls are kept: at most B * T * S = SMALL_CALL entries, whose positions and mask hold at most KEEP_BYTES of
+storage (a view counts its whole buffer; int64 positions of 8 rows of 32k keys are 2 MiB), at most KEPT plans at
+once, so what they keep alive stays small. A larger call's plan is cheap beside its work."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ __all__ = ["plan_for_objects", "snapshot", "unwritten"]
 
 KEPT = 8  # plans kept at once (the store is emptied when full)
 SMALL_CALL = 1 << 20  # B * T * S at most, for a call's plan to be kept
-KEEP_BYTES = 4 << 20  # the storage its positions' and mask's tensors hold at most, for a call's plan to be kept
+KEEP_BYTES = 2 << 20  # the storage its positions' and mask's tensors hold at most, for a call's plan to be kept
 
 _kept: dict = {}
 
@@ -36,14 +35,14 @@ class KeptPlan:
 
 
 def snapshot(values) -> tuple:
-    """``((tensor, version), ...)`` for every tensor in ``values`` (``tensors_in``); an inference tensor, which has
-    no version counter, with a copy of its values instead."""
-    return tuple((x, compact_clone(x) if x.is_inference() else x._version) for x in tensors_in(values))
+    """``((tensor, copy), ...)`` for every tensor in ``values`` (``tensors_in``): a copy of its values (its version
+    counter would not do: an inference tensor has none, and a write through numpy or a data pointer moves none)."""
+    return tuple((x, compact_clone(x)) for x in tensors_in(values))
 
 
 def unwritten(state: tuple) -> bool:
-    """No tensor of ``snapshot``'s ``state`` was written since: the same version, or the same values as the copy."""
-    return all(torch.equal(x, then) if x.is_inference() else x._version == then for x, then in state)
+    """Every tensor of ``snapshot``'s ``state`` holds the values it held then."""
+    return all(torch.equal(x, copy) for x, copy in state)
 
 
 def plan_for_objects(q, k, v, query_positions, key_positions, allowed, scale, causal, softcap, kernel) -> AttentionPlan:

@@ -174,3 +174,14 @@ def test_objects_holding_more_storage_than_kept_are_not_kept_alive(plans_made):
     assert gone() is None  # nothing kept the buffer alive
     assert_oracle(q, k, v, qpos, kpos, allowed)  # small ones are kept
     assert len(object_plans._kept) == 1
+
+
+def test_positions_written_through_numpy_are_planned_again(plans_made):
+    q, k, v, qpos, kpos, allowed = padded_step([9, 6, 2], 12)
+    shared = torch.from_numpy(qpos.numpy().copy())  # its numpy array writes it with no version counter moved
+    assert_oracle(q, k, v, shared, kpos, allowed)
+    version = shared._version
+    shared.numpy()[1, 0] -= 3
+    assert shared._version == version
+    assert_oracle(q, k, v, shared, kpos, allowed)
+    assert len(plans_made) == 2

@@ -89,7 +89,7 @@ class BatchPlan:
     decode: PagedPlan | None
     requests: tuple  # ((q0, q1, k0, k1, AttentionPlan), ...)
     keep: tuple
-    key_offsets: tuple = ()  # cu_seq_lens_k's snapshot when planned (its version counter, or a copy of its values)
+    key_offsets: tuple = ()  # cu_seq_lens_k's snapshot when planned (a copy of its values)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``[1, Nq_padded, Hq, Dv]``: rows past the batch's queries (a compiled batch's padding) get 0."""
@@ -154,7 +154,7 @@ class _Steps(threading.local):
     """The plans of the forward pass under way, in each thread (a manager steps its model in one): made by its first
     layer, reused by every other. A forward is known by its query offsets tensor (the same object, unchanged, in
     every layer of one forward; held here so that its id is not reused): another one, or the same one written
-    since (its version counter; an inference tensor, which has none, by its values), starts a new step."""
+    since (by its values: engine.object_plans.unwritten), starts a new step."""
 
     def __init__(self) -> None:
         self.offsets: torch.Tensor | None = None

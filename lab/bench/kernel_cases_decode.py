@@ -38,14 +38,16 @@ def decode(batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch
                 kv_bytes)
 
 
-def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype) -> Case:
+def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d: int, dtype: torch.dtype,
+                  cold: bool = True) -> Case:
     """A decode step whose scores a model modifies (group "scores", outside the targets): ``kind`` "softcap" (Gemma
     2's cap of 50), "alibi" (BLOOM's / MPT's slopes, 2^(-8 h / Hq)) or "bias" (a dense ``[1, Hq, 1, S]`` tensor, as
     T5's relative bias reaches attention through transformers). The engine (the native kernel adds each in C++), the
     kernel such decodes ran on before it did (tiled / the torch decode), the engine without the modifier (the
     floor), and as peers transformers' eager steps (scores, the modifier, softmax, values; K/V repeated for the group)
     and, for ALiBi and a bias, SDPA given the biases as its float mask ``[1, Hq, 1, S]``; the softcap and ALiBi also
-    as a paged step (``_paged_step``). Each call after the caches are cleared (``cold``)."""
+    as a paged step (``_paged_step``). Each call after the caches are cleared (``cold``; not in the quick suite's
+    smoke test, where clearing them would take most of its time)."""
     def build() -> list[Impl]:
         from engine.planning import explain
 
@@ -78,7 +80,7 @@ def decode_scores(kind: str, batch: int, q_heads: int, kv_heads: int, s: int, d:
     what = {"softcap": "softcap 50", "alibi": "ALiBi", "bias": "a bias"}[kind]
     name = f"{what}, B={batch} Hq={q_heads} Hkv={kv_heads} D={d} S={s} {str(dtype).replace('torch.', '')}"
     return Case("scores", name, {"B": batch, "S": s, "dtype": str(dtype)}, build, 4.0 * d * q_heads * batch * s,
-                kv_bytes, cold=True)  # (each call from memory: warm, a row's time hung on the rows run before it)
+                kv_bytes, cold=cold)  # (each call from memory: warm, a row's time hung on the rows run before it)
 
 
 def _paged_step(q, k, v, kind: str, options: dict, page: int = 16) -> list[Impl]:

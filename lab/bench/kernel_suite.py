@@ -39,8 +39,9 @@ def all_cases(quick: bool, flex: bool) -> list[Case]:
         cases += [memory(4096, h, d)]
         cases += [chunked_bf16(256, 2048, h, d), chunked_bf16(256, 1024, h, d, train=True)]
         cases += [decode_cache_view(1, 32, 8, 4096, 8192, 128)]
-        cases += [decode_scores(kind, 1, 8, 4, 1024, 256, torch.bfloat16) if kind == "softcap" else
-                  decode_scores(kind, 1, 32, 32, 512, 128, torch.bfloat16) for kind in ("softcap", "alibi", "bias")]
+        cases += [decode_scores(kind, 1, 8, 4, 1024, 256, torch.bfloat16, cold=False) if kind == "softcap" else
+                  decode_scores(kind, 1, 32, 32, 512, 128, torch.bfloat16, cold=False)
+                  for kind in ("softcap", "alibi", "bias")]
         return cases + training_cases(True, h, d, flex)
     cases = [prefill(t, h, d, flex and t == 4096, t <= 2048) for t in (1024, 2048, 4096, 8192)]
     cases += [chunked(512, c, h, d, flex and c == 8192) for c in (4096, 8192, 16384)]

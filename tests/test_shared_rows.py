@@ -64,7 +64,7 @@ def test_every_kernel_reads_a_prefix_view_as_the_oracle_reads_the_numbers(batch,
     assert out.shape == want.shape and (out.double() - want).abs().max().item() <= tolerance
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32])  # (each dtype a Flex compile of seconds; bf16's: test_paged_flex)
 def test_flex_reads_a_prefix_view_as_the_oracle_reads_the_numbers(dtype):
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(2, 4, 3, 24, generator=gen).to(dtype)

@@ -37,7 +37,7 @@ class KeptPlan:
 def snapshot(values) -> tuple:
     """``((tensor, copy), ...)`` for every tensor in ``values`` (``tensors_in``): a copy of its values (its version
     counter would not do: an inference tensor has none, and a write through numpy or a data pointer moves none)."""
-    return tuple((x, compact_clone(x)) for x in tensors_in(values))
+    return tuple((x, compact_clone(x)) for x in {id(x): x for x in tensors_in(values)}.values())  # (each once)
 
 
 def unwritten(state: tuple) -> bool:

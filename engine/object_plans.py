@@ -31,7 +31,7 @@ _kept: dict = {}
 @dataclass(frozen=True)
 class KeptPlan:
     plan: AttentionPlan
-    state: tuple  # snapshot() of the positions' and mask's tensors when planned
+    state: tuple | None  # snapshot() of the positions' and mask's tensors when planned (None: too large to keep)
 
 
 def snapshot(values) -> tuple:
@@ -56,28 +56,15 @@ def plan_for_objects(q, k, v, query_positions, key_positions, allowed, scale, ca
                                    and isinstance(kernel, str)):
         return make()  # (validates)
     objects = (query_positions, key_positions, allowed)
-
-    def keep() -> KeptPlan:
-        plan, state = make(), snapshot(objects)
-        storages = {x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x, _ in state}
-        if sum(storages.values()) > KEEP_BYTES:
-            raise _NotKept(plan)  # (out of reuse, which keeps nothing a maker raised from)
-        return KeptPlan(plan, state)
-
-    try:
-        kept = reuse(_kept, (*(Same(x) for x in objects), scale, causal, softcap, kernel, environment()), (q, k, v),
-                     keep, size=KEPT, current=lambda made: unwritten(made.state))
-    except _NotKept as too_large:
-        return too_large.plan
+    kept = reuse(_kept, (*(Same(x) for x in objects), scale, causal, softcap, kernel, environment()), (q, k, v),
+                 lambda: KeptPlan(make(), snapshot(objects) if _storage_bytes(objects) <= KEEP_BYTES else None),
+                 size=KEPT, current=lambda made: unwritten(made.state), keep=lambda made: made.state is not None)
     return kept.plan
 
 
-class _NotKept(Exception):
-    """A plan made for objects too large to keep alive: used for its call, not kept."""
-
-    def __init__(self, plan: AttentionPlan) -> None:
-        super().__init__("not kept")
-        self.plan = plan
+def _storage_bytes(objects) -> int:
+    """The bytes of storage the objects' tensors would keep alive (each buffer once: a view counts its whole one)."""
+    return sum({x.untyped_storage().data_ptr(): x.untyped_storage().nbytes() for x in tensors_in(objects)}.values())
 
 
 def _small(q, k, v) -> bool:

@@ -186,17 +186,20 @@ PLAN_CACHE_SIZE = 256
 _plans: dict[tuple, AttentionPlan] = {}
 
 
-def reuse(plans: dict, context, tensors: tuple, make, *, size: int | None = None, current=None):
+def reuse(plans: dict, context, tensors: tuple, make, *, size: int | None = None, current=None, keep=None):
     """The plan in ``plans`` for ``context`` and these tensors, or ``make()``'s, kept there: the one key under which
     every plan is reused (the plain-call cache here, a forward's layers, a transformers mask's step, a ring's steps, a
     paged step, a continuous-batching forward). The key is ``(context, the tensors' Signature, the grad mode and
     need)``: ``context`` names what the call decides on besides its tensors (tensors in it as ``Same(x)``), and a
     plan is never found for tensors it was not made for. ``current(plan)``: False when a kept plan is stale (made
-    from a tensor since written); ``size``: at most this many kept (the store is emptied when full)."""
+    from a tensor since written); ``size``: at most this many kept (the store is emptied when full); ``keep(plan)``:
+    False when a plan just made is to serve this call alone."""
     key = (context, signature_of(*tensors), torch.is_grad_enabled(), needs_grad(*tensors))
     found = plans.get(key)
     if found is None or (current is not None and not current(found)):
         found = make()
+        if keep is not None and not keep(found):
+            return found
         if size is not None and len(plans) >= size:
             plans.clear()
         plans[key] = found

@@ -24,7 +24,7 @@ def owned_copy(value: Any) -> Any:
     tensor it holds, its parts' too: engine.masks.structured), a list or tuple of them; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return compact_clone(value)
-    if hasattr(type(value), "tile_bounds") and hasattr(value, "__dict__"):  # a StructuredMask
+    if _structured(value):
         copy = object.__new__(type(value))
         copy.__dict__.update({name: owned_copy(part) for name, part in value.__dict__.items()})
         return copy
@@ -38,8 +38,13 @@ def tensors_in(value: Any) -> list[torch.Tensor]:
     list's or tuple's; none for anything else (None, a number)."""
     if isinstance(value, torch.Tensor):
         return [value]
-    if hasattr(type(value), "tile_bounds") and hasattr(value, "__dict__"):  # a StructuredMask
+    if _structured(value):
         return [x for part in value.__dict__.values() for x in tensors_in(part)]
     if isinstance(value, (list, tuple)):
         return [x for item in value for x in tensors_in(item)]
     return []
+
+
+def _structured(value: Any) -> bool:
+    """A StructuredMask (engine.masks.structured, which imports this module): its tensors are its attributes'."""
+    return hasattr(type(value), "tile_bounds") and hasattr(value, "__dict__")

@@ -4,10 +4,10 @@ run many times) instead of deciding again from the same positions and mask.
 
 A kept plan is found by identity: the call's positions and mask objects themselves (``Same``: kept alive with the
 plan, so no other object takes their ids), its scalars and the tensors' signature (``planning.reuse``). It serves
-while every tensor those objects hold has the values it had when planned (``unwritten``: compared with a copy). Only
-small calls are kept: at most B * T * S = SMALL_CALL entries, whose positions and mask hold at most KEEP_BYTES of
-storage (a view counts its whole buffer; int64 positions of 8 rows of 32k keys are 2 MiB), at most KEPT plans at
-once, so what they keep alive stays small. A larger call's plan is cheap beside its work."""
+while every tensor those objects hold is as it was when planned (``unwritten``: its values, or on a GPU its
+version). Only small calls are kept: at most B * T * S = SMALL_CALL entries, whose positions and mask hold at most
+KEEP_BYTES of storage (a view counts its whole buffer; int64 positions of 8 rows of 32k keys are 2 MiB), at most
+KEPT plans at once, so what they keep alive stays small. A larger call's plan is cheap beside its work."""
 
 from __future__ import annotations
 
@@ -35,14 +35,17 @@ class KeptPlan:
 
 
 def snapshot(values) -> tuple:
-    """``((tensor, copy), ...)`` for every tensor in ``values`` (``tensors_in``): a copy of its values (its version
-    counter would not do: an inference tensor has none, and a write through numpy or a data pointer moves none)."""
-    return tuple((x, compact_clone(x)) for x in {id(x): x for x in tensors_in(values)}.values())  # (each once)
+    """``((tensor, then), ...)`` for every tensor in ``values`` (``tensors_in``), each once. ``then`` is a copy of its
+    values for a CPU tensor (numpy or a data pointer may write one without moving its version counter) or an
+    inference tensor (which has no version counter); its version counter for any other (on a GPU: comparing values
+    would be a device sync in every layer)."""
+    tensors = {id(x): x for x in tensors_in(values)}.values()
+    return tuple((x, compact_clone(x) if x.device.type == "cpu" or x.is_inference() else x._version) for x in tensors)
 
 
 def unwritten(state: tuple) -> bool:
-    """Every tensor of ``snapshot``'s ``state`` holds the values it held then."""
-    return all(torch.equal(x, copy) for x, copy in state)
+    """Every tensor of ``snapshot``'s ``state`` is as it was then: the same values, or the same version."""
+    return all(x._version == then if type(then) is int else torch.equal(x, then) for x, then in state)
 
 
 def plan_for_objects(q, k, v, query_positions, key_positions, allowed, scale, causal, softcap, kernel) -> AttentionPlan:

@@ -185,3 +185,13 @@ def test_positions_written_through_numpy_are_planned_again(plans_made):
     assert shared._version == version
     assert_oracle(q, k, v, shared, kpos, allowed)
     assert len(plans_made) == 2
+
+
+def test_a_device_tensor_is_checked_by_its_version_counter_not_its_values():
+    # (a GPU tensor's values compared would be a device sync in every layer; the meta device stands in for one here)
+    positions, cpu = torch.arange(6, device="meta")[None], torch.arange(6)[None]
+    state = object_plans.snapshot((positions, cpu))
+    assert [type(then) for _, then in state] == [int, torch.Tensor]
+    assert object_plans.unwritten(state)
+    positions.add_(1)
+    assert not object_plans.unwritten(state)

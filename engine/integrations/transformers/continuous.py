@@ -89,7 +89,7 @@ class BatchPlan:
     decode: PagedPlan | None
     requests: tuple  # ((q0, q1, k0, k1, AttentionPlan), ...)
     keep: tuple
-    key_offsets: tuple = ()  # cu_seq_lens_k's snapshot when planned (a copy of its values)
+    key_offsets: tuple = ()  # cu_seq_lens_k's snapshot when planned (engine.object_plans.snapshot)
 
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``[1, Nq_padded, Hq, Dv]``: rows past the batch's queries (a compiled batch's padding) get 0."""

@@ -154,7 +154,7 @@ class _Steps(threading.local):
     """The plans of the forward pass under way, in each thread (a manager steps its model in one): made by its first
     layer, reused by every other. A forward is known by its query offsets tensor (the same object, unchanged, in
     every layer of one forward; held here so that its id is not reused): another one, or the same one written
-    since (by its values: engine.object_plans.unwritten), starts a new step."""
+    since (engine.object_plans.unwritten), starts a new step."""
 
     def __init__(self) -> None:
         self.offsets: torch.Tensor | None = None
